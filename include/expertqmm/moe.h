@@ -1,0 +1,77 @@
+// SwitchGLU, the Gemma 4 router, the weighted combine and the MoE layer built from them.
+#pragma once
+#include "expertqmm/ops.h"
+
+namespace expertqmm {
+
+// Expert weights of a SwitchGLU. Either gate and up separately (mlx-lm checkpoints:
+// [E, I, K/..]) or one fused gate_up [E, 2I, K/..] with gate rows first (HF gate_up_proj).
+struct SwitchGLUWeights {
+  QuantizedWeight gate;
+  QuantizedWeight up;
+  QuantizedWeight gate_up;  // used when defined; then gate and up are ignored
+  QuantizedWeight down;     // [E, D, I/..]
+  Activation activation = Activation::geglu;
+  bool fused() const { return gate_up.defined(); }
+};
+
+// mlx-lm SwitchGLU: x [T, D], indices [T, k] -> [T, k, D]. Sorts when T*k >= 64.
+Tensor switch_glu(const Tensor& x, const Tensor& indices, const SwitchGLUWeights& weights);
+
+// Gemma 4 router (spec gemma4-moe.md section 5, mlx-semantics.md 4.2):
+//   r = rms_norm(h) * (scale * H^-0.5); logits = r @ proj^T; top-k; softmax over the k;
+//   weights *= per_expert_scale[idx]. proj is quantized (proj.defined()) or dense (proj_dense).
+struct RouterWeights {
+  QuantizedWeight proj;    // [E, H/..] quantized, or
+  Tensor proj_dense;       // [E, H] float
+  Tensor scale;            // [H]
+  Tensor per_expert_scale; // [E]
+  int top_k = 8;
+  float eps = 1e-6f;
+};
+struct Routing {
+  Tensor indices;  // [T, k] int32
+  Tensor weights;  // [T, k] in h's dtype
+};
+Routing route(const Tensor& h, const RouterWeights& router);
+
+// out[t] = sum_j weights[t, j] * y[t, j] : y [T, k, D], weights [T, k] -> [T, D].
+Tensor weighted_combine(const Tensor& y, const Tensor& weights);
+
+struct MoeWeights {
+  RouterWeights router;
+  SwitchGLUWeights experts;
+};
+
+// The expert half of a Gemma 4 MoE block: route(h), switch_glu(x, idx), weighted_combine.
+// h is the router input (the un-normalised residual), x the expert input; both [T, H].
+Tensor moe_layer(const Tensor& h, const Tensor& x, const MoeWeights& weights);
+inline Tensor moe_layer(const Tensor& x, const MoeWeights& weights) { return moe_layer(x, x, weights); }
+
+}  // namespace expertqmm
+
+namespace expertqmm {
+
+// Scratch memory of the device MoE path. Grows on first use at a size, then is reused: calls at
+// or below a size already seen allocate nothing, so they can be captured in a CUDA graph.
+class Workspace {
+ public:
+  Workspace();
+  ~Workspace();
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+  // Returns a device buffer of at least `bytes` for slot `slot` (grow-only).
+  void* get(int slot, size_t bytes);
+  size_t bytes_held() const;
+
+ private:
+  struct Slot { void* ptr = nullptr; size_t bytes = 0; };
+  Slot slots_[16];
+};
+
+// moe_layer writing into a caller-owned `out` [T, H] on the device of h, with scratch from `ws`.
+// With a warmed-up workspace this path performs no allocation and no host synchronization.
+void moe_layer_into(Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& weights,
+                    Workspace& ws);
+
+}  // namespace expertqmm

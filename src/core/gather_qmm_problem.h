@@ -1,0 +1,52 @@
+// The validated, backend-neutral description of one gather_qmm call. Every backend receives this
+// and nothing else; all MLX shape rules (spec 2.1) are resolved here, once.
+#pragma once
+#include <string>
+
+#include "expertqmm/tensor.h"
+
+namespace expertqmm::detail {
+
+struct GatherQmmProblem {
+  int64_t M = 0, N = 0, K = 0;  // out[b] = x[lhs[b]] (M x K) @ dequant(w[rhs[b]])^T (K x N)
+  int bits = 4, group_size = 64;
+  bool transpose = true;        // w is [E, N, K*bits/32] (true) or [E, K, N*bits/32] (false)
+  bool sorted_indices = false;  // the caller's promise; backends must stay correct if it is false
+  Shape batch;                  // S: broadcast shape of the index arrays; output is S + [M, N]
+  int64_t B = 0;                // numel(S)
+  int64_t x_batch = 0;          // number of [M, K] matrices in x (prod of x's batch dims)
+  int64_t w_batch = 0;          // E: number of weight matrices
+  DType dtype = DType::bf16;    // activation = output dtype (x, scales, biases promoted to it)
+  Device device = Device::cpu;
+
+  // Operands, all on `device`. x: the x_batch matrices, each [M, K] row-major, x_batch_stride
+  // elements apart. w, scales, biases: contiguous, scales/biases in `dtype`.
+  Tensor x;
+  int64_t x_batch_stride = 0;
+  Tensor w, scales, biases;
+  // lhs, rhs: contiguous int32 [B] (broadcast materialised). Values are range-checked here on the
+  // CPU; on CUDA the kernels check them (out-of-range ids are recorded, never read).
+  Tensor lhs, rhs;
+  bool rhs_is_identity = false;  // rhs[b] == b (no rhs given and no broadcast)
+  bool lhs_is_identity = false;  // lhs[b] == b
+
+  int64_t w_row_words() const { return (transpose ? K : N) * bits / 32; }  // uint32 per w row
+  int64_t groups_per_row() const { return (transpose ? K : N) / group_size; }
+  std::string describe() const;  // every field, for "no route" errors
+};
+
+// Validates every argument (throws Error naming "gather_qmm" and the values) and builds the problem.
+GatherQmmProblem make_gather_qmm_problem(const Tensor& x, const Tensor& w, const Tensor& scales,
+                                         const Tensor& biases, const Tensor& lhs_indices,
+                                         const Tensor& rhs_indices, bool transpose, int group_size,
+                                         int bits, bool sorted_indices);
+
+// Shared checks for quantized-weight triples (used by quantize/dequantize/gather_qmm).
+void check_quantized_triple(const char* op, const Tensor& w, const Tensor& scales,
+                            const Tensor& biases, int group_size, int bits);
+void check_bits_group(const char* op, int bits, int group_size);
+
+// Casts a float tensor to another float dtype (any device; device tensors go through the host).
+Tensor cast_floating(const Tensor& t, DType to);
+
+}  // namespace expertqmm::detail

@@ -1,0 +1,141 @@
+// Device memory (a caching allocator: freed blocks return to per-size free lists, so steady-state
+// calls never reach cudaMalloc/cudaFree), device queries and the fault record.
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "core/device_memory.h"
+#include "cuda/runtime.cuh"
+
+namespace expertqmm::detail {
+
+namespace {
+struct Pool {
+  std::mutex mu;
+  std::multimap<size_t, void*> free_blocks;      // size -> block
+  std::unordered_map<void*, size_t> live;        // block -> size
+};
+Pool& pool() {
+  static Pool* p = new Pool();  // never destroyed: tensors may outlive static destruction
+  return *p;
+}
+size_t round_size(size_t n) {
+  if (n <= 512) return 512;
+  size_t r = 512;
+  while (r < n && r < (size_t(1) << 24)) r <<= 1;
+  if (r >= n) return r;
+  return (n + (size_t(1) << 21) - 1) & ~((size_t(1) << 21) - 1);  // 2 MiB steps above 16 MiB
+}
+}  // namespace
+
+void* device_alloc(size_t bytes) {
+  Pool& p = pool();
+  size_t want = round_size(bytes);
+  std::lock_guard<std::mutex> lock(p.mu);
+  auto it = p.free_blocks.find(want);
+  if (it != p.free_blocks.end()) {
+    void* ptr = it->second;
+    p.free_blocks.erase(it);
+    p.live[ptr] = want;
+    return ptr;
+  }
+  void* ptr = nullptr;
+  cudaError_t err = cudaMalloc(&ptr, want);
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    // Give cached blocks back and try once more before failing.
+    for (auto& kv : p.free_blocks) cudaFree(kv.second);
+    p.free_blocks.clear();
+    err = cudaMalloc(&ptr, want);
+    if (err != cudaSuccess) {
+      cudaGetLastError();
+      throw Error("device_alloc", cat("cudaMalloc of ", want, " bytes failed: ", cudaGetErrorString(err)));
+    }
+  }
+  p.live[ptr] = want;
+  return ptr;
+}
+
+void device_free(void* ptr) {
+  if (!ptr) return;
+  Pool& p = pool();
+  std::lock_guard<std::mutex> lock(p.mu);
+  auto it = p.live.find(ptr);
+  if (it == p.live.end()) return;
+  p.free_blocks.emplace(it->second, ptr);
+  p.live.erase(it);
+}
+
+void copy_host_to_device(void* dst, const void* src, size_t bytes) {
+  cudaStream_t s = cuda::current_stream();
+  EXPERTQMM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, s));
+  EXPERTQMM_CUDA_CHECK(cudaStreamSynchronize(s));  // src is pageable and may die after return
+}
+
+void copy_device_to_host(void* dst, const void* src, size_t bytes) {
+  cudaStream_t s = cuda::current_stream();
+  EXPERTQMM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, s));
+  EXPERTQMM_CUDA_CHECK(cudaStreamSynchronize(s));
+  device_check();
+}
+
+void copy_device_to_device(void* dst, const void* src, size_t bytes) {
+  EXPERTQMM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cuda::current_stream()));
+}
+
+bool device_usable() {
+  static const bool usable = [] {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return n > 0;
+  }();
+  return usable;
+}
+
+const char* device_description() {
+  static const std::string name = [] {
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) {
+      cudaGetLastError();
+      return std::string();
+    }
+    return std::string(prop.name);
+  }();
+  return name.c_str();
+}
+
+void device_check() {
+  cudaStream_t s = cuda::current_stream();
+  EXPERTQMM_CUDA_CHECK(cudaStreamSynchronize(s));
+  uint32_t host[3];
+  uint32_t* dev = cuda::device_faults();
+  EXPERTQMM_CUDA_CHECK(cudaMemcpy(host, dev, sizeof(host), cudaMemcpyDeviceToHost));
+  if (host[0] == cuda::kFaultNone) return;
+  EXPERTQMM_CUDA_CHECK(cudaMemset(dev, 0, sizeof(host)));
+  if (host[0] == cuda::kFaultExpertOutOfRange)
+    throw Error("cuda_check", cat("a kernel saw expert id ", static_cast<int32_t>(host[1]),
+                                  " out of range [0, ", host[2], "); the affected rows were not computed"));
+  throw Error("cuda_check", cat("a kernel saw index ", static_cast<int32_t>(host[1]), " out of range [0, ",
+                                host[2], ")"));
+}
+
+}  // namespace expertqmm::detail
+
+namespace expertqmm::cuda {
+
+uint32_t* device_faults() {
+  static uint32_t* faults = [] {
+    uint32_t* p = nullptr;
+    EXPERTQMM_CUDA_CHECK(cudaMalloc(&p, 4 * sizeof(uint32_t)));
+    EXPERTQMM_CUDA_CHECK(cudaMemset(p, 0, 4 * sizeof(uint32_t)));
+    return p;
+  }();
+  return faults;
+}
+
+}  // namespace expertqmm::cuda

@@ -1,0 +1,29 @@
+// Shared CUDA runtime pieces: the current stream, the device fault record, launch helpers.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/check.cuh"
+#include "expertqmm/backend.h"
+
+namespace expertqmm::cuda {
+
+inline cudaStream_t current_stream() { return static_cast<cudaStream_t>(expertqmm::cuda_stream()); }
+
+// Faults recorded by kernels instead of reading out of bounds; reported by cuda_check().
+// (3,) uint32 in device memory: [code, offending value, limit]; code 0 = none.
+enum FaultCode : uint32_t { kFaultNone = 0, kFaultExpertOutOfRange = 1, kFaultRowOutOfRange = 2 };
+uint32_t* device_faults();
+
+// Record a fault once (first writer wins); kernels then skip the offending work.
+__device__ __forceinline__ void record_fault(uint32_t* faults, uint32_t code, uint32_t value, uint32_t limit) {
+  if (atomicCAS(faults, 0u, code) == 0u) {
+    faults[1] = value;
+    faults[2] = limit;
+  }
+}
+
+inline unsigned ceil_div(int64_t a, int64_t b) { return static_cast<unsigned>((a + b - 1) / b); }
+
+}  // namespace expertqmm::cuda

@@ -1,0 +1,18 @@
+#include "cli.h"
+
+namespace expertqmm::cli {
+
+int run_run(int argc, char** argv);
+int run_bench(int argc, char** argv);
+int run_diag(int argc, char** argv);
+
+const std::vector<Command>& commands() {
+  static const std::vector<Command> cmds = {
+      {"run", "run the MoE layer of a preset on a backend and check it against the reference", run_run},
+      {"bench", "time the MoE layer per the benchmark protocol (CUDA)", run_bench},
+      {"diag", "print the route selector's counters after a run", run_diag},
+  };
+  return cmds;
+}
+
+}  // namespace expertqmm::cli
