@@ -1,0 +1,47 @@
+// Route selector counters, per primitive. Relaxed atomics on the host; retractions decided on the
+// device are folded in by snapshot(), which therefore synchronizes the CUDA stream.
+//   attempts  = calls that reached the selector
+//   requested = attempts where the expert tile route was requested (not disabled)
+//   available = attempts where its supports_* predicate held
+//   hits      = attempts served by the expert tile route
+// Invariant: attempts == hits + sum(fallbacks), every fallback class mutually exclusive.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace expertqmm {
+
+enum class Fallback : uint8_t {
+  disabled,              // the route is switched off (env or API)
+  dtype,                 // activation dtype not supported by the route
+  quantization,          // bits / group size not supported
+  topology,              // indices not of the sorted-rows form (lhs given, M != 1, batch shape)
+  shape,                 // M, N, K outside the route's limits
+  alignment,             // K or N not a multiple of the tile, misaligned pointers
+  sortedness_retracted,  // sorted_indices promised but the device found the ids unsorted
+  count_
+};
+constexpr int kFallbackCount = static_cast<int>(Fallback::count_);
+const char* fallback_name(Fallback f);
+
+struct RouteCounters {
+  std::string primitive;  // "gather_qmm"
+  uint64_t attempts = 0, requested = 0, available = 0, hits = 0;
+  uint64_t fallbacks[kFallbackCount] = {};
+  uint64_t fallback_total() const;
+};
+
+namespace diagnostics {
+std::vector<RouteCounters> snapshot();
+void reset();
+std::string format(const std::vector<RouteCounters>& counters);  // a table for humans
+}  // namespace diagnostics
+
+// Forces the expert tile route on or off for this process (overrides EXPERTQMM_EXPERT_TILES,
+// which is read once on first use); `automatic` restores the measured default.
+enum class RouteSwitch : uint8_t { automatic, off, on };
+void set_expert_tiles(RouteSwitch s);
+RouteSwitch expert_tiles_setting();
+
+}  // namespace expertqmm

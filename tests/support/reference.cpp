@@ -1,0 +1,95 @@
+#include "support/reference.h"
+
+#include <cmath>
+
+#include "core/gather_qmm_problem.h"
+#include "support/test_util.h"
+
+namespace expertqmm::test {
+
+std::vector<float> dequantize_f32(const QuantizedWeight& q) {
+  Tensor s = detail::cast_floating(q.scales.to(Device::cpu), DType::f32);
+  Tensor b = detail::cast_floating(q.biases.to(Device::cpu), DType::f32);
+  return to_float(dequantize(q.w.to(Device::cpu), s, b, q.group_size, q.bits));
+}
+
+std::vector<double> reference_gather_qmm(const std::vector<float>& x, int64_t M, int64_t K,
+                                         const QuantizedWeight& q, const std::vector<int32_t>& lhs,
+                                         const std::vector<int32_t>& rhs, bool transpose) {
+  std::vector<float> w = dequantize_f32(q);
+  const int64_t N = static_cast<int64_t>(w.size()) / (q.w.numel() / (q.w.size(-1) * q.w.size(-2))) / K;
+  const int64_t B = static_cast<int64_t>(lhs.size());
+  std::vector<double> out(B * M * N, 0.0);
+  for (int64_t b = 0; b < B; ++b) {
+    const float* xb = x.data() + static_cast<int64_t>(lhs[b]) * M * K;
+    const float* wb = w.data() + static_cast<int64_t>(rhs[b]) * N * K;
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) {
+        double acc = 0;
+        for (int64_t kk = 0; kk < K; ++kk) {
+          double wv = transpose ? wb[n * K + kk] : wb[kk * N + n];
+          acc += static_cast<double>(xb[m * K + kk]) * wv;
+        }
+        out[(b * M + m) * N + n] = acc;
+      }
+  }
+  return out;
+}
+
+namespace {
+double act(Activation a, double g) {
+  if (a == Activation::swiglu) return g / (1.0 + std::exp(-g));
+  const double c = std::sqrt(2.0 / M_PI);
+  return 0.5 * g * (1.0 + std::tanh(c * (g + 0.044715 * g * g * g)));
+}
+}  // namespace
+
+std::vector<double> reference_switch_glu_combine(const std::vector<float>& x, int64_t T, int64_t D,
+                                                 const std::vector<int32_t>& indices,
+                                                 const std::vector<float>& weights, int64_t k,
+                                                 const SwitchGLUWeights& ex) {
+  std::vector<float> gate, up;
+  int64_t I;
+  if (ex.fused()) {
+    std::vector<float> gu = dequantize_f32(ex.gate_up);  // [E, 2I, D]
+    I = ex.gate_up.w.size(-2) / 2;
+    const int64_t E = ex.gate_up.w.size(0);
+    gate.resize(E * I * D);
+    up.resize(E * I * D);
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t r = 0; r < I * D; ++r) {
+        gate[e * I * D + r] = gu[e * 2 * I * D + r];
+        up[e * I * D + r] = gu[e * 2 * I * D + I * D + r];
+      }
+  } else {
+    gate = dequantize_f32(ex.gate);
+    up = dequantize_f32(ex.up);
+    I = ex.gate.w.size(-2);
+  }
+  std::vector<float> down = dequantize_f32(ex.down);  // [E, D, I]
+  std::vector<double> out(T * D, 0.0), h(I);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t e = indices[t * k + j];
+      const float* xt = x.data() + t * D;
+      for (int64_t i = 0; i < I; ++i) {
+        double g = 0, u = 0;
+        const float* gr = gate.data() + (e * I + i) * D;
+        const float* ur = up.data() + (e * I + i) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          g += static_cast<double>(xt[d]) * gr[d];
+          u += static_cast<double>(xt[d]) * ur[d];
+        }
+        h[i] = act(ex.activation, g) * u;
+      }
+      for (int64_t d = 0; d < D; ++d) {
+        const float* dr = down.data() + (e * D + d) * I;
+        double y = 0;
+        for (int64_t i = 0; i < I; ++i) y += h[i] * dr[i];
+        out[t * D + d] += static_cast<double>(weights[t * k + j]) * y;
+      }
+    }
+  return out;
+}
+
+}  // namespace expertqmm::test

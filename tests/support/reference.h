@@ -1,0 +1,26 @@
+// Float64 references used by the cross-backend tests (DESIGN.md "Numerics").
+#pragma once
+#include <vector>
+
+#include "expertqmm/moe.h"
+
+namespace expertqmm::test {
+
+// Dequantized weight in float32 (scales and biases widened first), [..., N, K] (or [..., K, N]
+// when transpose=false), on the host.
+std::vector<float> dequantize_f32(const QuantizedWeight& q);
+
+// out[b] = x[lhs[b]] @ W[rhs[b]]^T in float64 for flat batch indices (already broadcast, length B).
+// x: [x_batch, M, K] values; result [B, M, N].
+std::vector<double> reference_gather_qmm(const std::vector<float>& x, int64_t M, int64_t K,
+                                         const QuantizedWeight& q, const std::vector<int32_t>& lhs,
+                                         const std::vector<int32_t>& rhs, bool transpose);
+
+// Whole expert path in float64 from the given routing: out[t] = sum_j w[t,j] * down(act(gate x, up x)).
+// Activations are applied in float64 (no intermediate rounding).
+std::vector<double> reference_switch_glu_combine(const std::vector<float>& x, int64_t T, int64_t D,
+                                                 const std::vector<int32_t>& indices,
+                                                 const std::vector<float>& weights, int64_t k,
+                                                 const SwitchGLUWeights& experts);
+
+}  // namespace expertqmm::test
