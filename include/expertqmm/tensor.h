@@ -28,6 +28,10 @@ class Tensor {
   // Non-owning view of memory the caller keeps alive. Empty strides mean row-contiguous.
   static Tensor view(void* data, const Shape& shape, DType dtype, Device device = Device::cpu,
                      const Shape& strides = {});
+  // Row-contiguous view of memory owned by `keep_alive` (e.g. a file mapping), which the tensor
+  // and its copies hold until the last one is gone.
+  static Tensor view_owned(void* data, const Shape& shape, DType dtype, Device device,
+                           std::shared_ptr<void> keep_alive);
 
   bool defined() const { return data_ != nullptr || (dtype_set_ && numel() == 0); }
   void* data() const { return data_; }

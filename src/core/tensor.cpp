@@ -77,6 +77,13 @@ Tensor Tensor::view(void* data, const Shape& shape, DType dtype, Device device, 
   return t;
 }
 
+Tensor Tensor::view_owned(void* data, const Shape& shape, DType dtype, Device device,
+                          std::shared_ptr<void> keep_alive) {
+  Tensor t = view(data, shape, dtype, device);
+  t.storage_ = std::move(keep_alive);
+  return t;
+}
+
 int64_t Tensor::size(int dim) const {
   int d = dim < 0 ? dim + ndim() : dim;
   EXPERTQMM_CHECK(d >= 0 && d < ndim(), "Tensor::size", "dim ", dim, " out of range for ", describe());
