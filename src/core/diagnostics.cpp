@@ -1,0 +1,196 @@
+// Route selector counters (include/expertqmm/diagnostics.h, src/core/route_counters.h) and the
+// expert tile route switch.
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <iomanip>
+#include <sstream>
+
+#include "core/route_counters.h"
+#include "expertqmm/error.h"
+
+namespace expertqmm {
+
+namespace {
+// attempts is not stored: snapshot() derives it as hits + sum(fallbacks), so the invariant holds
+// even in a snapshot taken while other threads record.
+struct AtomicCounters {
+  std::atomic<uint64_t> requested{0}, available{0}, hits{0};
+  std::atomic<uint64_t> fallbacks[kFallbackCount] = {};
+};
+
+AtomicCounters& counters(detail::Primitive p) {
+  static AtomicCounters all[detail::kPrimitiveCount];
+  return all[static_cast<int>(p)];
+}
+
+std::atomic<detail::DeviceRetractionReader> g_retraction_reader{nullptr};
+
+constexpr int kNoOverride = -1;
+std::atomic<int> g_expert_tiles_override{kNoOverride};
+
+constexpr const char* kExpertTilesEnv = "EXPERTQMM_EXPERT_TILES";
+
+bool valid_switch(RouteSwitch s) {
+  return s == RouteSwitch::automatic || s == RouteSwitch::off || s == RouteSwitch::on;
+}
+}  // namespace
+
+const char* fallback_name(Fallback f) {
+  switch (f) {
+    case Fallback::disabled: return "disabled";
+    case Fallback::dtype: return "dtype";
+    case Fallback::quantization: return "quantization";
+    case Fallback::topology: return "topology";
+    case Fallback::shape: return "shape";
+    case Fallback::alignment: return "alignment";
+    case Fallback::sortedness_retracted: return "sortedness_retracted";
+    case Fallback::count_: break;
+  }
+  throw Error("fallback_name", detail::cat("value ", static_cast<int>(f), " is not a Fallback (valid: 0..",
+                                           kFallbackCount - 1, ")"));
+}
+
+uint64_t RouteCounters::fallback_total() const {
+  uint64_t total = 0;
+  for (uint64_t f : fallbacks) total += f;
+  return total;
+}
+
+namespace detail {
+
+const char* primitive_name(Primitive p) {
+  switch (p) {
+    case Primitive::gather_qmm: return "gather_qmm";
+    case Primitive::count_: break;
+  }
+  throw Error("primitive_name", cat("value ", static_cast<int>(p), " is not a Primitive"));
+}
+
+void record_selection(Primitive p, bool requested, bool available, bool hit, Fallback why) {
+  constexpr const char* op = "record_selection";
+  EXPERTQMM_CHECK(static_cast<int>(p) < kPrimitiveCount, op, "primitive ",
+                  static_cast<int>(p), " out of range");
+  if (hit) {
+    EXPERTQMM_CHECK(requested && available, op, primitive_name(p), ": a hit must be requested and available (requested=",
+                    requested, ", available=", available, ")");
+  } else {
+    EXPERTQMM_CHECK(static_cast<int>(why) < kFallbackCount, op, primitive_name(p),
+                    ": fallback ", static_cast<int>(why), " out of range");
+    EXPERTQMM_CHECK((why == Fallback::disabled) == !requested, op, primitive_name(p), ": fallback '",
+                    fallback_name(why), "' with requested=", requested,
+                    " (a miss is 'disabled' exactly when the route was not requested)");
+  }
+  AtomicCounters& c = counters(p);
+  constexpr auto relaxed = std::memory_order_relaxed;
+  if (requested) c.requested.fetch_add(1, relaxed);
+  if (available) c.available.fetch_add(1, relaxed);
+  if (hit)
+    c.hits.fetch_add(1, relaxed);
+  else
+    c.fallbacks[static_cast<int>(why)].fetch_add(1, relaxed);
+}
+
+void set_device_retraction_reader(DeviceRetractionReader read_and_reset) {
+  g_retraction_reader.store(read_and_reset);
+}
+
+RouteSwitch parse_expert_tiles_env(const char* value) {
+  if (value == nullptr) return RouteSwitch::automatic;
+  if (std::strcmp(value, "0") == 0) return RouteSwitch::off;
+  if (std::strcmp(value, "1") == 0) return RouteSwitch::on;
+  throw Error("expert_tiles_setting",
+              cat(kExpertTilesEnv, "='", value, "' is not valid: use 0 (off), 1 (on) or leave it unset (automatic)"));
+}
+
+}  // namespace detail
+
+namespace diagnostics {
+
+std::vector<RouteCounters> snapshot() {
+  constexpr auto relaxed = std::memory_order_relaxed;
+  std::vector<RouteCounters> out;
+  for (int i = 0; i < detail::kPrimitiveCount; ++i) {
+    const auto p = static_cast<detail::Primitive>(i);
+    AtomicCounters& c = counters(p);
+    RouteCounters r;
+    r.primitive = detail::primitive_name(p);
+    r.requested = c.requested.load(relaxed);
+    r.available = c.available.load(relaxed);
+    r.hits = c.hits.load(relaxed);
+    for (int f = 0; f < kFallbackCount; ++f) r.fallbacks[f] = c.fallbacks[f].load(relaxed);
+    if (p == detail::Primitive::gather_qmm) {
+      if (detail::DeviceRetractionReader reader = g_retraction_reader.load()) {
+        // Each device retraction was recorded as a hit; clamped in case work queued before a
+        // reset() retracted after it (its hit is gone, so there is nothing to move).
+        const uint64_t moved = std::min(reader(false), r.hits);
+        r.hits -= moved;
+        r.fallbacks[static_cast<int>(Fallback::sortedness_retracted)] += moved;
+      }
+    }
+    r.attempts = r.hits + r.fallback_total();
+    out.push_back(r);
+  }
+  return out;
+}
+
+void reset() {
+  constexpr auto relaxed = std::memory_order_relaxed;
+  for (int i = 0; i < detail::kPrimitiveCount; ++i) {
+    AtomicCounters& c = counters(static_cast<detail::Primitive>(i));
+    c.requested.store(0, relaxed);
+    c.available.store(0, relaxed);
+    c.hits.store(0, relaxed);
+    for (auto& f : c.fallbacks) f.store(0, relaxed);
+  }
+  if (detail::DeviceRetractionReader reader = g_retraction_reader.load()) reader(true);
+}
+
+std::string format(const std::vector<RouteCounters>& counters) {
+  std::vector<std::string> headers = {"primitive", "attempts", "requested", "available", "hits"};
+  for (int f = 0; f < kFallbackCount; ++f) headers.push_back(fallback_name(static_cast<Fallback>(f)));
+  std::vector<std::vector<std::string>> rows;
+  for (const RouteCounters& c : counters) {
+    std::vector<std::string> row = {c.primitive,
+                                    std::to_string(c.attempts),
+                                    std::to_string(c.requested),
+                                    std::to_string(c.available),
+                                    std::to_string(c.hits)};
+    for (uint64_t f : c.fallbacks) row.push_back(std::to_string(f));
+    rows.push_back(row);
+  }
+  std::vector<size_t> width(headers.size());
+  for (size_t j = 0; j < headers.size(); ++j) {
+    width[j] = headers[j].size();
+    for (const auto& row : rows) width[j] = std::max(width[j], row[j].size());
+  }
+  // Primitive names left-aligned, numbers right-aligned; the fallback columns follow a bar.
+  std::ostringstream s;
+  auto emit = [&](const std::vector<std::string>& row) {
+    for (size_t j = 0; j < row.size(); ++j) {
+      if (j == 5) s << " |";
+      s << (j == 0 ? std::left : std::right) << (j ? " " : "") << std::setw(static_cast<int>(width[j])) << row[j];
+    }
+    s << '\n';
+  };
+  emit(headers);
+  for (const auto& row : rows) emit(row);
+  return s.str();
+}
+
+}  // namespace diagnostics
+
+void set_expert_tiles(RouteSwitch s) {
+  EXPERTQMM_CHECK(valid_switch(s), "set_expert_tiles", "value ", static_cast<int>(s), " is not a RouteSwitch");
+  g_expert_tiles_override.store(static_cast<int>(s));
+}
+
+RouteSwitch expert_tiles_setting() {
+  // Resolved once; an invalid value throws here and again on every later call (nothing is cached).
+  static const RouteSwitch from_env = detail::parse_expert_tiles_env(std::getenv(kExpertTilesEnv));
+  const int api = g_expert_tiles_override.load();
+  return api == kNoOverride ? from_env : static_cast<RouteSwitch>(api);
+}
+
+}  // namespace expertqmm

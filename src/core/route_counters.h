@@ -1,0 +1,31 @@
+// Internal side of include/expertqmm/diagnostics.h: what the route selector records, and the hook
+// that folds retractions decided on the device into snapshot() without core code touching CUDA.
+#pragma once
+#include <cstdint>
+
+#include "expertqmm/diagnostics.h"
+
+namespace expertqmm::detail {
+
+enum class Primitive : uint8_t { gather_qmm, count_ };
+constexpr int kPrimitiveCount = static_cast<int>(Primitive::count_);
+const char* primitive_name(Primitive p);
+
+// One call that reached the selector. `hit`: served by the expert tile route (then `why` is
+// ignored); otherwise `why` is the one fallback class that sent it to the generic route. A hit must
+// be requested and available; a miss is `disabled` exactly when not requested. Violations throw
+// Error (they are selector bugs) and count nothing. Relaxed atomics: safe from any thread.
+void record_selection(Primitive p, bool requested, bool available, bool hit, Fallback why);
+
+// Reads the device-side count of retracted gather_qmm plans (each of which the selector had
+// recorded as a hit) and zeroes it when `reset` is true. snapshot() calls it with false and moves
+// that many counts from hits to fallbacks[sortedness_retracted]; reset() calls it with true.
+// nullptr unregisters. The reader may synchronize the device.
+using DeviceRetractionReader = uint64_t (*)(bool reset);
+void set_device_retraction_reader(DeviceRetractionReader read_and_reset);
+
+// Parses a value of EXPERTQMM_EXPERT_TILES: nullptr (unset) -> automatic, "0" -> off, "1" -> on;
+// anything else throws Error naming the variable and the value.
+RouteSwitch parse_expert_tiles_env(const char* value);
+
+}  // namespace expertqmm::detail
