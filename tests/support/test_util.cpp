@@ -11,7 +11,7 @@
 namespace expertqmm::test {
 
 uint64_t test_seed() {
-  static const uint64_t seed = [] {
+  static const uint64_t seed = []() -> uint64_t {
     if (const char* s = std::getenv("EXPERTQMM_TEST_SEED")) return std::strtoull(s, nullptr, 10);
     return static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
   }();
