@@ -1,0 +1,148 @@
+// Runs the built `expertqmm` CLI (build/expertqmm, next to build/tests/) as a user would.
+// EXPERTQMM_CLI overrides where the binary is looked for.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "expertqmm/backend.h"
+
+namespace {
+
+std::string cli_path() {
+  if (const char* env = std::getenv("EXPERTQMM_CLI"))
+    if (*env) return env;
+  char self[4096];
+  const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  if (n <= 0) return "expertqmm";
+  std::string dir(self, size_t(n));
+  dir = dir.substr(0, dir.rfind('/'));  // build/tests
+  dir = dir.substr(0, dir.rfind('/'));  // build
+  return dir + "/expertqmm";
+}
+
+struct Result {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr together
+};
+
+Result run_cli(const std::string& args) {
+  Result r;
+  const std::string cmd = "'" + cli_path() + "' " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) return r;
+  char buf[4096];
+  size_t got;
+  while ((got = std::fread(buf, 1, sizeof(buf), p)) > 0) r.output.append(buf, got);
+  const int status = pclose(p);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+// The value column of a `run` table row ("name   value").
+std::string field(const std::string& out, const std::string& name) {
+  size_t at = 0;
+  while ((at = out.find(name, at)) != std::string::npos) {
+    const bool line_start = at == 0 || out[at - 1] == '\n';
+    const size_t after = at + name.size();
+    if (line_start && after < out.size() && out[after] == ' ') {
+      size_t v = out.find_first_not_of(' ', after);
+      return out.substr(v, out.find('\n', v) - v);
+    }
+    at = after;
+  }
+  return "";
+}
+
+class Cli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_EQ(access(cli_path().c_str(), X_OK), 0)
+        << "the CLI is not built at " << cli_path() << " (build the expertqmm_cli target, or set EXPERTQMM_CLI)";
+  }
+};
+
+TEST_F(Cli, TinyThreeTokensPassOnCpu) {
+  Result r = run_cli("run --preset tiny --tokens 3 --backend cpu");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(field(r.output, "status"), "PASS") << r.output;
+  EXPECT_EQ(field(r.output, "tokens"), "3") << r.output;
+  EXPECT_EQ(field(r.output, "assignments"), "6") << r.output;  // top-2
+  EXPECT_EQ(field(r.output, "backend"), "cpu") << r.output;
+  EXPECT_EQ(field(r.output, "checked tokens"), "3") << r.output;
+  const double err = std::atof(field(r.output, "rel error").c_str());
+  EXPECT_GT(err, 0.0) << "bf16 rounding makes an exact match implausible: " << r.output;
+  EXPECT_LE(err, 1e-2) << r.output;
+}
+
+// 40 tokens x top-2 = 80 assignments >= 64: the sorted SwitchGLU path.
+TEST_F(Cli, TinyFortyTokensPassOnCpu) {
+  Result r = run_cli("run --preset tiny --tokens 40 --backend cpu --check-tokens 40");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(field(r.output, "status"), "PASS") << r.output;
+  EXPECT_EQ(field(r.output, "assignments"), "80") << r.output;
+  EXPECT_EQ(field(r.output, "checked tokens"), "40") << r.output;
+}
+
+TEST_F(Cli, FusedGateUpAndZipfRoutingPassOnCpu) {
+  Result fused = run_cli("run --preset tiny-fused --tokens 40 --backend cpu --seed 7");
+  EXPECT_EQ(fused.exit_code, 0) << fused.output;
+  EXPECT_EQ(field(fused.output, "status"), "PASS") << fused.output;
+  Result zipf = run_cli("run --preset tiny --tokens 40 --backend cpu --routing zipf");
+  EXPECT_EQ(zipf.exit_code, 0) << zipf.output;
+  EXPECT_EQ(field(zipf.output, "status"), "PASS") << zipf.output;
+  EXPECT_NE(field(zipf.output, "routing").find("zipf"), std::string::npos) << zipf.output;
+}
+
+TEST_F(Cli, SameSeedSameResultOtherSeedOtherResult) {
+  const std::string a = field(run_cli("run --preset tiny --tokens 5 --backend cpu --seed 3").output, "rel error");
+  const std::string b = field(run_cli("run --preset tiny --tokens 5 --backend cpu --seed 3").output, "rel error");
+  const std::string c = field(run_cli("run --preset tiny --tokens 5 --backend cpu --seed 4").output, "rel error");
+  EXPECT_FALSE(a.empty());
+  EXPECT_EQ(a, b);
+  EXPECT_NE(a, c);
+}
+
+TEST_F(Cli, UnknownPresetIsAnError) {
+  Result r = run_cli("run --preset nope --tokens 3");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("unknown preset 'nope'"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("gemma4-26b-a4b"), std::string::npos) << "the error lists the known presets: " << r.output;
+}
+
+TEST_F(Cli, BadOptionsAreErrors) {
+  struct Case {
+    const char* args;
+    const char* message;
+  };
+  const Case cases[] = {
+      {"run --preset tiny --tokens 0 --backend cpu", "--tokens must be >= 1"},
+      {"run --preset tiny --backend cpu", "--tokens N is required"},
+      {"run --preset tiny --tokens 3 --backend tpu", "--backend expects auto, cpu or cuda"},
+      {"run --preset tiny --tokens 3 --backend cpu --routing skewed", "--routing expects uniform or zipf"},
+      {"run --preset tiny --tokens 3 --backend cpu --check-tokens 4", "--check-tokens must be in [1, tokens = 3]"},
+      {"run --preset tiny --tokens 3 --backend cpu --frobnicate 1", "unknown option --frobnicate"},
+      {"bench --preset tiny --product neither", "--product expects fused, separate or both"},
+      {"bench --preset tiny --tokens 1,0", "every count must be >= 1"},
+  };
+  for (const Case& c : cases) {
+    Result r = run_cli(c.args);
+    EXPECT_NE(r.exit_code, 0) << c.args << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.message), std::string::npos) << c.args << "\n" << r.output;
+  }
+}
+
+TEST_F(Cli, CudaOnlyCommandsExplainAMissingGpu) {
+  if (expertqmm::cuda_available()) GTEST_SKIP() << "a CUDA device is present: the GPU tests cover bench";
+  Result bench = run_cli("bench --preset tiny --tokens 1 --replays 1");
+  EXPECT_NE(bench.exit_code, 0) << bench.output;
+  EXPECT_NE(bench.output.find("CUDA"), std::string::npos) << bench.output;
+  Result run = run_cli("run --preset tiny --tokens 1 --backend cuda");
+  EXPECT_NE(run.exit_code, 0) << run.output;
+  EXPECT_NE(run.output.find("--backend cuda"), std::string::npos) << run.output;
+}
+
+}  // namespace

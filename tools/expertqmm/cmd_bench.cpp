@@ -1,0 +1,638 @@
+// `expertqmm bench`: the benchmark protocol of DESIGN.md, as documented in bench/README.md.
+// The whole MoE layer (expertqmm::moe_layer_into with a warmed Workspace) is captured in a CUDA
+// graph per weight copy; 4 copies are replayed round robin with an L2 flush before each replay
+// (outside the timed region); each replay has its own event pair. The floor is measured in the
+// same run: device-to-device copy bandwidth and the cuBLAS bf16 tensor-core rate.
+#include <algorithm>
+#include <cinttypes>
+#include <cstdio>
+#include <cstdlib>
+#include <ctime>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cli.h"
+#include "expertqmm/backend.h"
+#include "expertqmm/diagnostics.h"
+#include "expertqmm/error.h"
+#include "expertqmm/moe.h"
+#include "presets.h"
+
+#ifdef EXPERTQMM_HAVE_CUDA
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cmath>
+#include <filesystem>
+#include <memory>
+#include <thread>
+
+#include "core/float16.h"
+#include "cuda/check.cuh"
+#include "expertqmm/safetensors.h"
+#include "reference.h"
+#include "synthetic.h"
+#endif
+
+namespace expertqmm::cli {
+
+namespace {
+
+struct BenchOptions {
+  const Preset* preset = nullptr;
+  std::vector<long> tokens;
+  std::string routing;
+  std::vector<ProductMode> products;
+  std::string json_path;
+  std::string export_dir;
+  int replays = 100;
+  uint64_t seed = 1;
+};
+
+BenchOptions parse_options(int argc, char** argv) {
+  Args args(argc, argv);
+  args.check_known({"preset", "tokens", "routing", "product", "json", "replays", "export-dir", "seed"});
+  BenchOptions o;
+  o.preset = &find_preset(args.get("preset", "gemma4-26b-a4b"));
+  o.tokens = args.get_int_list("tokens", {1, 8, 64, 512, 1024, 2048});
+  EXPERTQMM_CHECK(!o.tokens.empty(), "bench", "--tokens needs at least one token count");
+  for (long t : o.tokens) EXPERTQMM_CHECK(t >= 1, "bench", "--tokens: every count must be >= 1, got ", t);
+  o.routing = args.get("routing", "uniform");
+  EXPERTQMM_CHECK(o.routing == "uniform" || o.routing == "zipf", "bench",
+                  "--routing expects uniform or zipf, got '", o.routing, "'");
+  const std::string product = args.get("product", "fused");
+  if (product == "both") o.products = {ProductMode::fused, ProductMode::separate};
+  else if (product == "fused") o.products = {ProductMode::fused};
+  else if (product == "separate") o.products = {ProductMode::separate};
+  else throw Error("bench", detail::cat("--product expects fused, separate or both, got '", product, "'"));
+  EXPERTQMM_CHECK(!args.has("json") || !args.get("json").empty(), "bench", "--json needs a file name");
+  o.json_path = args.get("json");
+  EXPERTQMM_CHECK(!args.has("export-dir") || !args.get("export-dir").empty(), "bench", "--export-dir needs a directory");
+  o.export_dir = args.get("export-dir");
+  const long replays = args.get_int("replays", 100);
+  EXPERTQMM_CHECK(replays >= 1 && replays <= 100000, "bench", "--replays must be in [1, 100000], got ", replays);
+  o.replays = int(replays);
+  const long seed = args.get_int("seed", 1);
+  EXPERTQMM_CHECK(seed >= 0, "bench", "--seed must be >= 0, got ", seed);
+  o.seed = uint64_t(seed);
+  return o;
+}
+
+}  // namespace
+
+#ifndef EXPERTQMM_HAVE_CUDA
+
+int run_bench(int argc, char** argv) {
+  parse_options(argc, argv);  // bad options are reported as such even here
+  throw Error("bench", "needs the CUDA backend; this build has none (configure with -DEXPERTQMM_CUDA=ON)");
+}
+
+#else
+
+namespace {
+
+constexpr int kWeightCopies = 4;      // distinct weight copies replayed round robin
+constexpr int kReplaysPerGate = 8;    // replays enqueued behind one host gate (see time_graphs)
+constexpr double kTolerance = 1e-2;   // docs/numerics.md, bf16 vs float64
+constexpr double kZipfExponent = 1.1;
+constexpr int kMinProtocolReplays = 50;
+
+#define BENCH_CUBLAS_CHECK(call)                                                                       \
+  do {                                                                                                 \
+    cublasStatus_t st_ = (call);                                                                       \
+    if (st_ != CUBLAS_STATUS_SUCCESS)                                                                  \
+      throw ::expertqmm::Error("bench", ::expertqmm::detail::cat(#call, " failed: cuBLAS status ", int(st_))); \
+  } while (0)
+
+// Owning device buffer outside the library's caching allocator, so the ceilings' big buffers
+// are really returned before the weights are made.
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  explicit DeviceBuffer(size_t bytes) { EXPERTQMM_CUDA_CHECK(cudaMalloc(&ptr, bytes)); }
+  ~DeviceBuffer() { cudaFree(ptr); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+};
+
+struct EventPairs {
+  std::vector<cudaEvent_t> start, stop;
+  explicit EventPairs(int n) : start(n, nullptr), stop(n, nullptr) {
+    for (int i = 0; i < n; ++i) {
+      EXPERTQMM_CUDA_CHECK(cudaEventCreate(&start[i]));
+      EXPERTQMM_CUDA_CHECK(cudaEventCreate(&stop[i]));
+    }
+  }
+  ~EventPairs() {
+    for (size_t i = 0; i < start.size(); ++i) {
+      if (start[i]) cudaEventDestroy(start[i]);
+      if (stop[i]) cudaEventDestroy(stop[i]);
+    }
+  }
+  // Elapsed microseconds of every pair (the stream must be synchronized).
+  std::vector<double> elapsed_us() const {
+    std::vector<double> us(start.size());
+    for (size_t i = 0; i < start.size(); ++i) {
+      float ms = 0;
+      EXPERTQMM_CUDA_CHECK(cudaEventElapsedTime(&ms, start[i], stop[i]));
+      us[i] = double(ms) * 1e3;
+    }
+    return us;
+  }
+};
+
+struct Stats {
+  double median = 0, p10 = 0, p90 = 0;
+};
+
+Stats stats_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  Stats s;
+  s.median = n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+  s.p10 = v[size_t(0.1 * double(n - 1) + 0.5)];
+  s.p90 = v[size_t(0.9 * double(n - 1) + 0.5)];
+  return s;
+}
+
+// Host gates: each holds the stream behind a host function until it is opened, so that a batch of
+// replays is fully enqueued before the device starts it and no timed region includes host launch
+// latency. The flags live until the stream has drained (a host function may still read its flag
+// after the batch loop moved on); the destructor opens every gate first, also after an error.
+class HostGates {
+ public:
+  explicit HostGates(cudaStream_t s) : stream_(s) {}
+  ~HostGates() {
+    open_all();
+    cudaStreamSynchronize(stream_);
+  }
+  HostGates(const HostGates&) = delete;
+  HostGates& operator=(const HostGates&) = delete;
+  // Enqueues a closed gate; returns its index for open().
+  size_t close() {
+    flags_.push_back(std::make_unique<std::atomic<bool>>(false));
+    EXPERTQMM_CUDA_CHECK(cudaLaunchHostFunc(stream_, &HostGates::wait, flags_.back().get()));
+    return flags_.size() - 1;
+  }
+  void open(size_t i) { flags_[i]->store(true); }
+  void open_all() {
+    for (auto& f : flags_) f->store(true);
+  }
+
+ private:
+  static void CUDART_CB wait(void* flag) {
+    while (!static_cast<std::atomic<bool>*>(flag)->load()) std::this_thread::yield();
+  }
+  cudaStream_t stream_;
+  std::vector<std::unique_ptr<std::atomic<bool>>> flags_;
+};
+
+struct Ceilings {
+  double copy_gbps = 0;    // bytes read + written per second / 1e9
+  double bf16_tflops = 0;  // dense 8192^3 bf16 GEMM, fp32 accumulation
+};
+
+// Device-to-device copy of 1 GiB, median of 10 after a warm-up; counts bytes read and written.
+double measure_copy_gbps(cudaStream_t stream) {
+  const size_t bytes = size_t(1) << 30;
+  DeviceBuffer src(bytes), dst(bytes);
+  EXPERTQMM_CUDA_CHECK(cudaMemsetAsync(src.ptr, 1, bytes, stream));
+  const int reps = 10;
+  EventPairs ev(reps);
+  EXPERTQMM_CUDA_CHECK(cudaMemcpyAsync(dst.ptr, src.ptr, bytes, cudaMemcpyDeviceToDevice, stream));
+  for (int r = 0; r < reps; ++r) {
+    EXPERTQMM_CUDA_CHECK(cudaEventRecord(ev.start[r], stream));
+    EXPERTQMM_CUDA_CHECK(cudaMemcpyAsync(dst.ptr, src.ptr, bytes, cudaMemcpyDeviceToDevice, stream));
+    EXPERTQMM_CUDA_CHECK(cudaEventRecord(ev.stop[r], stream));
+  }
+  EXPERTQMM_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return 2.0 * double(bytes) / (stats_of(ev.elapsed_us()).median * 1e-6) / 1e9;
+}
+
+// cublasGemmEx 8192^3, bf16 in and out, fp32 compute, on random data (zeros would flatter the
+// rate through lower power draw); median of 10 after 3 warm-ups.
+double measure_bf16_tflops(cudaStream_t stream) {
+  const int n = 8192;
+  const size_t elems = size_t(n) * n, bytes = elems * 2;
+  std::vector<uint16_t> host(elems);
+  SplitMix64 g(12345);
+  for (size_t i = 0; i + 4 <= elems; i += 4) {
+    uint64_t r = g.next();
+    for (int j = 0; j < 4; ++j) {
+      // Random sign and mantissa, exponent in [2^-8, 2^0): values of a few 1e-3 .. 1.
+      const uint16_t bits = uint16_t(r >> (16 * j));
+      host[i + j] = uint16_t((bits & 0x807f) | ((0x77 + (bits >> 7) % 8) << 7));
+    }
+  }
+  DeviceBuffer a(bytes), b(bytes), c(bytes);
+  EXPERTQMM_CUDA_CHECK(cudaMemcpy(a.ptr, host.data(), bytes, cudaMemcpyHostToDevice));
+  EXPERTQMM_CUDA_CHECK(cudaMemcpy(b.ptr, host.data(), bytes, cudaMemcpyHostToDevice));
+  cublasHandle_t handle = nullptr;
+  BENCH_CUBLAS_CHECK(cublasCreate(&handle));
+  struct HandleGuard {
+    cublasHandle_t h;
+    ~HandleGuard() { cublasDestroy(h); }
+  } guard{handle};
+  BENCH_CUBLAS_CHECK(cublasSetStream(handle, stream));
+  const float alpha = 1.0f, beta = 0.0f;
+  auto gemm = [&] {
+    BENCH_CUBLAS_CHECK(cublasGemmEx(handle, CUBLAS_OP_N, CUBLAS_OP_N, n, n, n, &alpha, a.ptr, CUDA_R_16BF, n, b.ptr,
+                                    CUDA_R_16BF, n, &beta, c.ptr, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
+                                    CUBLAS_GEMM_DEFAULT));
+  };
+  for (int i = 0; i < 3; ++i) gemm();
+  const int reps = 10;
+  EventPairs ev(reps);
+  for (int r = 0; r < reps; ++r) {
+    EXPERTQMM_CUDA_CHECK(cudaEventRecord(ev.start[r], stream));
+    gemm();
+    EXPERTQMM_CUDA_CHECK(cudaEventRecord(ev.stop[r], stream));
+  }
+  EXPERTQMM_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return 2.0 * double(n) * n * n / (stats_of(ev.elapsed_us()).median * 1e-6) / 1e12;
+}
+
+struct NodeCounts {
+  int kernels = 0, memsets = 0, memcpys = 0, other = 0;
+  int total() const { return kernels + memsets + memcpys + other; }
+};
+
+void count_nodes(cudaGraph_t graph, NodeCounts& c) {
+  size_t n = 0;
+  EXPERTQMM_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &n));
+  std::vector<cudaGraphNode_t> nodes(n);
+  if (n) EXPERTQMM_CUDA_CHECK(cudaGraphGetNodes(graph, nodes.data(), &n));
+  for (cudaGraphNode_t node : nodes) {
+    cudaGraphNodeType type;
+    EXPERTQMM_CUDA_CHECK(cudaGraphNodeGetType(node, &type));
+    if (type == cudaGraphNodeTypeKernel) ++c.kernels;
+    else if (type == cudaGraphNodeTypeMemset) ++c.memsets;
+    else if (type == cudaGraphNodeTypeMemcpy) ++c.memcpys;
+    else if (type == cudaGraphNodeTypeGraph) {
+      cudaGraph_t child = nullptr;
+      EXPERTQMM_CUDA_CHECK(cudaGraphChildGraphNodeGetGraph(node, &child));
+      count_nodes(child, c);
+    } else {
+      ++c.other;  // events, host nodes, conditional nodes (their bodies are not walked)
+    }
+  }
+}
+
+// The captured layer of each weight copy; destroys what it holds.
+struct Graphs {
+  std::vector<cudaGraph_t> graphs;
+  std::vector<cudaGraphExec_t> execs;
+  ~Graphs() {
+    for (cudaGraphExec_t e : execs) cudaGraphExecDestroy(e);
+    for (cudaGraph_t g : graphs) cudaGraphDestroy(g);
+  }
+};
+
+struct Measurement {
+  Stats us;
+  NodeCounts nodes;
+  std::vector<RouteCounters> counters;
+};
+
+// Captures moe_layer_into for every copy and times `replays` replays round robin.
+Measurement time_layer(Tensor& out, const Tensor& h, const std::vector<MoeWeights>& copies, int replays,
+                       cudaStream_t stream, const DeviceBuffer& flush, size_t flush_bytes) {
+  Workspace ws;
+  diagnostics::reset();
+  // Warm-up: grows the workspace to this token count and runs first-use setup, so that the
+  // captured calls allocate nothing and never synchronize.
+  for (const MoeWeights& w : copies) moe_layer_into(out, h, h, w, ws);
+  cuda_check();
+
+  Graphs g;
+  for (const MoeWeights& w : copies) {
+    EXPERTQMM_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    cudaGraph_t graph = nullptr;
+    try {
+      moe_layer_into(out, h, h, w, ws);
+    } catch (const std::exception& e) {
+      cudaStreamEndCapture(stream, &graph);
+      if (graph) cudaGraphDestroy(graph);
+      cudaGetLastError();
+      throw Error("bench", detail::cat("moe_layer_into failed under CUDA graph capture: ", e.what()));
+    }
+    const cudaError_t end = cudaStreamEndCapture(stream, &graph);
+    if (end != cudaSuccess) {
+      if (graph) cudaGraphDestroy(graph);
+      cudaGetLastError();
+      throw Error("bench", detail::cat("capturing moe_layer_into failed (", cudaGetErrorString(end),
+                                       "): the warmed-up path must not allocate or synchronize"));
+    }
+    g.graphs.push_back(graph);
+    cudaGraphExec_t exec = nullptr;
+    EXPERTQMM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    g.execs.push_back(exec);
+  }
+  Measurement m;
+  count_nodes(g.graphs[0], m.nodes);
+
+  const int n_copies = int(copies.size());
+  for (int r = 0; r < 2 * n_copies; ++r) EXPERTQMM_CUDA_CHECK(cudaGraphLaunch(g.execs[r % n_copies], stream));
+  cuda_check();
+
+  EventPairs ev(replays);
+  {
+    HostGates gates(stream);
+    for (int first = 0; first < replays; first += kReplaysPerGate) {
+      const size_t gate = gates.close();
+      for (int r = first; r < std::min(replays, first + kReplaysPerGate); ++r) {
+        // The flush writes 2x the L2 so that no weight of the previous replay stays resident.
+        EXPERTQMM_CUDA_CHECK(cudaMemsetAsync(flush.ptr, r & 0xff, flush_bytes, stream));
+        EXPERTQMM_CUDA_CHECK(cudaEventRecord(ev.start[r], stream));
+        EXPERTQMM_CUDA_CHECK(cudaGraphLaunch(g.execs[r % n_copies], stream));
+        EXPERTQMM_CUDA_CHECK(cudaEventRecord(ev.stop[r], stream));
+      }
+      gates.open(gate);
+    }
+  }  // drains the stream
+  cuda_check();
+  m.us = stats_of(ev.elapsed_us());
+  m.counters = diagnostics::snapshot();
+  return m;
+}
+
+// ---- JSON (a writer small enough to read) ----
+
+std::string json_string(const std::string& s) {
+  std::string r = "\"";
+  for (char ch : s) {
+    const unsigned char c = static_cast<unsigned char>(ch);
+    if (c == '"' || c == '\\') {
+      r += '\\';
+      r += ch;
+    } else if (c < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+      r += buf;
+    } else {
+      r += ch;
+    }
+  }
+  return r + "\"";
+}
+
+std::string json_number(double v) {
+  if (!(v == v) || v > 1e300 || v < -1e300) return "null";  // JSON has no NaN / Inf
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.6g", v);
+  return buf;
+}
+
+std::string counters_json(const std::vector<RouteCounters>& counters) {
+  std::ostringstream s;
+  s << "[";
+  for (size_t i = 0; i < counters.size(); ++i) {
+    const RouteCounters& c = counters[i];
+    s << (i ? ", " : "") << "{\"primitive\": " << json_string(c.primitive) << ", \"attempts\": " << c.attempts
+      << ", \"requested\": " << c.requested << ", \"available\": " << c.available << ", \"hits\": " << c.hits
+      << ", \"fallbacks\": {";
+    for (int f = 0; f < kFallbackCount; ++f)
+      s << (f ? ", " : "") << json_string(fallback_name(Fallback(f))) << ": " << c.fallbacks[f];
+    s << "}}";
+  }
+  return s.str() + "]";
+}
+
+std::string commit_id() {
+  if (const char* env = std::getenv("EXPERTQMM_COMMIT"))
+    if (*env) return env;
+  std::string out;
+  if (FILE* p = popen("git rev-parse HEAD 2>/dev/null", "r")) {
+    char buf[128];
+    while (std::fgets(buf, sizeof(buf), p)) out += buf;
+    pclose(p);
+  }
+  while (!out.empty() && (out.back() == '\n' || out.back() == '\r')) out.pop_back();
+  return out.empty() ? "unknown" : out;
+}
+
+std::string utc_now() {
+  std::time_t now = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&now, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+const char* product_name(ProductMode m) { return m == ProductMode::fused ? "fused" : "separate"; }
+
+// ---- export for the torch peer (bench/peers/torch_grouped.py) ----
+
+void export_weights(const std::string& dir, const Preset& p, const SwitchGLUWeights& ex, const std::string& routing) {
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  auto add = [&](const std::string& name, const QuantizedWeight& q) {
+    tensors.push_back({"switch_glu." + name + ".weight", q.w});
+    tensors.push_back({"switch_glu." + name + ".scales", q.scales});
+    tensors.push_back({"switch_glu." + name + ".biases", q.biases});
+  };
+  if (ex.fused()) {
+    add("gate_up_proj", ex.gate_up);
+  } else {
+    add("gate_proj", ex.gate);
+    add("up_proj", ex.up);
+  }
+  add("down_proj", ex.down);
+  save_safetensors(dir + "/weights.safetensors", tensors,
+                   {{"preset", p.name},
+                    {"routing", routing},
+                    {"experts", std::to_string(p.experts)},
+                    {"top_k", std::to_string(p.top_k)},
+                    {"hidden", std::to_string(p.hidden)},
+                    {"intermediate", std::to_string(p.intermediate)},
+                    {"bits", std::to_string(p.bits)},
+                    {"group_size", std::to_string(p.group_size)},
+                    {"activation", activation_name(p.activation)},
+                    {"fused_gate_up", ex.fused() ? "1" : "0"}});
+}
+
+}  // namespace
+
+int run_bench(int argc, char** argv) {
+  const BenchOptions o = parse_options(argc, argv);
+  EXPERTQMM_CHECK(cuda_available(), "bench", "needs a usable CUDA device; none was found");
+  const Preset& p = *o.preset;
+  const int64_t H = p.hidden, k = p.top_k;
+  if (o.replays < kMinProtocolReplays)
+    std::fprintf(stderr, "warning: %d replays is below the protocol's %d; numbers are indicative only\n", o.replays,
+                 kMinProtocolReplays);
+
+  cudaStream_t stream = nullptr;
+  EXPERTQMM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  struct StreamGuard {  // hands the library back the default stream, also on errors
+    cudaStream_t s;
+    ~StreamGuard() {
+      set_cuda_stream(nullptr);
+      cudaStreamSynchronize(s);
+      cudaStreamDestroy(s);
+    }
+  } stream_guard{stream};
+  set_cuda_stream(stream);
+  const ProductMode product_before = product_mode();
+
+  std::fprintf(stderr, "measuring the ceilings ...\n");
+  Ceilings ceil;
+  ceil.copy_gbps = measure_copy_gbps(stream);
+  ceil.bf16_tflops = measure_bf16_tflops(stream);
+  std::printf("device %s: copy %.0f GB/s (read + write), bf16 GEMM %.0f TFLOP/s\n", cuda_device_name(),
+              ceil.copy_gbps, ceil.bf16_tflops);
+
+  int device = 0, l2_bytes = 0;
+  EXPERTQMM_CUDA_CHECK(cudaGetDevice(&device));
+  EXPERTQMM_CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device));
+  const size_t flush_bytes = std::max<size_t>(size_t(2) * size_t(l2_bytes), size_t(64) << 20);
+  DeviceBuffer flush(flush_bytes);
+
+  size_t free_bytes = 0, total_bytes = 0;
+  EXPERTQMM_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  const size_t need = size_t(kWeightCopies) * size_t(p.expert_bytes()) + (size_t(1) << 30);
+  EXPERTQMM_CHECK(free_bytes >= need, "bench", kWeightCopies, " weight copies of ", p.name, " need about ",
+                  need >> 20, " MiB; the device has ", free_bytes >> 20, " MiB free");
+
+  std::fprintf(stderr, "generating weights ...\n");
+  // uniform: the synthetic router on random tokens; zipf: a router that follows a planned
+  // Zipf(1.1) routing, so the graph still holds the whole layer, router included.
+  MoeWeights host;
+  host.experts = synthetic_experts(p, o.seed);
+  host.router = o.routing == "zipf" ? steering_router(p, o.seed) : synthetic_router(p, o.seed);
+  std::vector<MoeWeights> copies;
+  copies.push_back(to_device(host, Device::cuda));
+  for (int c = 1; c < kWeightCopies; ++c) copies.push_back(to_device(copies[0], Device::cuda));
+  if (!o.export_dir.empty()) {
+    std::filesystem::create_directories(o.export_dir);
+    export_weights(o.export_dir, p, host.experts, o.routing);
+  }
+
+  std::ostringstream rows_json, deltas_json;
+  bool all_pass = true;
+  int n_rows = 0, n_deltas = 0;
+  for (long T : o.tokens) {
+    std::fprintf(stderr, "tokens %ld ...\n", T);
+    const uint64_t case_seed = derive_seed(o.seed, uint64_t(T));
+    std::vector<int32_t> planned;
+    Tensor x_host;
+    if (o.routing == "zipf") {
+      planned = zipf_routing(T, p.experts, int(k), kZipfExponent, case_seed);
+      x_host = steering_tokens(planned, T, p, case_seed);
+    } else {
+      x_host = random_tokens(T, H, case_seed);
+    }
+    const Tensor h = x_host.to(Device::cuda);
+
+    // The routing the layer computes (route is deterministic on the device): experts hit, the
+    // reference check and the export all use it.
+    const Routing routing = route(h, copies[0].router);
+    const std::vector<int32_t> indices = host_i32(routing.indices);
+    const std::vector<float> route_w = host_floats(routing.weights);
+    const int64_t experts_hit = int64_t(std::set<int32_t>(indices.begin(), indices.end()).size());
+    int64_t off_plan = 0;
+    for (int64_t t = 0; t < int64_t(planned.size()) / k; ++t)
+      off_plan += std::set<int32_t>(planned.begin() + t * k, planned.begin() + (t + 1) * k) !=
+                  std::set<int32_t>(indices.begin() + t * k, indices.begin() + (t + 1) * k);
+
+    const std::vector<int64_t> checked = T > 1 ? std::vector<int64_t>{0, T - 1} : std::vector<int64_t>{0};
+    const std::vector<double> ref =
+        reference_tokens(host.experts, host_floats(x_host), H, checked, indices, route_w, k);
+
+    const double flops = double(T * k) * p.flops_per_assignment();
+    const double bytes = double(experts_hit) * double(p.bytes_per_expert()) + 2.0 * double(T * H) * 2.0;
+    const double floor_us = std::max(flops / (ceil.bf16_tflops * 1e12), bytes / (ceil.copy_gbps * 1e9)) * 1e6;
+
+    std::printf("\ntokens %ld: assignments %ld, experts hit %" PRId64 "/%d, %.3f GFLOP, %.1f MB, floor %.1f us\n", T,
+                T * long(k), experts_hit, p.experts, flops / 1e9, bytes / 1e6, floor_us);
+    if (o.routing == "zipf")
+      std::printf("  routing follows the Zipf plan on %" PRId64 "/%ld tokens\n", T - off_plan, T);
+    std::printf("  %-9s %10s %9s %9s %8s %8s %10s %10s %7s %10s\n", "product", "median us", "p10", "p90", "TFLOP/s",
+                "GB/s", "floor us", "time/floor", "kernels", "rel error");
+
+    Tensor out = Tensor::empty({T, H}, DType::bf16, Device::cuda);
+    Tensor exported_out;
+    std::vector<double> medians;
+    for (ProductMode mode : o.products) {
+      set_product_mode(mode);
+      const Measurement m = time_layer(out, h, copies, o.replays, stream, flush, flush_bytes);
+      const std::vector<float> got = host_floats(out);
+      double err = 0;
+      for (size_t n = 0; n < checked.size(); ++n) {
+        const double e = rel_error(got.data() + checked[n] * H, ref.data() + n * H, H);
+        err = (e != e || e > err) ? e : err;
+      }
+      const bool pass = err <= kTolerance;
+      all_pass = all_pass && pass;
+      if (!exported_out.defined()) exported_out = out.to(Device::cpu);
+      const double sec = m.us.median * 1e-6;
+      std::printf("  %-9s %10.1f %9.1f %9.1f %8.1f %8.0f %10.1f %10.2f %7d %10.2e%s\n", product_name(mode),
+                  m.us.median, m.us.p10, m.us.p90, flops / sec / 1e12, bytes / sec / 1e9, floor_us,
+                  m.us.median / floor_us, m.nodes.kernels, err, pass ? "" : "  FAIL");
+      std::printf("    route counters (%s; host calls: %d warm-up + %d captured):\n%s", product_name(mode),
+                  kWeightCopies, kWeightCopies, diagnostics::format(m.counters).c_str());
+      medians.push_back(m.us.median);
+
+      rows_json << (n_rows++ ? ",\n    " : "") << "{\"tokens\": " << T << ", \"product\": \"" << product_name(mode)
+                << "\", \"assignments\": " << T * k << ", \"experts_hit\": " << experts_hit
+                << ", \"replays\": " << o.replays << ", \"us_median\": " << json_number(m.us.median)
+                << ", \"us_p10\": " << json_number(m.us.p10) << ", \"us_p90\": " << json_number(m.us.p90)
+                << ", \"tflops\": " << json_number(flops / sec / 1e12) << ", \"gbps\": " << json_number(bytes / sec / 1e9)
+                << ", \"flops\": " << json_number(flops) << ", \"bytes\": " << json_number(bytes)
+                << ", \"floor_us\": " << json_number(floor_us)
+                << ", \"time_over_floor\": " << json_number(m.us.median / floor_us)
+                << ", \"kernel_nodes\": " << m.nodes.kernels << ", \"graph_nodes\": " << m.nodes.total()
+                << ", \"rel_error\": " << json_number(err) << ", \"check\": \"" << (pass ? "PASS" : "FAIL") << "\""
+                << ", \"tokens_off_plan\": " << off_plan << ", \"route_counters\": " << counters_json(m.counters)
+                << "}";
+    }
+    if (medians.size() == 2) {
+      const double delta = medians[1] - medians[0];
+      std::printf("  fused vs separate: fused is %.1f us (%.1f%%) %s\n", std::abs(delta),
+                  std::abs(delta) / medians[1] * 100.0, delta >= 0 ? "faster" : "slower");
+      deltas_json << (n_deltas++ ? ",\n    " : "") << "{\"tokens\": " << T
+                  << ", \"fused_us\": " << json_number(medians[0]) << ", \"separate_us\": " << json_number(medians[1])
+                  << ", \"separate_minus_fused_us\": " << json_number(delta)
+                  << ", \"separate_minus_fused_pct\": " << json_number(delta / medians[1] * 100.0) << "}";
+    }
+    std::fflush(stdout);
+
+    if (!o.export_dir.empty()) {
+      char name[64];
+      std::snprintf(name, sizeof(name), "/case_T%ld.safetensors", T);
+      save_safetensors(o.export_dir + name,
+                       {{"x", x_host},
+                        {"indices", routing.indices.to(Device::cpu)},
+                        {"weights", routing.weights.to(Device::cpu)},
+                        {"out", exported_out}},
+                       {{"tokens", std::to_string(T)},
+                        {"routing", o.routing},
+                        {"preset", p.name},
+                        {"out_product", product_name(o.products[0])}});
+    }
+  }
+  set_product_mode(product_before);
+
+  if (!o.json_path.empty()) {
+    std::ofstream f(o.json_path);
+    EXPERTQMM_CHECK(f.good(), "bench", "cannot write --json file '", o.json_path, "'");
+    f << "{\n  \"commit\": " << json_string(commit_id()) << ",\n  \"gpu\": " << json_string(cuda_device_name())
+      << ",\n  \"date\": " << json_string(utc_now()) << ",\n  \"ceilings\": {\"copy_gbps\": "
+      << json_number(ceil.copy_gbps) << ", \"bf16_tflops\": " << json_number(ceil.bf16_tflops)
+      << "},\n  \"preset\": " << json_string(p.name) << ",\n  \"routing\": " << json_string(o.routing)
+      << ",\n  \"protocol\": {\"weight_copies\": " << kWeightCopies << ", \"l2_flush_bytes\": " << flush_bytes
+      << ", \"replays\": " << o.replays << ", \"statistic\": \"median\"}"
+      << ",\n  \"rows\": [\n    " << rows_json.str() << "\n  ],\n  \"product_deltas\": [\n    " << deltas_json.str()
+      << "\n  ]\n}\n";
+    EXPERTQMM_CHECK(f.good(), "bench", "writing --json file '", o.json_path, "' failed");
+  }
+  if (!all_pass) std::fprintf(stderr, "bench: some outputs differ from the float64 reference by more than %g\n", kTolerance);
+  return all_pass ? 0 : 1;
+}
+
+#endif  // EXPERTQMM_HAVE_CUDA
+
+}  // namespace expertqmm::cli

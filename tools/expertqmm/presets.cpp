@@ -1,0 +1,65 @@
+#include "presets.h"
+
+#include <fstream>
+
+#include "expertqmm/backend.h"
+#include "expertqmm/error.h"
+
+namespace expertqmm::cli {
+
+int64_t Preset::bytes_per_expert() const {
+  const int64_t weights = 3 * int64_t(intermediate) * hidden;  // gate, up, down
+  const int64_t code_bytes = weights * bits / 8;
+  const int64_t group_bytes = weights / group_size * 2 * 2;  // bf16 scale + bf16 bias per group
+  return code_bytes + group_bytes;
+}
+
+double Preset::flops_per_assignment() const { return 2.0 * 3.0 * double(intermediate) * double(hidden); }
+
+const std::vector<Preset>& presets() {
+  // Gemma 4 26B-A4B: shared/spec/gemma4-moe.md section 6, mlx-semantics.md 4.6.
+  static const std::vector<Preset> table = {
+      {"gemma4-26b-a4b", "Gemma 4 26B-A4B experts, mlx-lm layout (separate gate and up)", 128, 8, 2816, 704, 4,
+       64, Activation::geglu, false},
+      {"gemma4-26b-a4b-fused", "Gemma 4 26B-A4B experts, HF layout (fused gate_up [E, 2I, H])", 128, 8, 2816,
+       704, 4, 64, Activation::geglu, true},
+      {"tiny", "small geometry for tests: E=8, k=2, H=256, I=128", 8, 2, 256, 128, 4, 64, Activation::geglu,
+       false},
+      {"tiny-fused", "tiny with a fused gate_up", 8, 2, 256, 128, 4, 64, Activation::geglu, true},
+  };
+  return table;
+}
+
+const Preset& find_preset(const std::string& name) {
+  std::string known;
+  for (const Preset& p : presets()) {
+    if (name == p.name) return p;
+    known += known.empty() ? "" : ", ";
+    known += p.name;
+  }
+  throw Error("cli", detail::cat("unknown preset '", name, "' (known: ", known, ")"));
+}
+
+Device resolve_backend(const std::string& name) {
+  if (name == "cpu") return Device::cpu;
+  if (name == "auto") return best_device();
+  EXPERTQMM_CHECK(name == "cuda", "cli", "--backend expects auto, cpu or cuda, got '", name, "'");
+  EXPERTQMM_CHECK(cuda_built(), "cli",
+                  "--backend cuda: this build has no CUDA backend (configure with -DEXPERTQMM_CUDA=ON)");
+  EXPERTQMM_CHECK(cuda_available(), "cli", "--backend cuda: no usable CUDA device on this machine");
+  return Device::cuda;
+}
+
+std::string device_label(Device d) {
+  if (d == Device::cuda) return cuda_device_name();
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(cpuinfo, line)) {
+    if (line.rfind("model name", 0) != 0) continue;
+    size_t colon = line.find(':');
+    if (colon != std::string::npos && colon + 2 <= line.size()) return line.substr(colon + 2);
+  }
+  return "host CPU";
+}
+
+}  // namespace expertqmm::cli

@@ -1,0 +1,43 @@
+// Workload presets of the CLI (a data table) and the backend choice of `run` / `diag`.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "expertqmm/dtype.h"
+#include "expertqmm/ops.h"
+
+namespace expertqmm::cli {
+
+struct Preset {
+  const char* name;
+  const char* description;
+  int experts;       // E
+  int top_k;         // k
+  int hidden;        // H (= D of the experts)
+  int intermediate;  // I
+  int bits;
+  int group_size;
+  Activation activation;
+  bool fused_gate_up;  // one gate_up [E, 2I, H] (gate rows first) instead of gate and up
+
+  // Bytes of one expert's gate, up and down: codes plus bf16 scales and biases.
+  int64_t bytes_per_expert() const;
+  // Multiply-adds x2 of one (token, expert) assignment: gate and up (2*I*H) and down (I*H).
+  double flops_per_assignment() const;
+  // Bytes of all experts (the whole layer's expert weights).
+  int64_t expert_bytes() const { return bytes_per_expert() * experts; }
+};
+
+const std::vector<Preset>& presets();
+// Throws Error("cli") naming the unknown preset and the known ones.
+const Preset& find_preset(const std::string& name);
+
+// "auto" (CUDA when expertqmm::cuda_available(), else CPU), "cpu" or "cuda". Throws when CUDA is
+// requested and this build or this machine cannot provide it.
+Device resolve_backend(const std::string& name);
+
+// Name of the device that runs `d`: the CUDA device name, or the host CPU's model name.
+std::string device_label(Device d);
+
+}  // namespace expertqmm::cli
