@@ -1,0 +1,103 @@
+// CPU reference of mx.gather_qmm (spec mlx-semantics.md 2.1, 2.5): for each batch slot b,
+//   out[b] = x[lhs[b]] (M x K) @ dequant(w[rhs[b]])^T (K x N)   (transpose = true)
+//   out[b] = x[lhs[b]] (M x K) @ dequant(w[rhs[b]])   (K x N)   (transpose = false)
+// Weights are dequantized in fp32 as float(s) * q + float(b) (never rounded to the activation
+// dtype, like MLX's CPU _qmm_t_simd), products are accumulated in fp32 in increasing k, and each
+// output is rounded once to p.dtype.
+#include <cstring>
+#include <vector>
+
+#include "core/gather_qmm_problem.h"
+#include "cpu/cpu_backend.h"
+
+namespace expertqmm::cpu {
+
+namespace {
+
+// Code i of one packed row: bits [i*bits, (i+1)*bits) of the little-endian, LSB-first bit stream
+// formed by the row's uint32 words (spec 1.2). Works for every width 2..8, including 3, 5 and 6
+// where a code may straddle two words.
+uint32_t unpack_code(const uint32_t* row_words, int64_t i, int bits) {
+  const int64_t bit = i * bits;
+  const int64_t word = bit / 32;
+  const int shift = static_cast<int>(bit % 32);
+  uint64_t window = row_words[word] >> shift;
+  if (shift + bits > 32) window |= static_cast<uint64_t>(row_words[word + 1]) << (32 - shift);
+  return static_cast<uint32_t>(window) & ((1u << bits) - 1u);
+}
+
+// Dequantizes weight matrix `e` into `w_nk` as an N x K row-major fp32 matrix, whatever the
+// stored orientation, so the dot products below always walk contiguous memory.
+//   w:      (E, rows, row_words) uint32, rows = N (transpose) or K (not transpose)
+//   scales: (E, rows, row_values / group_size) float, as float (already widened)
+void dequantize_matrix(const detail::GatherQmmProblem& p, const uint32_t* w, const float* scales,
+                       const float* biases, int64_t e, std::vector<float>& w_nk) {
+  const int64_t rows = p.transpose ? p.N : p.K;
+  const int64_t row_values = p.transpose ? p.K : p.N;
+  const int64_t row_words = p.w_row_words();
+  const int64_t groups = p.groups_per_row();
+  w_nk.assign(static_cast<size_t>(p.N * p.K), 0.f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint32_t* words = w + (e * rows + r) * row_words;
+    const float* s = scales + (e * rows + r) * groups;
+    const float* b = biases + (e * rows + r) * groups;
+    for (int64_t c = 0; c < row_values; ++c) {
+      const int64_t g = c / p.group_size;
+      const float value = s[g] * static_cast<float>(unpack_code(words, c, p.bits)) + b[g];
+      // transpose: row r is output column n = r, c runs over k; otherwise r is k and c is n.
+      const int64_t n = p.transpose ? r : c;
+      const int64_t k = p.transpose ? c : r;
+      w_nk[n * p.K + k] = value;
+    }
+  }
+}
+
+// Widens any float tensor to a contiguous host fp32 copy.
+std::vector<float> to_f32(const Tensor& t) {
+  Tensor f = detail::cast_floating(t, DType::f32).contiguous();
+  std::vector<float> v(static_cast<size_t>(f.numel()));
+  if (!v.empty()) std::memcpy(v.data(), f.data(), v.size() * sizeof(float));
+  return v;
+}
+
+}  // namespace
+
+Tensor gather_qmm(const detail::GatherQmmProblem& p) {
+  Shape out_shape = p.batch;
+  out_shape.push_back(p.M);
+  out_shape.push_back(p.N);
+
+  const std::vector<float> scales = to_f32(p.scales);
+  const std::vector<float> biases = to_f32(p.biases);
+  const uint32_t* w = p.w.data_as<const uint32_t>();
+  const int32_t* lhs = p.lhs_is_identity ? nullptr : p.lhs.data_as<const int32_t>();
+  const int32_t* rhs = p.rhs_is_identity ? nullptr : p.rhs.data_as<const int32_t>();
+
+  // A contiguous fp32 copy of x: matrix j of the flattened batch starts at j * M * K.
+  const std::vector<float> x32 = to_f32(p.x);
+  std::vector<float> out(static_cast<size_t>(p.B * p.M * p.N), 0.f);
+  std::vector<float> w_nk;
+  int64_t cached_expert = -1;  // consecutive slots on the same expert (sorted rows) reuse w_nk
+  for (int64_t b = 0; b < p.B; ++b) {
+    const int64_t x_index = lhs ? lhs[b] : b;
+    const int64_t expert = rhs ? rhs[b] : b;
+    if (expert != cached_expert) {
+      dequantize_matrix(p, w, scales.data(), biases.data(), expert, w_nk);
+      cached_expert = expert;
+    }
+    const float* xb = x32.data() + x_index * p.M * p.K;
+    float* ob = out.data() + b * p.M * p.N;
+    for (int64_t m = 0; m < p.M; ++m)
+      for (int64_t n = 0; n < p.N; ++n) {
+        const float* xr = xb + m * p.K;
+        const float* wr = w_nk.data() + n * p.K;
+        float acc = 0.f;
+        for (int64_t k = 0; k < p.K; ++k) acc += xr[k] * wr[k];
+        ob[m * p.N + n] = acc;
+      }
+  }
+  Tensor out32 = Tensor::from_host(out.data(), out_shape, DType::f32, Device::cpu);
+  return detail::cast_floating(out32, p.dtype);
+}
+
+}  // namespace expertqmm::cpu

@@ -1,0 +1,123 @@
+// CPU reference of the Gemma 4 router (spec gemma4-moe.md 5, mlx-semantics.md 4.2):
+//   r      = h * rsqrt(mean(h^2) + eps) * (scale * H^-0.5)     fp32, rounded once to h's dtype
+//   logits = r @ proj^T                                        in the matmul output dtype
+//   idx    = the top_k experts by descending logit             ties -> lower expert id first
+//   w      = softmax(logits[idx]) * per_expert_scale[idx]      fp32, rounded once to h's dtype
+// Choices where MLX leaves the result unspecified or rounds differently:
+//  - Order of the k slots: best first. mx.argpartition returns the k best in no promised order,
+//    so callers compare routings as sets per token.
+//  - Ties: the lower expert id wins. Deterministic, and it is what a stable descending sort gives.
+//  - NaN logits rank above every number, so a NaN in h reaches the weights instead of being
+//    silently routed around (and the comparator stays a strict weak order, never UB).
+//  - The rms weight and the softmax stay in fp32 (MLX rounds the weight to scale's dtype and
+//    accumulates the bf16 softmax in bf16); the logits are rounded to the activation dtype as
+//    MLX's proj does, so the top-k sees the same values MLX sees up to matmul summation order.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include "core/gather_qmm_problem.h"
+#include "cpu/cpu_backend.h"
+
+namespace expertqmm::cpu {
+
+namespace {
+
+std::vector<float> to_f32(const Tensor& t) {
+  Tensor f = detail::cast_floating(t, DType::f32).contiguous();
+  std::vector<float> v(static_cast<size_t>(f.numel()));
+  if (!v.empty()) std::memcpy(v.data(), f.data(), v.size() * sizeof(float));
+  return v;
+}
+
+// True when expert a ranks before expert b: NaN first, then larger logit, then lower id.
+bool ranks_before(float la, int32_t a, float lb, int32_t b) {
+  const bool na = std::isnan(la), nb = std::isnan(lb);
+  if (na != nb) return na;
+  if (!na && la != lb) return la > lb;
+  return a < b;
+}
+
+// r = rms_norm(h) * scale * H^-0.5, rounded to h's dtype: the router projection's input.
+Tensor normalize(const Tensor& h, const RouterWeights& router) {
+  const int64_t T = h.size(0), H = h.size(1);
+  const std::vector<float> x = to_f32(h);
+  const std::vector<float> scale = to_f32(router.scale);
+  const float root_size = 1.0f / std::sqrt(static_cast<float>(H));
+  std::vector<float> r(x.size());
+  for (int64_t t = 0; t < T; ++t) {
+    const float* xt = x.data() + t * H;
+    float sum_sq = 0.f;
+    for (int64_t i = 0; i < H; ++i) sum_sq += xt[i] * xt[i];
+    const float inv_rms = 1.0f / std::sqrt(sum_sq / static_cast<float>(H) + router.eps);
+    for (int64_t i = 0; i < H; ++i) r[t * H + i] = xt[i] * inv_rms * (scale[i] * root_size);
+  }
+  Tensor r32 = Tensor::from_host(r.data(), {T, H}, DType::f32, Device::cpu);
+  return detail::cast_floating(r32, h.dtype());
+}
+
+// logits [T, E] from r [T, H]: the quantized proj through the gather_qmm reference (one weight
+// matrix, no indices), or the dense proj with fp32 accumulation.
+Tensor project(const Tensor& r, const RouterWeights& router) {
+  if (router.proj.defined()) {
+    const QuantizedWeight& q = router.proj;
+    detail::GatherQmmProblem p = detail::make_gather_qmm_problem(
+        r, q.w, q.scales, q.biases, Tensor(), Tensor(), /*transpose=*/true, q.group_size, q.bits,
+        /*sorted_indices=*/false);
+    return gather_qmm(p);
+  }
+  const int64_t T = r.size(0), H = r.size(1), E = router.proj_dense.size(0);
+  const std::vector<float> x = to_f32(r);
+  const std::vector<float> w = to_f32(router.proj_dense);
+  std::vector<float> logits(static_cast<size_t>(T * E));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t e = 0; e < E; ++e) {
+      float acc = 0.f;
+      for (int64_t i = 0; i < H; ++i) acc += x[t * H + i] * w[e * H + i];
+      logits[t * E + e] = acc;
+    }
+  Tensor l32 = Tensor::from_host(logits.data(), {T, E}, DType::f32, Device::cpu);
+  return detail::cast_floating(l32, promote_floating(r.dtype(), router.proj_dense.dtype()));
+}
+
+}  // namespace
+
+Routing route(const Tensor& h, const RouterWeights& router) {
+  const int64_t T = h.size(0);
+  const int k = router.top_k;
+  const Tensor logits_t = project(normalize(h, router), router);
+  const int64_t E = logits_t.size(1);
+  const std::vector<float> logits = to_f32(logits_t);
+  const std::vector<float> per_expert = to_f32(router.per_expert_scale);
+
+  std::vector<int32_t> indices(static_cast<size_t>(T * k));
+  std::vector<float> weights(static_cast<size_t>(T * k));
+  std::vector<int32_t> experts(static_cast<size_t>(E));
+  std::vector<float> p(static_cast<size_t>(k));
+  for (int64_t t = 0; t < T; ++t) {
+    const float* lt = logits.data() + t * E;
+    std::iota(experts.begin(), experts.end(), 0);
+    std::partial_sort(experts.begin(), experts.begin() + k, experts.end(),
+                      [&](int32_t a, int32_t b) { return ranks_before(lt[a], a, lt[b], b); });
+    // Softmax over the k selected logits; slot 0 holds the largest (or a NaN, which propagates).
+    const float max_logit = lt[experts[0]];
+    float sum = 0.f;
+    for (int j = 0; j < k; ++j) {
+      p[j] = std::exp(lt[experts[j]] - max_logit);
+      sum += p[j];
+    }
+    for (int j = 0; j < k; ++j) {
+      indices[t * k + j] = experts[j];
+      weights[t * k + j] = p[j] / sum * per_expert[experts[j]];
+    }
+  }
+  Routing out;
+  out.indices = Tensor::from_host(indices.data(), {T, k}, DType::i32, Device::cpu);
+  Tensor w32 = Tensor::from_host(weights.data(), {T, k}, DType::f32, Device::cpu);
+  out.weights = detail::cast_floating(w32, h.dtype());
+  return out;
+}
+
+}  // namespace expertqmm::cpu
