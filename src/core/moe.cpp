@@ -24,9 +24,11 @@ namespace {
 // mlx-lm SwitchGLU sorts the (token, slot) rows by expert when there are at least this many.
 constexpr int64_t kSortThreshold = 64;
 
+#ifndef EXPERTQMM_HAVE_CUDA
 [[noreturn]] void no_cuda_backend(const char* op) {
   throw Error(op, "the inputs are on cuda but this build of expertqmm has no CUDA backend");
 }
+#endif
 
 void check_floating(const char* op, const char* name, const Tensor& t) {
   EXPERTQMM_CHECK(t.defined(), op, name, " is undefined");

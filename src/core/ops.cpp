@@ -18,9 +18,11 @@ namespace expertqmm {
 
 namespace {
 
+#ifndef EXPERTQMM_HAVE_CUDA
 [[noreturn]] void no_cuda_backend(const std::string& op) {
   throw Error(op, "the inputs are on cuda but this build of expertqmm has no CUDA backend");
 }
+#endif
 
 void check_floating(const std::string& op, const char* name, const Tensor& t) {
   EXPERTQMM_CHECK(t.defined(), op, name, " is undefined");
