@@ -1,0 +1,132 @@
+// Internal pieces shared by the CUDA ops files (quantize, sort, activation, router, combine, moe):
+// element-type traits usable on host and device, a dtype dispatcher, the workspace arena, and the
+// launch entry points each file exports to the device MoE path. Included by .cu files only.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "core/float16.h"
+#include "cuda/runtime.cuh"
+#include "expertqmm/moe.h"
+
+namespace expertqmm::cuda {
+
+// ---------------------------------------------------------------------------------------------
+// Element types. Conversions go through core/float16.h so that the device rounds exactly as the
+// CPU backend does (round to nearest even; bf16/f16 stored as uint16_t).
+template <DType D>
+struct Elem;
+template <>
+struct Elem<DType::bf16> {
+  using storage = uint16_t;
+  static __host__ __device__ __forceinline__ float load(storage v) { return bf16_to_float(v); }
+  static __host__ __device__ __forceinline__ storage store(float f) { return float_to_bf16(f); }
+};
+template <>
+struct Elem<DType::f16> {
+  using storage = uint16_t;
+  static __host__ __device__ __forceinline__ float load(storage v) { return f16_to_float(v); }
+  static __host__ __device__ __forceinline__ storage store(float f) { return float_to_f16(f); }
+};
+template <>
+struct Elem<DType::f32> {
+  using storage = float;
+  static __host__ __device__ __forceinline__ float load(storage v) { return v; }
+  static __host__ __device__ __forceinline__ storage store(float f) { return f; }
+};
+
+// Rounds an fp32 value to the precision of D and back (identity for f32).
+template <DType D>
+__host__ __device__ __forceinline__ float round_to(float f) {
+  return Elem<D>::load(Elem<D>::store(f));
+}
+
+// Elements per 16-byte vector.
+template <DType D>
+constexpr int kVec16 = 16 / static_cast<int>(sizeof(typename Elem<D>::storage));
+
+template <DType D>
+using DTypeTag = std::integral_constant<DType, D>;
+
+// Calls f(DTypeTag<D>{}) for the float dtype t; other dtypes are an Error naming `op`.
+template <class F>
+void dispatch_float(DType t, const char* op, F&& f) {
+  switch (t) {
+    case DType::bf16: f(DTypeTag<DType::bf16>{}); return;
+    case DType::f16: f(DTypeTag<DType::f16>{}); return;
+    case DType::f32: f(DTypeTag<DType::f32>{}); return;
+    default: break;
+  }
+  throw Error(op, detail::cat("expected a float dtype (bfloat16, float16, float32), got ", dtype_name(t)));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Workspace slots. The MoE path carves all of its scratch from one slot per call (an arena), the
+// router from another; gather_qmm_into may use the slots below kFirstOpsSlot for its own scratch.
+constexpr int kRouterArenaSlot = 14;
+constexpr int kMoeArenaSlot = 15;
+constexpr int kFirstOpsSlot = 14;
+
+// Two-pass carving: reserve() offsets while sizing, then base + offset once the slot is fetched.
+class ArenaLayout {
+ public:
+  static constexpr size_t kAlign = 256;  // keeps every piece 16-byte (and CUB) aligned
+  size_t reserve(size_t bytes) {
+    const size_t off = used_;
+    used_ += (bytes + kAlign - 1) / kAlign * kAlign;
+    return off;
+  }
+  size_t bytes() const { return used_ ? used_ : kAlign; }
+
+ private:
+  size_t used_ = 0;
+};
+inline void* arena_at(void* base, size_t offset) { return static_cast<char*>(base) + offset; }
+
+// ---------------------------------------------------------------------------------------------
+// Launch entry points (all on `stream`, no host synchronization, no allocation).
+
+// Elementwise dtype conversion of n contiguous values (the MoE path uses it when activations and
+// weight scales differ in dtype, so that every gather_qmm operand is in the problem's dtype).
+void launch_cast(DType from, const void* src, DType to, void* dst, int64_t n, cudaStream_t stream);
+
+// activation.cu: out[r, c] = act(gate[r, c]) * up[r, c] for r < rows, c < width; gate and
+// up rows are `in_row_stride` elements apart (width for separate tensors, 2*width when both point
+// into one fused [rows, 2*width] gate_up output). out is contiguous [rows, width]. `mode` picks one
+// fused kernel or act-then-multiply through `intermediate` ([rows, width], dtype, only for
+// ProductMode::separate).
+void launch_glu_product(Activation act, ProductMode mode, DType dtype, const void* gate, const void* up,
+                        int64_t rows, int64_t width, int64_t in_row_stride, void* out, void* intermediate,
+                        cudaStream_t stream);
+
+// sort.cu: stable sort of n flat expert ids (int32, or uint32 when ids_unsigned) over bits
+// [0, end_bit). Outputs: sorted_ids [n], order [n] (flat positions); then inv_order[order[i]] = i
+// and, when token_of_row is non-null, token_of_row[i] = order[i] / k.
+size_t sort_temp_bytes(int64_t n, bool ids_unsigned);
+void launch_sort_rows(const int32_t* ids, int64_t n, int k, bool ids_unsigned, int end_bit, int32_t* sorted_ids,
+                      int32_t* order, int32_t* positions, int32_t* inv_order, int32_t* token_of_row,
+                      void* temp, size_t temp_bytes, cudaStream_t stream);
+// dst row i = src row (source_row[i] / divisor), row_bytes per row (16-byte copies when aligned);
+// src rows src_row_stride_bytes apart, dst contiguous; out-of-range rows are recorded as faults.
+void launch_gather_rows(const void* src, int64_t src_rows, int64_t src_row_stride_bytes, const int32_t* source_row,
+                        int divisor, int64_t n, int64_t row_bytes, void* dst, cudaStream_t stream);
+// token_of_row[b] = b / k for b < n (the unsorted path's lhs: row b belongs to token b / k).
+void launch_token_of_row(int32_t* token_of_row, int64_t n, int k, cudaStream_t stream);
+// Number of key bits that distinguish ids in [0, E).
+int id_bits(int64_t E);
+
+// combine.cu: out[t, :] = sum_j w[t, j] * y[row(t, j), :], fp32 products and sums in slot order,
+// one rounding to out's dtype. row(t, j) = slot_row ? slot_row[t*k + j] : t*k + j; a row outside
+// [0, y_rows) is recorded as a fault and skipped. y: [y_rows, D], out: [T, D], w: [T, k], all
+// contiguous.
+void launch_weighted_combine(DType y_dtype, const void* y, int64_t y_rows, const int32_t* slot_row,
+                             DType w_dtype, const void* w, DType out_dtype, void* out, int64_t T, int64_t k,
+                             int64_t D, cudaStream_t stream);
+
+// router.cu: the Gemma 4 router on the device. Writes indices [T, k] int32 and weights [T, k] in
+// h's dtype (both contiguous device memory owned by the caller); scratch from `ws` (slot
+// kRouterArenaSlot and whatever gather_qmm_into takes). h: [T, H] on the device, rows contiguous.
+void route_into(const Tensor& h, const RouterWeights& router, int32_t* indices, void* weights, Workspace& ws);
+
+}  // namespace expertqmm::cuda
