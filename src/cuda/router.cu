@@ -1,0 +1,259 @@
+// The Gemma 4 router on the GPU (spec gemma4-moe.md 5, mlx-semantics.md 4.2), mirroring the CPU
+// reference (src/cpu/router.cpp):
+//   r      = h * rsqrt(mean(h^2) + eps) * (scale * H^-0.5)     fp32, rounded once to h's dtype
+//   logits = r @ proj^T                                        rounded to promote(r, proj) dtype
+//   idx    = top_k experts by descending logit                 NaN first, ties -> lower expert id
+//   w      = softmax(logits[idx]) * per_expert_scale[idx]      fp32, rounded once to h's dtype
+// Differences from the CPU are summation order only (the mean of squares is a tree sum here, the
+// logits come from a tiled GEMM), so indices agree except where two logits are within rounding of
+// each other at the top-k boundary.
+#include <cmath>
+
+#include "cuda/cuda_backend.h"
+#include "cuda/gather_qmm.h"
+#include "cuda/moe_internal.h"
+
+namespace expertqmm::cuda {
+
+namespace {
+
+constexpr int kNormThreads = 256;
+constexpr int kWarpsPerCta = 8;
+
+__device__ __forceinline__ float load_any(const void* p, DType dtype, int64_t i) {
+  switch (dtype) {
+    case DType::bf16: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+    case DType::f16: return f16_to_float(static_cast<const uint16_t*>(p)[i]);
+    default: return static_cast<const float*>(p)[i];
+  }
+}
+
+// r[t, i] = T(h[t, i] * inv_rms(t) * (scale[i] * root_size)), inv_rms = 1 / sqrt(sum(h^2)/H + eps).
+//   h      (T, H) of D, rows h_row_stride apart;  scale (H) of scale_dtype;  r (T, H) of D contiguous
+// Work split: one CTA of 256 threads per token; each thread squares and sums a strided slice of the
+// row, warps reduce by shuffles and the 8 warp sums meet in shared memory; then the same threads
+// write their slice of r.
+template <DType D>
+__global__ void router_rms_norm_kernel(const typename Elem<D>::storage* __restrict__ h, int64_t h_row_stride,
+                                       int64_t H, const void* __restrict__ scale, DType scale_dtype,
+                                       float root_size, float eps, typename Elem<D>::storage* __restrict__ r) {
+  __shared__ float warp_sums[kNormThreads / 32];
+  const int64_t t = blockIdx.x;
+  const typename Elem<D>::storage* row = h + t * h_row_stride;
+  float sum_sq = 0.0f;
+  for (int64_t i = threadIdx.x; i < H; i += blockDim.x) {
+    const float x = Elem<D>::load(row[i]);
+    sum_sq = __fadd_rn(sum_sq, __fmul_rn(x, x));
+  }
+  for (int off = 16; off > 0; off >>= 1) sum_sq = __fadd_rn(sum_sq, __shfl_xor_sync(0xffffffffu, sum_sq, off));
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = sum_sq;
+  __syncthreads();
+  float total = 0.0f;
+  for (int w = 0; w < kNormThreads / 32; ++w) total = __fadd_rn(total, warp_sums[w]);
+  const float inv_rms =
+      __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(total, static_cast<float>(H)), eps)));
+  for (int64_t i = threadIdx.x; i < H; i += blockDim.x) {
+    const float x = Elem<D>::load(row[i]);
+    const float weight = __fmul_rn(load_any(scale, scale_dtype, i), root_size);
+    r[t * H + i] = Elem<D>::store(__fmul_rn(__fmul_rn(x, inv_rms), weight));
+  }
+}
+
+// Dense projection: logits[t, e] = L(sum_i r[t, i] * proj[e, i]) with fp32 accumulation.
+//   r (T, H) of R contiguous;  proj (E, H) of P contiguous;  logits (T, E) of L contiguous
+// Work split: one warp per (t, e) pair (8 warps per CTA, consecutive warps take consecutive e of
+// one token so r's row is shared through L1); lanes stride over H and reduce by shuffles.
+template <DType R, DType P, DType L>
+__global__ void router_dense_logits_kernel(const typename Elem<R>::storage* __restrict__ r,
+                                           const typename Elem<P>::storage* __restrict__ proj, int64_t T, int64_t E,
+                                           int64_t H, typename Elem<L>::storage* __restrict__ logits) {
+  const int lane = threadIdx.x & 31;
+  const int64_t pair = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + (threadIdx.x >> 5);
+  if (pair >= T * E) return;
+  const int64_t t = pair / E;
+  const int64_t e = pair - t * E;
+  float acc = 0.0f;
+  for (int64_t i = lane; i < H; i += 32)
+    acc = __fadd_rn(acc, __fmul_rn(Elem<R>::load(r[t * H + i]), Elem<P>::load(proj[e * H + i])));
+  for (int off = 16; off > 0; off >>= 1) acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, off));
+  if (lane == 0) logits[pair] = Elem<L>::store(acc);
+}
+
+// A 64-bit key whose unsigned order is the routing order: NaN above every number, then larger
+// logit, then lower expert id. High word: the float made order-preserving as an unsigned integer.
+__device__ __forceinline__ unsigned long long routing_key(float logit, int32_t expert) {
+  uint32_t bits = __float_as_uint(logit);
+  uint32_t ordered;
+  if (isnan(logit)) ordered = 0xffffffffu;
+  else ordered = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+  return (static_cast<unsigned long long>(ordered) << 32) | (0xffffffffu - static_cast<uint32_t>(expert));
+}
+
+// Top-k over each token's logits, softmax over the k, times per_expert_scale.
+//   logits (T, E) of L;  per_expert_scale (E) of pes_dtype
+//   indices (T, k) int32, best first;  weights (T, k) of W
+// Work split: one warp per token (8 per CTA). Pass j: each lane scans experts lane, lane+32, ...
+// for the largest key strictly below the key picked in pass j-1 (keys are distinct, so the k passes
+// pick k distinct experts in order without marking anything), then a shuffle max picks the warp's.
+// Lane 0 then evaluates the softmax sequentially in slot order, as the CPU does.
+template <DType L, DType W>
+__global__ void router_topk_softmax_kernel(const typename Elem<L>::storage* __restrict__ logits, int64_t T, int64_t E,
+                                           int k, const void* __restrict__ per_expert_scale, DType pes_dtype,
+                                           int32_t* __restrict__ indices, typename Elem<W>::storage* __restrict__ weights) {
+  const int lane = threadIdx.x & 31;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + (threadIdx.x >> 5);
+  if (t >= T) return;
+  const typename Elem<L>::storage* row = logits + t * E;
+  unsigned long long bound = ~0ull;
+  bool first = true;
+  for (int j = 0; j < k; ++j) {
+    unsigned long long best = 0;
+    for (int64_t e = lane; e < E; e += 32) {
+      const unsigned long long key = routing_key(Elem<L>::load(row[e]), static_cast<int32_t>(e));
+      if ((first || key < bound) && key > best) best = key;
+    }
+    for (int off = 16; off > 0; off >>= 1) {
+      const unsigned long long other = __shfl_xor_sync(0xffffffffu, best, off);
+      best = other > best ? other : best;
+    }
+    if (lane == 0) indices[t * k + j] = static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(best & 0xffffffffu));
+    bound = best;
+    first = false;
+  }
+  if (lane != 0) return;
+  // Softmax over the selected logits, slot 0 the largest (a NaN there propagates, as on the CPU).
+  const float max_logit = Elem<L>::load(row[indices[t * k]]);
+  float sum = 0.0f;
+  for (int j = 0; j < k; ++j) sum = __fadd_rn(sum, expf(__fsub_rn(Elem<L>::load(row[indices[t * k + j]]), max_logit)));
+  for (int j = 0; j < k; ++j) {
+    const int32_t e = indices[t * k + j];
+    const float p = expf(__fsub_rn(Elem<L>::load(row[e]), max_logit));
+    weights[t * k + j] = Elem<W>::store(__fmul_rn(__fdiv_rn(p, sum), load_any(per_expert_scale, pes_dtype, e)));
+  }
+}
+
+unsigned ctas_for(int64_t items, int per_cta) { return static_cast<unsigned>((items + per_cta - 1) / per_cta); }
+
+}  // namespace
+
+void route_into(const Tensor& h, const RouterWeights& router, int32_t* indices, void* weights, Workspace& ws) {
+  const char* op = "route";
+  EXPERTQMM_CHECK(h.device() == Device::cuda && h.ndim() == 2 && (h.size(1) <= 1 || h.stride(1) == 1), op,
+                  "h must be a [T, H] device tensor with contiguous rows, got ", h.describe());
+  const int64_t T = h.size(0), H = h.size(1);
+  const bool quantized = router.proj.defined();
+  const int64_t E = quantized ? router.proj.w.size(0) : router.proj_dense.size(0);
+  const int k = router.top_k;
+  EXPERTQMM_CHECK(k >= 1 && k <= E && T <= INT32_MAX, op, "top_k=", k, " must be in [1, E=", E, "] (T=", T, ")");
+  if (T == 0) return;
+  const DType h_dtype = h.dtype();
+  // The projection runs in promote(r, proj) (r is rounded to h's dtype first, as on the CPU).
+  const DType proj_dtype = quantized ? router.proj.scales.dtype() : router.proj_dense.dtype();
+  const DType logit_dtype = promote_floating(h_dtype, proj_dtype);
+  const Tensor scale = router.scale.contiguous();
+  const Tensor per_expert_scale = router.per_expert_scale.contiguous();
+
+  ArenaLayout layout;
+  const size_t r_off = layout.reserve(static_cast<size_t>(T * H) * dtype_size(h_dtype));
+  const bool cast_r = quantized && logit_dtype != h_dtype;  // gather_qmm wants x in its dtype
+  const size_t r_cast_off = cast_r ? layout.reserve(static_cast<size_t>(T * H) * dtype_size(logit_dtype)) : 0;
+  const bool cast_scales = quantized && proj_dtype != logit_dtype;
+  const int64_t proj_groups = quantized ? router.proj.scales.numel() : 0;
+  const size_t scales_off = cast_scales ? layout.reserve(static_cast<size_t>(proj_groups) * dtype_size(logit_dtype)) : 0;
+  const size_t biases_off = cast_scales ? layout.reserve(static_cast<size_t>(proj_groups) * dtype_size(logit_dtype)) : 0;
+  const size_t logits_off = layout.reserve(static_cast<size_t>(T * E) * dtype_size(logit_dtype));
+  void* base = ws.get(kRouterArenaSlot, layout.bytes());
+  void* r = arena_at(base, r_off);
+  void* logits = arena_at(base, logits_off);
+  cudaStream_t stream = current_stream();
+  const float root_size = 1.0f / std::sqrt(static_cast<float>(H));
+
+  dispatch_float(h_dtype, op, [&](auto tag) {
+    constexpr DType D = decltype(tag)::value;
+    using S = typename Elem<D>::storage;
+    router_rms_norm_kernel<D><<<static_cast<unsigned>(T), kNormThreads, 0, stream>>>(
+        h.data_as<const S>(), h.stride(0), H, scale.data(), scale.dtype(), root_size, router.eps, static_cast<S*>(r));
+    EXPERTQMM_CUDA_CHECK_LAUNCH(router_rms_norm_kernel);
+  });
+  void* r_in_logit_dtype = r;
+  if (cast_r) {
+    r_in_logit_dtype = arena_at(base, r_cast_off);
+    launch_cast(h_dtype, r, logit_dtype, r_in_logit_dtype, T * H, stream);
+  }
+
+  if (quantized) {
+    // One weight matrix, no indices: x [T, H] is a single batch of M = T rows (B = 1).
+    const QuantizedWeight& q = router.proj;
+    detail::GatherQmmProblem p;
+    p.M = T;
+    p.N = E;
+    p.K = H;
+    p.bits = q.bits;
+    p.group_size = q.group_size;
+    p.transpose = true;
+    p.sorted_indices = false;
+    p.batch = {};
+    p.B = 1;
+    p.x_batch = 1;
+    p.w_batch = 1;
+    p.dtype = logit_dtype;
+    p.device = Device::cuda;
+    p.x = Tensor::view(r_in_logit_dtype, {T, H}, logit_dtype, Device::cuda);
+    p.x_batch_stride = T * H;
+    p.w = q.w.contiguous();
+    if (cast_scales) {
+      void* s = arena_at(base, scales_off);
+      void* b = arena_at(base, biases_off);
+      const Tensor qs = q.scales.contiguous(), qb = q.biases.contiguous();
+      launch_cast(proj_dtype, qs.data(), logit_dtype, s, proj_groups, stream);
+      launch_cast(proj_dtype, qb.data(), logit_dtype, b, proj_groups, stream);
+      p.scales = Tensor::view(s, q.scales.shape(), logit_dtype, Device::cuda);
+      p.biases = Tensor::view(b, q.biases.shape(), logit_dtype, Device::cuda);
+    } else {
+      p.scales = q.scales.contiguous();
+      p.biases = q.biases.contiguous();
+    }
+    p.lhs_is_identity = true;
+    p.rhs_is_identity = true;
+    gather_qmm_into(p, logits, &ws);
+  } else {
+    const Tensor proj = router.proj_dense.contiguous();
+    dispatch_float(h_dtype, op, [&](auto rtag) {
+      constexpr DType R = decltype(rtag)::value;
+      dispatch_float(proj.dtype(), op, [&](auto ptag) {
+        constexpr DType P = decltype(ptag)::value;
+        dispatch_float(logit_dtype, op, [&](auto ltag) {
+          constexpr DType L = decltype(ltag)::value;
+          router_dense_logits_kernel<R, P, L><<<ctas_for(T * E, kWarpsPerCta), kWarpsPerCta * 32, 0, stream>>>(
+              static_cast<const typename Elem<R>::storage*>(r), proj.data_as<const typename Elem<P>::storage>(), T, E, H,
+              static_cast<typename Elem<L>::storage*>(logits));
+          EXPERTQMM_CUDA_CHECK_LAUNCH(router_dense_logits_kernel);
+        });
+      });
+    });
+  }
+
+  dispatch_float(logit_dtype, op, [&](auto ltag) {
+    constexpr DType L = decltype(ltag)::value;
+    dispatch_float(h_dtype, op, [&](auto wtag) {
+      constexpr DType W = decltype(wtag)::value;
+      router_topk_softmax_kernel<L, W><<<ctas_for(T, kWarpsPerCta), kWarpsPerCta * 32, 0, stream>>>(
+          static_cast<const typename Elem<L>::storage*>(logits), T, E, k, per_expert_scale.data(),
+          per_expert_scale.dtype(), indices, static_cast<typename Elem<W>::storage*>(weights));
+      EXPERTQMM_CUDA_CHECK_LAUNCH(router_topk_softmax_kernel);
+    });
+  });
+}
+
+Routing route(const Tensor& h, const RouterWeights& router) {
+  const int64_t T = h.size(0);
+  const int k = router.top_k;
+  Routing out;
+  out.indices = Tensor::empty({T, k}, DType::i32, Device::cuda);
+  out.weights = Tensor::empty({T, k}, h.dtype(), Device::cuda);
+  Workspace ws;  // the allocating public path: scratch lives for this call only
+  route_into(h, router, out.indices.data_as<int32_t>(), out.weights.data(), ws);
+  return out;
+}
+
+}  // namespace expertqmm::cuda
