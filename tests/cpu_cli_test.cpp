@@ -6,6 +6,8 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <sstream>
 #include <string>
 
 #include "expertqmm/backend.h"
@@ -40,6 +42,19 @@ Result run_cli(const std::string& args) {
   const int status = pclose(p);
   r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return r;
+}
+
+int count_of(const std::string& text, const std::string& what) {
+  int n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + what.size())) ++n;
+  return n;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream s;
+  s << f.rdbuf();
+  return s.str();
 }
 
 // The value column of a `run` table row ("name   value").
@@ -143,6 +158,43 @@ TEST_F(Cli, CudaOnlyCommandsExplainAMissingGpu) {
   Result run = run_cli("run --preset tiny --tokens 1 --backend cuda");
   EXPECT_NE(run.exit_code, 0) << run.output;
   EXPECT_NE(run.output.find("--backend cuda"), std::string::npos) << run.output;
+}
+
+// On a machine with a GPU (scripts/gpu-check runs this binary there) the CLI's CUDA paths run too.
+TEST_F(Cli, RunOnCudaPasses) {
+  if (!expertqmm::cuda_available()) GTEST_SKIP() << "SKIP: no CUDA device";
+  for (const char* args : {"run --preset tiny --tokens 40 --backend cuda",
+                           "run --preset gemma4-26b-a4b --tokens 64 --backend cuda",
+                           "run --preset gemma4-26b-a4b-fused --tokens 3 --backend cuda --routing zipf"}) {
+    Result r = run_cli(args);
+    EXPECT_EQ(r.exit_code, 0) << args << "\n" << r.output;
+    EXPECT_EQ(field(r.output, "status"), "PASS") << args << "\n" << r.output;
+    EXPECT_EQ(field(r.output, "backend"), "cuda") << args << "\n" << r.output;
+  }
+}
+
+TEST_F(Cli, BenchOnCudaWritesJsonAndExport) {
+  if (!expertqmm::cuda_available()) GTEST_SKIP() << "SKIP: no CUDA device";
+  char dir_template[] = "/tmp/expertqmm_cli_bench_XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  Result uniform = run_cli("bench --preset tiny --tokens 1,64 --product both --replays 5 --json " + dir +
+                           "/uniform.json --export-dir " + dir + "/export");
+  EXPECT_EQ(uniform.exit_code, 0) << uniform.output;
+  const std::string json = read_file(dir + "/uniform.json");
+  EXPECT_EQ(count_of(json, "\"check\": \"PASS\""), 4) << json;  // 2 token counts x 2 products
+  EXPECT_EQ(count_of(json, "\"product\": \"separate\""), 2) << json;
+  EXPECT_EQ(count_of(json, "\"separate_minus_fused_us\""), 2) << json;
+  EXPECT_NE(json.find("\"bf16_tflops\""), std::string::npos) << json;
+  for (const char* f : {"/export/weights.safetensors", "/export/case_T1.safetensors", "/export/case_T64.safetensors"})
+    EXPECT_EQ(access((dir + f).c_str(), R_OK), 0) << f;
+
+  Result zipf = run_cli("bench --preset tiny --tokens 64 --routing zipf --replays 5 --json " + dir + "/zipf.json");
+  EXPECT_EQ(zipf.exit_code, 0) << zipf.output;
+  const std::string zjson = read_file(dir + "/zipf.json");
+  EXPECT_EQ(count_of(zjson, "\"check\": \"PASS\""), 1) << zjson;
+  EXPECT_EQ(count_of(zjson, "\"tokens_off_plan\": 0,"), 1) << "the router must follow the Zipf plan: " << zjson;
+  std::system(("rm -rf '" + dir + "'").c_str());
 }
 
 }  // namespace

@@ -479,11 +479,11 @@ int run_bench(int argc, char** argv) {
   const ProductMode product_before = product_mode();
 
   std::fprintf(stderr, "measuring the ceilings ...\n");
-  Ceilings ceil;
-  ceil.copy_gbps = measure_copy_gbps(stream);
-  ceil.bf16_tflops = measure_bf16_tflops(stream);
+  Ceilings ceilings;
+  ceilings.copy_gbps = measure_copy_gbps(stream);
+  ceilings.bf16_tflops = measure_bf16_tflops(stream);
   std::printf("device %s: copy %.0f GB/s (read + write), bf16 GEMM %.0f TFLOP/s\n", cuda_device_name(),
-              ceil.copy_gbps, ceil.bf16_tflops);
+              ceilings.copy_gbps, ceilings.bf16_tflops);
 
   int device = 0, l2_bytes = 0;
   EXPERTQMM_CUDA_CHECK(cudaGetDevice(&device));
@@ -544,7 +544,7 @@ int run_bench(int argc, char** argv) {
 
     const double flops = double(T * k) * p.flops_per_assignment();
     const double bytes = double(experts_hit) * double(p.bytes_per_expert()) + 2.0 * double(T * H) * 2.0;
-    const double floor_us = std::max(flops / (ceil.bf16_tflops * 1e12), bytes / (ceil.copy_gbps * 1e9)) * 1e6;
+    const double floor_us = std::max(flops / (ceilings.bf16_tflops * 1e12), bytes / (ceilings.copy_gbps * 1e9)) * 1e6;
 
     std::printf("\ntokens %ld: assignments %ld, experts hit %" PRId64 "/%d, %.3f GFLOP, %.1f MB, floor %.1f us\n", T,
                 T * long(k), experts_hit, p.experts, flops / 1e9, bytes / 1e6, floor_us);
@@ -621,7 +621,7 @@ int run_bench(int argc, char** argv) {
     EXPERTQMM_CHECK(f.good(), "bench", "cannot write --json file '", o.json_path, "'");
     f << "{\n  \"commit\": " << json_string(commit_id()) << ",\n  \"gpu\": " << json_string(cuda_device_name())
       << ",\n  \"date\": " << json_string(utc_now()) << ",\n  \"ceilings\": {\"copy_gbps\": "
-      << json_number(ceil.copy_gbps) << ", \"bf16_tflops\": " << json_number(ceil.bf16_tflops)
+      << json_number(ceilings.copy_gbps) << ", \"bf16_tflops\": " << json_number(ceilings.bf16_tflops)
       << "},\n  \"preset\": " << json_string(p.name) << ",\n  \"routing\": " << json_string(o.routing)
       << ",\n  \"protocol\": {\"weight_copies\": " << kWeightCopies << ", \"l2_flush_bytes\": " << flush_bytes
       << ", \"replays\": " << o.replays << ", \"statistic\": \"median\"}"
