@@ -53,6 +53,16 @@ struct BenchOptions {
   uint64_t seed = 1;
 };
 
+void print_usage() {
+  std::printf(
+      "usage: expertqmm bench [--preset gemma4-26b-a4b] [--tokens 1,8,64,512,1024,2048] [--routing uniform|zipf]\n"
+      "                       [--product fused|separate|both] [--json FILE] [--replays 100] [--export-dir DIR]\n"
+      "                       [--seed S]\n"
+      "Times the whole MoE layer as CUDA graph replays (4 weight copies round robin, L2 flushed between\n"
+      "replays, median of the replays) against a floor measured in the same run; bench/README.md has\n"
+      "the protocol. CUDA only.\n");
+}
+
 BenchOptions parse_options(int argc, char** argv) {
   Args args(argc, argv);
   args.check_known({"preset", "tokens", "routing", "product", "json", "replays", "export-dir", "seed"});
@@ -87,6 +97,7 @@ BenchOptions parse_options(int argc, char** argv) {
 #ifndef EXPERTQMM_HAVE_CUDA
 
 int run_bench(int argc, char** argv) {
+  if (Args(argc, argv).has("help")) return print_usage(), 0;
   parse_options(argc, argv);  // bad options are reported as such even here
   throw Error("bench", "needs the CUDA backend; this build has none (configure with -DEXPERTQMM_CUDA=ON)");
 }
@@ -457,6 +468,7 @@ void export_weights(const std::string& dir, const Preset& p, const SwitchGLUWeig
 }  // namespace
 
 int run_bench(int argc, char** argv) {
+  if (Args(argc, argv).has("help")) return print_usage(), 0;
   const BenchOptions o = parse_options(argc, argv);
   EXPERTQMM_CHECK(cuda_available(), "bench", "needs a usable CUDA device; none was found");
   const Preset& p = *o.preset;

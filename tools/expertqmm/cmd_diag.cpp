@@ -15,6 +15,13 @@ namespace expertqmm::cli {
 
 int run_diag(int argc, char** argv) {
   Args args(argc, argv);
+  if (args.has("help")) {
+    std::printf(
+        "usage: expertqmm diag [--preset gemma4-26b-a4b] [--tokens 64] [--backend auto|cpu|cuda] [--seed S]\n"
+        "                      [--expert-tiles auto|on|off] [--product fused|separate]\n"
+        "Runs one moe_layer call and prints the route selector's counters for exactly that call.\n");
+    return 0;
+  }
   args.check_known({"preset", "tokens", "backend", "seed", "expert-tiles", "product"});
   const Preset& preset = find_preset(args.get("preset", "gemma4-26b-a4b"));
   const int64_t T = args.get_int("tokens", 64);

@@ -72,6 +72,17 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 int run_run(int argc, char** argv) {
   Args args(argc, argv);
+  if (args.has("help")) {
+    std::printf(
+        "usage: expertqmm run --tokens N [--preset gemma4-26b-a4b] [--backend auto|cpu|cuda] [--seed S]\n"
+        "                     [--routing uniform|zipf] [--check-tokens C]\n"
+        "Runs expertqmm::moe_layer on synthetic weights of the preset and random bf16 tokens, times it,\n"
+        "and checks C sampled tokens (default min(N, 4)) against a float64 reference: PASS when the\n"
+        "relative error is <= 1e-2 (exit 0), else FAIL (exit 1). zipf routing samples the experts\n"
+        "(Zipf s=1.1) and calls switch_glu + weighted_combine instead of the router.\npresets:\n");
+    for (const Preset& p : presets()) std::printf("  %-22s %s\n", p.name, p.description);
+    return 0;
+  }
   args.check_known({"preset", "tokens", "backend", "seed", "routing", "check-tokens"});
   const Preset& preset = find_preset(args.get("preset", "gemma4-26b-a4b"));
   EXPERTQMM_CHECK(args.has("tokens"), "run", "--tokens N is required");
