@@ -1,0 +1,287 @@
+// One tensor-core tile of gather_qmm: rows [row0, row0 + BM) of the problem times the dequantized
+// weights of ONE expert for BN output columns, over the full K, storing a chosen slice of the rows.
+// Shared by the generic route (rhs_tiles: one pass per run of equal expert ids inside a 16-row tile)
+// and the sorted tile route (expert_tiles: one pass per plan tile, BM = 16 or 32).
+//
+// Operands (all row-major, element offsets in int64):
+//   x      activations, x_batch matrices of (M, K) T, x_batch_stride elements apart; problem row r
+//          (b = r / M, m = r % M) reads x + lhs[b] * x_batch_stride + m * K (lhs == nullptr: b)
+//   w      (E, N, K*bits/32) uint32, LSB-first codes (4-bit: 8 nibbles per word, value i at bits 4i)
+//   scales, biases  (E, N, K/group_size) raw T bits (bf16 or f16)
+//   out    (rows, N) T
+//
+// Work split inside the CTA (THREADS = 32 * WARPS): every warp covers all BM rows (BM/16 m16 tiles)
+// and WARP_N = BN/WARPS consecutive columns (WARP_N/8 n8 tiles). Per k tile (BK = 64) and k16 step
+// a lane loads the A fragment of each m16 tile with ldmatrix, then for each of its n8 tiles reads
+// the packed words of its column g = lane/4 for that step (8- or 16-byte shared loads),
+// dequantizes the 4 values it owns in the B fragment (k = 2t, 2t+1, 2t+8, 2t+9, t = lane%4) to T
+// in registers and issues one mma per m16 tile. A multi-stage cp.async pipeline keeps STAGES-1
+// k tiles in flight.
+//
+// Shared memory, per stage (all offsets 16-byte aligned):
+//   xs  (BM, 64) T: 8 chunks of 16 bytes per row, chunk c stored at c ^ (row % 8) so that the 8
+//       rows one ldmatrix reads hit 8 different bank groups
+//   ws  (BN, 64*bits/32) uint32: 2 (4-bit) or 4 (8-bit) chunks per row, chunk c stored at
+//       c ^ ((row * chunks / 8) % chunks) so that the 8 columns a warp reads at once spread over
+//       all 32 banks
+//   ss, bs  (BN,) uint32: the aligned word of scales/biases that holds this k tile's group(s)
+//       (one 4-byte cp.async per row; the group sits in the low or high half, see scale_half)
+// Before the stages: (BM,) int64 x offset per row, -1 for rows to skip (past the end, bad lhs).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "cuda/device/cp_async.cuh"
+#include "cuda/device/dequant.cuh"
+#include "cuda/device/mma.cuh"
+#include "cuda/runtime.cuh"
+
+namespace expertqmm::cuda::device {
+
+// A tile shape. BK is fixed at 64: the x swizzle, the scale staging and the fragment unpacking are
+// written for eight 16-byte x chunks per row and at most two groups (group_size 32) per k tile.
+template <int kBM, int kBN, int kWarps, int kStages>
+struct TileConfig {
+  static constexpr int BM = kBM;
+  static constexpr int BN = kBN;
+  static constexpr int BK = 64;
+  static constexpr int WARPS = kWarps;
+  static constexpr int STAGES = kStages;
+  static constexpr int THREADS = 32 * kWarps;
+  static constexpr int WARP_N = kBN / kWarps;  // columns per warp
+  static constexpr int N8_TILES = WARP_N / 8;
+  static constexpr int M16_TILES = kBM / 16;
+  static_assert(kBM % 16 == 0 && kBM <= THREADS, "BM: a multiple of 16, one row per thread for row setup");
+  static_assert(kBN % (8 * kWarps) == 0, "BN must give each warp whole n8 tiles");
+  static_assert(kStages >= 2, "the pipeline needs at least two stages");
+};
+
+// Everything tile_gemm needs of the problem; built on the host by make_tile_args.
+struct TileArgs {
+  const void* x;
+  const uint32_t* w;
+  const uint16_t* scales;
+  const uint16_t* biases;
+  const int32_t* lhs;  // (B,) or nullptr for identity
+  const int32_t* rhs;  // (B,) or nullptr for identity (read by the calling kernel, not tile_gemm)
+  void* out;
+  uint32_t* faults;
+  int64_t rows;            // B * M
+  int64_t x_batch;         // number of x matrices (lhs range)
+  int64_t x_batch_stride;  // elements
+  int M, N, K, E;
+  int words_per_row;   // K * bits / 32
+  int groups_per_row;  // K / group_size
+  int group_shift;     // log2(group_size)
+  bool paired_store;   // N even and out 4-byte aligned: store two outputs per 32-bit write
+};
+
+// Shared-memory layout of one tile_gemm for a config and bit width (bytes).
+template <class Cfg, int kBits>
+struct TileLayout {
+  static constexpr int kWordsPerRow = Cfg::BK * kBits / 32;  // packed words per weight row per k tile
+  static constexpr int kChunksPerRow = kWordsPerRow / 4;     // 16-byte chunks
+  static constexpr int kRowInfoBytes = (Cfg::BM * 8 + 127) / 128 * 128;
+  static constexpr int kXBytes = Cfg::BM * Cfg::BK * 2;
+  static constexpr int kWBytes = Cfg::BN * kWordsPerRow * 4;
+  static constexpr int kParamBytes = Cfg::BN * 4;
+  static constexpr int kStageBytes = kXBytes + kWBytes + 2 * kParamBytes;
+  static constexpr int kSmemBytes = kRowInfoBytes + Cfg::STAGES * kStageBytes;
+  static_assert(kBits == 4 || kBits == 8, "tile_gemm unpacks 4- and 8-bit codes");
+  static_assert(kStageBytes % 16 == 0, "stages must stay 16-byte aligned");
+
+  static __device__ __forceinline__ int w_chunk(int row, int chunk) {
+    return chunk ^ (((row * kChunksPerRow) >> 3) & (kChunksPerRow - 1));
+  }
+};
+
+// Computes rows [row0, row0 + load_rows) (load_rows <= BM; rows past it are zero) against expert
+// `expert` for columns [n_block * BN, +BN) over the full K, and stores the local rows
+// [store_begin, store_end). Must be called by all Cfg::THREADS threads with the same arguments;
+// `smem` holds TileLayout<Cfg, kBits>::kSmemBytes. An out-of-range expert or lhs id is recorded
+// in the fault word and its rows are skipped. Ends with a barrier, so calls may follow each other.
+template <class Cfg, class T, int kBits>
+__device__ __forceinline__ void tile_gemm(const TileArgs& a, int expert, int64_t row0, int load_rows,
+                                          int store_begin, int store_end, int n_block, unsigned char* smem) {
+  using L = TileLayout<Cfg, kBits>;
+  const int tid = threadIdx.x;
+  if (expert < 0 || expert >= a.E) {
+    if (tid == 0) record_fault(a.faults, kFaultExpertOutOfRange, static_cast<uint32_t>(expert),
+                               static_cast<uint32_t>(a.E));
+    return;  // uniform across the CTA: every thread sees the same expert
+  }
+
+  int64_t* row_offset = reinterpret_cast<int64_t*>(smem);
+  if (tid < Cfg::BM) {
+    int64_t offset = -1;
+    if (tid < load_rows) {
+      const int64_t r = row0 + tid;
+      const int64_t b = r / a.M;
+      const int64_t m = r - b * a.M;
+      const int64_t xb = a.lhs ? static_cast<int64_t>(a.lhs[b]) : b;
+      if (xb >= 0 && xb < a.x_batch) offset = xb * a.x_batch_stride + m * a.K;
+      else record_fault(a.faults, kFaultRowOutOfRange, static_cast<uint32_t>(xb), static_cast<uint32_t>(a.x_batch));
+    }
+    row_offset[tid] = offset;
+  }
+  __syncthreads();
+
+  const T* x = static_cast<const T*>(a.x);
+  const int n0 = n_block * Cfg::BN;
+  const uint32_t* w_expert = a.w + static_cast<int64_t>(expert) * a.N * a.words_per_row;
+  const int64_t param_expert = static_cast<int64_t>(expert) * a.N * a.groups_per_row;
+  const bool two_groups_per_tile = a.group_shift == 5;  // group_size 32 inside a 64-wide k tile
+  const int k_tiles = a.K / Cfg::BK;
+
+  auto stage_base = [&](int stage) { return smem + L::kRowInfoBytes + stage * L::kStageBytes; };
+
+  auto load_stage = [&](int stage, int kt) {
+    unsigned char* base = stage_base(stage);
+    T* xs = reinterpret_cast<T*>(base);
+    uint32_t* ws = reinterpret_cast<uint32_t*>(base + L::kXBytes);
+    uint32_t* ss = ws + Cfg::BN * L::kWordsPerRow;
+    uint32_t* bs = ss + Cfg::BN;
+    for (int c = tid; c < Cfg::BM * 8; c += Cfg::THREADS) {
+      const int row = c >> 3, chunk = c & 7;
+      const int64_t offset = row_offset[row];
+      const T* src = offset >= 0 ? x + offset + kt * Cfg::BK + chunk * 8 : x;
+      cp_async_16(xs + row * Cfg::BK + ((chunk ^ (row & 7)) << 3), src, offset >= 0);
+    }
+    for (int c = tid; c < Cfg::BN * L::kChunksPerRow; c += Cfg::THREADS) {
+      const int row = c / L::kChunksPerRow, chunk = c % L::kChunksPerRow;
+      const int n = n0 + row;
+      const bool valid = n < a.N;
+      const uint32_t* src =
+          valid ? w_expert + static_cast<int64_t>(n) * a.words_per_row + kt * L::kWordsPerRow + chunk * 4 : a.w;
+      cp_async_16(ws + row * L::kWordsPerRow + (L::w_chunk(row, chunk) << 2), src, valid);
+    }
+    // Group element el of row n lives in the 4-byte word at el & ~1. Read exactly the bytes that
+    // belong to the needed groups: el odd -> both halves (el-1, el); el even -> el, plus el+1 when
+    // the tile spans two groups; the unread half is zero-filled.
+    for (int c = tid; c < 2 * Cfg::BN; c += Cfg::THREADS) {
+      const int row = c % Cfg::BN;
+      const int n = n0 + row;
+      const uint16_t* param = c < Cfg::BN ? a.scales : a.biases;
+      uint32_t* dst = (c < Cfg::BN ? ss : bs) + row;
+      if (n < a.N) {
+        const int64_t el = param_expert + static_cast<int64_t>(n) * a.groups_per_row + ((kt * Cfg::BK) >> a.group_shift);
+        const int bytes = ((el & 1) || two_groups_per_tile) ? 4 : 2;
+        cp_async_4(dst, param + (el & ~int64_t(1)), bytes);
+      } else {
+        cp_async_4(dst, param, 0);
+      }
+    }
+  };
+
+  const int warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int warp_col = warp * Cfg::WARP_N;
+
+  // Parity of each owned column's first group element: with an odd group count per row the
+  // group of a k tile may sit in the high half of its staged word.
+  int col_parity[Cfg::N8_TILES];
+#pragma unroll
+  for (int j = 0; j < Cfg::N8_TILES; ++j) {
+    const int n = n0 + warp_col + 8 * j + g;
+    col_parity[j] = n < a.N ? static_cast<int>((param_expert + static_cast<int64_t>(n) * a.groups_per_row) & 1) : 0;
+  }
+
+  float acc[Cfg::M16_TILES][Cfg::N8_TILES][4];
+#pragma unroll
+  for (int mt = 0; mt < Cfg::M16_TILES; ++mt)
+#pragma unroll
+    for (int j = 0; j < Cfg::N8_TILES; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[mt][j][i] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < Cfg::STAGES - 1; ++s) {
+    if (s < k_tiles) load_stage(s, s);
+    cp_async_commit();  // empty groups keep the group count uniform
+  }
+
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    cp_async_wait<Cfg::STAGES - 2>();
+    __syncthreads();  // tile kt visible to all; stage (kt-1) % STAGES free for reuse
+    const int next = kt + Cfg::STAGES - 1;
+    if (next < k_tiles) load_stage(next % Cfg::STAGES, next);
+    cp_async_commit();
+
+    const unsigned char* base = stage_base(kt % Cfg::STAGES);
+    const T* xs = reinterpret_cast<const T*>(base);
+    const uint32_t* ws = reinterpret_cast<const uint32_t*>(base + L::kXBytes);
+    const uint32_t* ss = ws + Cfg::BN * L::kWordsPerRow;
+    const uint32_t* bs = ss + Cfg::BN;
+
+    const int tile_parity = ((kt * Cfg::BK) >> a.group_shift) & 1;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {  // k16 steps: k = 16s .. 16s+15 of the tile
+      // A fragments: lanes 0-15 address rows 0-15 of the low 8-wide k chunk, lanes 16-31 the
+      // same rows of the high chunk.
+      uint32_t afrag[Cfg::M16_TILES][4];
+#pragma unroll
+      for (int mt = 0; mt < Cfg::M16_TILES; ++mt) {
+        const int row = mt * 16 + (lane & 15);
+        const int chunk = 2 * s + (lane >> 4);
+        ldmatrix_x4(afrag[mt], xs + row * Cfg::BK + ((chunk ^ (row & 7)) << 3));
+      }
+#pragma unroll
+      for (int j = 0; j < Cfg::N8_TILES; ++j) {
+        const int row = warp_col + 8 * j + g;  // weight row (output column) inside the tile
+        const uint32_t* wrow = ws + row * L::kWordsPerRow;
+        // The step's group is the second of the staged word's two when group_size is 32 and
+        // s >= 2, or when the tile's only group is an odd element (see the loader).
+        const bool high = two_groups_per_tile ? (s >= 2) : ((col_parity[j] ^ tile_parity) != 0);
+        const float sc = Elem<T>::raw_to_float(high ? ss[row] >> 16 : ss[row] & 0xFFFFu);
+        const float bi = Elem<T>::raw_to_float(high ? bs[row] >> 16 : bs[row] & 0xFFFFu);
+        uint32_t b0, b1;
+        if constexpr (kBits == 4) {
+          // Word w holds k = 8w..8w+7; step s needs words 2s (b0) and 2s+1 (b1), and the lane
+          // byte t of each: k = 8w+2t (low nibble) and 8w+2t+1 (high nibble).
+          const uint2 words = *reinterpret_cast<const uint2*>(wrow + (L::w_chunk(row, s >> 1) << 2) + 2 * (s & 1));
+          const uint32_t v0 = words.x >> (8 * t), v1 = words.y >> (8 * t);
+          b0 = dequant_pair<T>(v0 & 0xFu, (v0 >> 4) & 0xFu, sc, bi);
+          b1 = dequant_pair<T>(v1 & 0xFu, (v1 >> 4) & 0xFu, sc, bi);
+        } else {
+          // Word w holds k = 4w..4w+3; step s reads chunk s (words 4s..4s+3): k 16s+2t, +1 are
+          // halfword t%2 of word 4s + t/2, and k 16s+8+2t, +1 the same halfword of word 4s+2+t/2.
+          const uint4 c = *reinterpret_cast<const uint4*>(wrow + (L::w_chunk(row, s) << 2));
+          const uint32_t v0 = ((t & 2) ? c.y : c.x) >> (16 * (t & 1));
+          const uint32_t v1 = ((t & 2) ? c.w : c.z) >> (16 * (t & 1));
+          b0 = dequant_pair<T>(v0 & 0xFFu, (v0 >> 8) & 0xFFu, sc, bi);
+          b1 = dequant_pair<T>(v1 & 0xFFu, (v1 >> 8) & 0xFFu, sc, bi);
+        }
+#pragma unroll
+        for (int mt = 0; mt < Cfg::M16_TILES; ++mt) Mma<T>::run(acc[mt][j], afrag[mt], b0, b1);
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // Epilogue: c0,c1 belong to local row mt*16 + g, c2,c3 to row mt*16 + g + 8, columns 2t, 2t+1.
+  T* out = static_cast<T*>(a.out);
+#pragma unroll
+  for (int mt = 0; mt < Cfg::M16_TILES; ++mt)
+#pragma unroll
+    for (int j = 0; j < Cfg::N8_TILES; ++j) {
+      const int col = n0 + warp_col + 8 * j + 2 * t;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int local = mt * 16 + g + 8 * h;
+        if (local < store_begin || local >= store_end || row_offset[local] < 0 || col >= a.N) continue;
+        T* o = out + (row0 + local) * a.N + col;
+        const float v0 = acc[mt][j][2 * h], v1 = acc[mt][j][2 * h + 1];
+        if (a.paired_store) {
+          *reinterpret_cast<uint32_t*>(o) = Elem<T>::pack2(v0, v1);  // N even: col + 1 < N
+        } else {
+          o[0] = Elem<T>::from_float(v0);
+          if (col + 1 < a.N) o[1] = Elem<T>::from_float(v1);
+        }
+      }
+    }
+  __syncthreads();  // row_offset and the stages are rewritten by the next call
+}
+
+}  // namespace expertqmm::cuda::device
