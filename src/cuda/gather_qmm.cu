@@ -1,0 +1,113 @@
+// gather_qmm on CUDA: the route selector, the internal entry gather_qmm_into and the op.
+#include <string>
+#include <vector>
+
+#include "cuda/cuda_backend.h"
+#include "cuda/gather_qmm.h"
+#include "cuda/gather_qmm_routes.h"
+#include "cuda/runtime.cuh"
+
+namespace expertqmm::cuda {
+
+namespace {
+
+constexpr const char* kOp = "gather_qmm";
+
+// The selector's routes, tried in order; the first whose supports_* holds runs. Slot 0 belongs to
+// expert_tiles (DESIGN.md route 1, the sorted tile route) and is inserted when that route lands.
+// simt takes every valid problem, so a miss of all three means a malformed problem.
+const GatherQmmRoute kRoutes[] = {
+    {"qmv", supports_qmv, call_qmv},
+    {"rhs_tiles", supports_rhs_tiles, call_rhs_tiles},
+    {"simt", supports_simt, call_simt},
+};
+
+// Routes reachable only through the test hook.
+const GatherQmmRoute kTestRoutes[] = {
+    {"rhs_tiles_bm16", supports_rhs_tiles, call_rhs_tiles_bm16},
+    {"rhs_tiles_bm32", supports_rhs_tiles, call_rhs_tiles_bm32},
+};
+
+void check_index_tensor(const Tensor& t, const char* name, int64_t B) {
+  EXPERTQMM_CHECK(t.defined(), kOp, name, " indices are missing but not marked identity");
+  EXPERTQMM_CHECK(t.dtype() == DType::i32 && t.numel() == B && t.is_contiguous(), kOp, name,
+                  " indices must be contiguous int32 [", B, "], got ", t.describe());
+  EXPERTQMM_CHECK(t.device() == Device::cuda, kOp, name, " indices must be on cuda, got ", t.describe());
+}
+
+// The problem arrives validated by make_gather_qmm_problem; this checks what the CUDA routes rely on.
+// Returns false when there is nothing to compute.
+bool check_problem(const detail::GatherQmmProblem& p, const void* out) {
+  EXPERTQMM_CHECK(p.device == Device::cuda, kOp, "the CUDA backend got a problem on ", device_name(p.device));
+  EXPERTQMM_CHECK(p.B >= 0 && p.M >= 0 && p.N >= 0 && p.K >= 0, kOp, "negative size in ", p.describe());
+  EXPERTQMM_CHECK(is_floating(p.dtype), kOp, "activation dtype must be a float type, got ", dtype_name(p.dtype));
+  if (p.B == 0 || p.M == 0 || p.N == 0) return false;
+  EXPERTQMM_CHECK(out != nullptr, kOp, "output pointer is null for ", p.describe());
+  EXPERTQMM_CHECK(p.x.device() == Device::cuda && p.w.device() == Device::cuda &&
+                      p.scales.device() == Device::cuda && p.biases.device() == Device::cuda,
+                  kOp, "operands must be on cuda: ", p.describe());
+  EXPERTQMM_CHECK(p.x.dtype() == p.dtype && p.scales.dtype() == p.dtype && p.biases.dtype() == p.dtype, kOp,
+                  "x ", p.x.describe(), ", scales ", p.scales.describe(), " and biases must be in dtype ",
+                  dtype_name(p.dtype));
+  EXPERTQMM_CHECK(p.w.dtype() == DType::u32 && p.w.is_contiguous() && p.scales.is_contiguous() &&
+                      p.biases.is_contiguous(),
+                  kOp, "w must be contiguous uint32 and scales/biases contiguous: ", p.describe());
+  if (!p.lhs_is_identity) check_index_tensor(p.lhs, "lhs", p.B);
+  if (!p.rhs_is_identity) check_index_tensor(p.rhs, "rhs", p.B);
+  return true;
+}
+
+const GatherQmmRoute& select_route(const detail::GatherQmmProblem& p) {
+  for (const GatherQmmRoute& r : kRoutes)
+    if (r.supports(p).ok) return r;
+  throw Error(kOp, "no CUDA route for " + p.describe());
+}
+
+}  // namespace
+
+int device_sm_count() {
+  static const int count = [] {
+    int device = 0, sms = 0;
+    EXPERTQMM_CUDA_CHECK(cudaGetDevice(&device));
+    EXPERTQMM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    return sms;
+  }();
+  return count;
+}
+
+void gather_qmm_into(const detail::GatherQmmProblem& p, void* out, Workspace* ws) {
+  if (!check_problem(p, out)) return;
+  select_route(p).call(p, out, ws);
+}
+
+Tensor gather_qmm(const detail::GatherQmmProblem& p) {
+  Shape shape = p.batch;
+  shape.push_back(p.M);
+  shape.push_back(p.N);
+  Tensor out = Tensor::empty(shape, p.dtype, Device::cuda);
+  gather_qmm_into(p, out.data(), nullptr);
+  return out;
+}
+
+std::vector<std::string> gather_qmm_route_names() {
+  std::vector<std::string> names;
+  for (const GatherQmmRoute& r : kRoutes) names.emplace_back(r.name);
+  return names;
+}
+
+std::string gather_qmm_selected_route(const detail::GatherQmmProblem& p) { return select_route(p).name; }
+
+void gather_qmm_into_route(const std::string& route, const detail::GatherQmmProblem& p, void* out, Workspace* ws) {
+  const GatherQmmRoute* found = nullptr;
+  for (const GatherQmmRoute& r : kRoutes)
+    if (route == r.name) found = &r;
+  for (const GatherQmmRoute& r : kTestRoutes)
+    if (route == r.name) found = &r;
+  EXPERTQMM_CHECK(found != nullptr, kOp, "unknown CUDA route '", route, "'");
+  const RouteSupport s = found->supports(p);
+  EXPERTQMM_CHECK(s.ok, kOp, "route ", route, " does not support ", p.describe(), " (", fallback_name(s.reason), ")");
+  if (!check_problem(p, out)) return;
+  found->call(p, out, ws);
+}
+
+}  // namespace expertqmm::cuda

@@ -1,0 +1,152 @@
+// rhs_tiles: the generic tensor-core route of gather_qmm (MLX gather_qmm_rhs), for any row count
+// and any order of expert ids.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "cuda/device/tile_gemm.cuh"
+#include "cuda/gather_qmm_routes.h"
+#include "cuda/runtime.cuh"
+
+namespace expertqmm::cuda {
+
+namespace {
+
+using device::TileArgs;
+using device::TileConfig;
+using device::TileLayout;
+
+// Kernel: grid (ceil(N / BN), min(row_tiles, 65535)), Cfg::THREADS threads. CTA (x, y) owns the
+// column block x and the row tiles y, y + gridDim.y, ... (BM consecutive problem rows each). It
+// reads the tile's BM expert ids (rhs[r / M]) into shared memory, splits them into maximal runs of
+// equal ids and, for each run, runs tile_gemm over all BM rows with that expert's weights, storing
+// only the run's rows. Sorted ids give one run per tile; any order stays correct, only slower.
+template <class Cfg, class T, int kBits>
+__global__ void __launch_bounds__(Cfg::THREADS) rhs_tiles_kernel(TileArgs a, int64_t row_tiles) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ int tile_expert[Cfg::BM];  // (BM,) expert id of each local row
+  for (int64_t tile = blockIdx.y; tile < row_tiles; tile += gridDim.y) {
+    const int64_t row0 = tile * Cfg::BM;
+    const int load_rows = static_cast<int>(min(static_cast<int64_t>(Cfg::BM), a.rows - row0));
+    if (static_cast<int>(threadIdx.x) < load_rows) {
+      const int64_t b = (row0 + threadIdx.x) / a.M;
+      tile_expert[threadIdx.x] = a.rhs ? a.rhs[b] : static_cast<int>(b);
+    }
+    __syncthreads();
+    int begin = 0;
+    while (begin < load_rows) {
+      const int expert = tile_expert[begin];
+      int end = begin + 1;
+      while (end < load_rows && tile_expert[end] == expert) ++end;
+      device::tile_gemm<Cfg, T, kBits>(a, expert, row0, load_rows, begin, end, blockIdx.x, smem);
+      begin = end;
+    }
+    __syncthreads();  // tile_expert is rewritten for the next tile
+  }
+}
+
+template <class Cfg, class T, int kBits>
+void launch_rhs_tiles(const TileArgs& args) {
+  constexpr int kSmem = TileLayout<Cfg, kBits>::kSmemBytes;
+  static const bool smem_configured = [] {
+    if (kSmem > 48 * 1024)
+      EXPERTQMM_CUDA_CHECK(cudaFuncSetAttribute(rhs_tiles_kernel<Cfg, T, kBits>,
+                                                cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    return true;
+  }();
+  (void)smem_configured;
+  const int64_t row_tiles = (args.rows + Cfg::BM - 1) / Cfg::BM;
+  const dim3 grid(ceil_div(args.N, Cfg::BN), static_cast<unsigned>(std::min<int64_t>(row_tiles, 65535)));
+  rhs_tiles_kernel<Cfg, T, kBits><<<grid, Cfg::THREADS, kSmem, current_stream()>>>(args, row_tiles);
+  EXPERTQMM_CUDA_CHECK_LAUNCH("rhs_tiles_kernel");
+}
+
+using RhsTiles16 = TileConfig<16, 128, 4, 4>;
+using RhsTiles32 = TileConfig<32, 128, 4, 4>;
+
+// The rhs_tiles kernels. The first entry matching (dtype, bits) with min_m <= M is used: when every
+// batch element has at least 32 rows (one expert each), BM=32 tiles dequantize each weight once
+// for two m16 mma tiles; otherwise BM=16 (MLX's tile height) wastes fewer rows on short runs.
+struct RhsTilesVariant {
+  int bm;
+  int64_t min_m;
+  DType dtype;
+  int bits;
+  void (*launch)(const TileArgs&);
+};
+const RhsTilesVariant kRhsTilesVariants[] = {
+    {32, 32, DType::bf16, 4, launch_rhs_tiles<RhsTiles32, __nv_bfloat16, 4>},
+    {32, 32, DType::bf16, 8, launch_rhs_tiles<RhsTiles32, __nv_bfloat16, 8>},
+    {32, 32, DType::f16, 4, launch_rhs_tiles<RhsTiles32, __half, 4>},
+    {32, 32, DType::f16, 8, launch_rhs_tiles<RhsTiles32, __half, 8>},
+    {16, 1, DType::bf16, 4, launch_rhs_tiles<RhsTiles16, __nv_bfloat16, 4>},
+    {16, 1, DType::bf16, 8, launch_rhs_tiles<RhsTiles16, __nv_bfloat16, 8>},
+    {16, 1, DType::f16, 4, launch_rhs_tiles<RhsTiles16, __half, 4>},
+    {16, 1, DType::f16, 8, launch_rhs_tiles<RhsTiles16, __half, 8>},
+};
+
+// bm == 0: the table's choice for p.M; else the variant with that tile height.
+void run_rhs_tiles(const detail::GatherQmmProblem& p, void* out, int bm) {
+  const RouteSupport s = supports_rhs_tiles(p);
+  EXPERTQMM_CHECK(s.ok, "gather_qmm", "rhs_tiles does not support ", p.describe(), " (",
+                  fallback_name(s.reason), ")");
+  for (const RhsTilesVariant& v : kRhsTilesVariants) {
+    if (v.dtype != p.dtype || v.bits != p.bits) continue;
+    if (bm == 0 ? p.M < v.min_m : v.bm != bm) continue;
+    v.launch(make_tile_args(p, out));
+    return;
+  }
+  throw Error("gather_qmm", detail::cat("rhs_tiles has no kernel for dtype=", dtype_name(p.dtype),
+                                        " bits=", p.bits, " bm=", bm));
+}
+
+}  // namespace
+
+RouteSupport supports_tile_operands(const detail::GatherQmmProblem& p) {
+  if (p.dtype != DType::bf16 && p.dtype != DType::f16) return route_miss(Fallback::dtype);
+  if (p.bits != 4 && p.bits != 8) return route_miss(Fallback::quantization);
+  if (p.group_size != 32 && p.group_size != 64 && p.group_size != 128) return route_miss(Fallback::quantization);
+  if (!p.transpose) return route_miss(Fallback::quantization);  // codes run along N, not K
+  if (p.K <= 0 || p.N <= 0) return route_miss(Fallback::shape);
+  if (!fits_int32(p.N) || !fits_int32(p.K) || !fits_int32(p.M) || !fits_int32(p.B) || !fits_int32(p.w_batch))
+    return route_miss(Fallback::shape);
+  if (p.K % 64 != 0) return route_miss(Fallback::alignment);
+  // 16-byte cp.async of x rows and weight chunks, 4-byte cp.async of scale/bias words.
+  if (!is_aligned(p.x.data(), 16) || p.x_batch_stride % 8 != 0) return route_miss(Fallback::alignment);
+  if (!is_aligned(p.w.data(), 16)) return route_miss(Fallback::alignment);
+  if (!is_aligned(p.scales.data(), 4) || !is_aligned(p.biases.data(), 4)) return route_miss(Fallback::alignment);
+  return route_ok();
+}
+
+TileArgs make_tile_args(const detail::GatherQmmProblem& p, void* out) {
+  TileArgs a{};
+  a.x = p.x.data();
+  a.w = static_cast<const uint32_t*>(p.w.data());
+  a.scales = static_cast<const uint16_t*>(p.scales.data());
+  a.biases = static_cast<const uint16_t*>(p.biases.data());
+  a.lhs = p.lhs_is_identity ? nullptr : static_cast<const int32_t*>(p.lhs.data());
+  a.rhs = p.rhs_is_identity ? nullptr : static_cast<const int32_t*>(p.rhs.data());
+  a.out = out;
+  a.faults = device_faults();
+  a.rows = p.B * p.M;
+  a.x_batch = p.x_batch;
+  a.x_batch_stride = p.x_batch_stride;
+  a.M = static_cast<int>(p.M);
+  a.N = static_cast<int>(p.N);
+  a.K = static_cast<int>(p.K);
+  a.E = static_cast<int>(p.w_batch);
+  a.words_per_row = static_cast<int>(p.w_row_words());
+  a.groups_per_row = static_cast<int>(p.groups_per_row());
+  a.group_shift = log2_of(p.group_size);
+  a.paired_store = p.N % 2 == 0 && is_aligned(out, 4);
+  return a;
+}
+
+RouteSupport supports_rhs_tiles(const detail::GatherQmmProblem& p) { return supports_tile_operands(p); }
+
+void call_rhs_tiles(const detail::GatherQmmProblem& p, void* out, Workspace*) { run_rhs_tiles(p, out, 0); }
+void call_rhs_tiles_bm16(const detail::GatherQmmProblem& p, void* out, Workspace*) { run_rhs_tiles(p, out, 16); }
+void call_rhs_tiles_bm32(const detail::GatherQmmProblem& p, void* out, Workspace*) { run_rhs_tiles(p, out, 32); }
+
+}  // namespace expertqmm::cuda

@@ -1,0 +1,67 @@
+// The CUDA gather_qmm routes (internal). Each route is a supports_* predicate, which returns the
+// first reason it cannot take a problem (flat early returns, one Fallback class per miss), and a
+// call_* that runs it on the current stream. gather_qmm.cu holds the ordered table.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+
+#include "core/gather_qmm_problem.h"
+#include "expertqmm/diagnostics.h"
+#include "expertqmm/moe.h"
+
+namespace expertqmm::cuda {
+
+namespace device {
+struct TileArgs;
+}
+
+// A route's verdict on a problem: supported, or the first Fallback class that rules it out.
+struct RouteSupport {
+  bool ok = true;
+  Fallback reason = Fallback::disabled;  // meaningful only when !ok
+};
+inline RouteSupport route_ok() { return {}; }
+inline RouteSupport route_miss(Fallback reason) { return {false, reason}; }
+
+using RouteSupportsFn = RouteSupport (*)(const detail::GatherQmmProblem& p);
+using RouteCallFn = void (*)(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
+struct GatherQmmRoute {
+  const char* name;
+  RouteSupportsFn supports;
+  RouteCallFn call;
+};
+
+// --- qmv: decode sizes (gather_qmm_qmv.cu) -------------------------------------------------------
+// Problems with at most this many rows (B * M) go to qmv; the benchmark tunes it.
+constexpr int64_t kQmvMaxRows = 32;
+RouteSupport supports_qmv(const detail::GatherQmmProblem& p);
+void call_qmv(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
+
+// --- rhs_tiles: the generic tensor-core route (gather_qmm_rhs_tiles.cu) ------------------------
+// Operand checks shared by every route built on device/tile_gemm.cuh (dtype, bits, group size,
+// layout, K % 64, 16-byte aligned x rows and weights).
+RouteSupport supports_tile_operands(const detail::GatherQmmProblem& p);
+// tile_gemm arguments for p writing to out (also used by the expert tile route).
+device::TileArgs make_tile_args(const detail::GatherQmmProblem& p, void* out);
+RouteSupport supports_rhs_tiles(const detail::GatherQmmProblem& p);
+void call_rhs_tiles(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
+// rhs_tiles with a pinned tile height (16 or 32) instead of the table's choice; for tests.
+void call_rhs_tiles_bm16(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
+void call_rhs_tiles_bm32(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
+
+// --- simt: every other combination, CUDA cores (gather_qmm_simt.cu) ----------------------------
+RouteSupport supports_simt(const detail::GatherQmmProblem& p);
+void call_simt(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
+
+// --- shared host helpers ----------------------------------------------------------------------
+int device_sm_count();  // multiprocessors of the current device (queried once)
+inline bool is_aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+inline bool fits_int32(int64_t v) { return v >= 0 && v <= std::numeric_limits<int32_t>::max(); }
+inline int log2_of(int v) {
+  int s = 0;
+  while ((1 << s) < v) ++s;
+  return s;
+}
+
+}  // namespace expertqmm::cuda

@@ -1,0 +1,147 @@
+// simt: the CUDA-core route of gather_qmm that takes every MLX combination the tensor-core and
+// decode routes do not (bits 2..8 including the 3/5/6-bit streams, transpose=false, f32
+// activations, any K). Simple on purpose: fp32 dequantization s*q + b and fp32 accumulation.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "cuda/device/dequant.cuh"
+#include "cuda/gather_qmm_routes.h"
+#include "cuda/runtime.cuh"
+
+namespace expertqmm::cuda {
+
+namespace {
+
+using device::Elem;
+using device::extract_code;
+using device::load_param;
+
+struct SimtArgs {
+  const void* x;       // x_batch matrices of (M, K) T, x_batch_stride elements apart
+  const uint32_t* w;   // transpose: (E, N, K*bits/32); else (E, K, N*bits/32) uint32 codes
+  const void* scales;  // transpose: (E, N, K/gs); else (E, K, N/gs), in T
+  const void* biases;
+  const int32_t* lhs;  // (B,) or nullptr (identity)
+  const int32_t* rhs;  // (B,) or nullptr (identity)
+  void* out;           // (B*M, N) T
+  uint32_t* faults;
+  int64_t rows, x_batch, x_batch_stride;
+  int64_t M, N, K, E;
+  int64_t words_per_row, groups_per_row;
+  int bits, group_shift;
+  bool transpose;
+};
+
+// Kernel: a 1-D grid-stride loop, one thread per output element (r, n) at a time, n fastest so a
+// warp writes consecutive outputs and, for transpose=false, reads consecutive codes of a w row.
+// The thread walks k = 0..K-1: code of W[expert] at (n, k) (transpose) or (k, n), dequantized in
+// fp32 with its group's scale and bias, times x[k], accumulated in fp32; one rounding to T.
+template <class T>
+__global__ void simt_kernel(SimtArgs a) {
+  const T* x = static_cast<const T*>(a.x);
+  T* out = static_cast<T*>(a.out);
+  const int64_t total = a.rows * a.N;
+  for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = idx / a.N, n = idx - r * a.N;
+    const int64_t b = r / a.M, m = r - b * a.M;
+    const int64_t expert = a.rhs ? static_cast<int64_t>(a.rhs[b]) : b;
+    if (expert < 0 || expert >= a.E) {
+      record_fault(a.faults, kFaultExpertOutOfRange, static_cast<uint32_t>(expert), static_cast<uint32_t>(a.E));
+      continue;
+    }
+    const int64_t xb = a.lhs ? static_cast<int64_t>(a.lhs[b]) : b;
+    if (xb < 0 || xb >= a.x_batch) {
+      record_fault(a.faults, kFaultRowOutOfRange, static_cast<uint32_t>(xb), static_cast<uint32_t>(a.x_batch));
+      continue;
+    }
+    const T* xrow = x + xb * a.x_batch_stride + m * a.K;
+    float acc = 0.f;
+    if (a.transpose) {
+      const int64_t wrow = expert * a.N + n;  // row of (E*N, K) codes
+      const uint32_t* codes = a.w + wrow * a.words_per_row;
+      for (int64_t k = 0; k < a.K; ++k) {
+        const int64_t pi = wrow * a.groups_per_row + (k >> a.group_shift);
+        const float wv = fmaf(load_param<T>(a.scales, pi), static_cast<float>(extract_code(codes, k, a.bits)),
+                              load_param<T>(a.biases, pi));
+        acc = fmaf(Elem<T>::to_float(xrow[k]), wv, acc);
+      }
+    } else {
+      for (int64_t k = 0; k < a.K; ++k) {
+        const int64_t wrow = expert * a.K + k;  // row of (E*K, N) codes
+        const int64_t pi = wrow * a.groups_per_row + (n >> a.group_shift);
+        const float wv = fmaf(load_param<T>(a.scales, pi),
+                              static_cast<float>(extract_code(a.w + wrow * a.words_per_row, n, a.bits)),
+                              load_param<T>(a.biases, pi));
+        acc = fmaf(Elem<T>::to_float(xrow[k]), wv, acc);
+      }
+    }
+    out[idx] = Elem<T>::from_float(acc);
+  }
+}
+
+template <class T>
+void launch_simt(const SimtArgs& a) {
+  constexpr int kThreads = 256;
+  const int64_t blocks = std::min<int64_t>((a.rows * a.N + kThreads - 1) / kThreads,
+                                           static_cast<int64_t>(device_sm_count()) * 16);
+  simt_kernel<T><<<static_cast<unsigned>(blocks), kThreads, 0, current_stream()>>>(a);
+  EXPERTQMM_CUDA_CHECK_LAUNCH("simt_kernel");
+}
+
+struct SimtVariant {
+  DType dtype;
+  void (*launch)(const SimtArgs&);
+};
+const SimtVariant kSimtVariants[] = {
+    {DType::bf16, launch_simt<__nv_bfloat16>},
+    {DType::f16, launch_simt<__half>},
+    {DType::f32, launch_simt<float>},
+};
+
+}  // namespace
+
+RouteSupport supports_simt(const detail::GatherQmmProblem& p) {
+  if (!is_floating(p.dtype)) return route_miss(Fallback::dtype);
+  if (p.bits < 1 || p.bits > 8) return route_miss(Fallback::quantization);
+  if (p.group_size <= 0 || (p.group_size & (p.group_size - 1)) != 0) return route_miss(Fallback::quantization);
+  if (p.N < 0 || p.K < 0 || p.M <= 0) return route_miss(Fallback::shape);
+  return route_ok();
+}
+
+void call_simt(const detail::GatherQmmProblem& p, void* out, Workspace*) {
+  const RouteSupport s = supports_simt(p);
+  EXPERTQMM_CHECK(s.ok, "gather_qmm", "simt does not support ", p.describe(), " (", fallback_name(s.reason), ")");
+  SimtArgs a{};
+  a.x = p.x.data();
+  a.w = static_cast<const uint32_t*>(p.w.data());
+  a.scales = p.scales.data();
+  a.biases = p.biases.data();
+  a.lhs = p.lhs_is_identity ? nullptr : static_cast<const int32_t*>(p.lhs.data());
+  a.rhs = p.rhs_is_identity ? nullptr : static_cast<const int32_t*>(p.rhs.data());
+  a.out = out;
+  a.faults = device_faults();
+  a.rows = p.B * p.M;
+  a.x_batch = p.x_batch;
+  a.x_batch_stride = p.x_batch_stride;
+  a.M = p.M;
+  a.N = p.N;
+  a.K = p.K;
+  a.E = p.w_batch;
+  a.words_per_row = p.w_row_words();
+  a.groups_per_row = p.groups_per_row();
+  a.bits = p.bits;
+  a.group_shift = log2_of(p.group_size);
+  a.transpose = p.transpose;
+  if (a.rows * a.N == 0) return;
+  for (const SimtVariant& v : kSimtVariants) {
+    if (v.dtype != p.dtype) continue;
+    v.launch(a);
+    return;
+  }
+  throw Error("gather_qmm", detail::cat("simt has no kernel for dtype=", dtype_name(p.dtype)));
+}
+
+}  // namespace expertqmm::cuda
