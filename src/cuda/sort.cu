@@ -101,11 +101,8 @@ size_t cub_temp_bytes(int n) {
   return bytes;
 }
 
-// Flat int32 view of an index tensor (contiguous device memory; uint32 ids keep their bits).
-Tensor flat_ids(const Tensor& indices) {
-  const Tensor c = indices.contiguous();
-  return Tensor::view(c.data(), {c.numel()}, c.dtype(), Device::cuda);
-}
+// Flat view of an index tensor, sharing (or owning a contiguous copy of) its storage.
+Tensor flat_ids(const Tensor& indices) { return indices.contiguous().reshape({indices.numel()}); }
 
 }  // namespace
 
