@@ -39,6 +39,8 @@ __global__ void invert_order_kernel(const int32_t* __restrict__ order, int64_t n
   }
 }
 
+// token_of_row[b] = b / k: the unsorted rows' x rows (row b is slot b % k of token b / k).
+// (n) int32. Work split: one thread per row, grid-stride.
 __global__ void token_of_row_kernel(int32_t* __restrict__ token_of_row, int64_t n, int k) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
