@@ -2,6 +2,7 @@
 #include <string>
 #include <vector>
 
+#include "core/route_counters.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/gather_qmm.h"
 #include "cuda/gather_qmm_routes.h"
@@ -13,10 +14,12 @@ namespace {
 
 constexpr const char* kOp = "gather_qmm";
 
-// The selector's routes, tried in order; the first whose supports_* holds runs. Slot 0 belongs to
-// expert_tiles (DESIGN.md route 1, the sorted tile route) and is inserted when that route lands.
-// simt takes every valid problem, so a miss of all three means a malformed problem.
+// The selector's routes, tried in order; the first whose supports_* holds runs. expert_tiles (the
+// sorted tile route) is first and is also gated by the on/off setting; every miss of it is counted
+// with its reason and falls through to the generic routes below it. simt takes every valid problem,
+// so a miss of all of them means a malformed problem.
 const GatherQmmRoute kRoutes[] = {
+    {"expert_tiles", supports_expert_tiles, call_expert_tiles},
     {"qmv", supports_qmv, call_qmv},
     {"rhs_tiles", supports_rhs_tiles, call_rhs_tiles},
     {"simt", supports_simt, call_simt},
@@ -57,9 +60,21 @@ bool check_problem(const detail::GatherQmmProblem& p, const void* out) {
   return true;
 }
 
-const GatherQmmRoute& select_route(const detail::GatherQmmProblem& p) {
-  for (const GatherQmmRoute& r : kRoutes)
-    if (r.supports(p).ok) return r;
+// Whether the expert tile route is requested: the API/env setting, or in automatic mode the
+// measured default (bench/NOTES.md): on for every sorted problem the route supports.
+bool expert_tiles_requested() { return expert_tiles_setting() != RouteSwitch::off; }
+
+// Picks the route; with `record`, counts the expert tile route's hit or the class of its miss.
+const GatherQmmRoute& select_route(const detail::GatherQmmProblem& p, bool record) {
+  const bool requested = expert_tiles_requested();
+  const RouteSupport tiles = supports_expert_tiles(p);
+  const bool hit = requested && tiles.ok;
+  if (record)
+    detail::record_selection(detail::Primitive::gather_qmm, requested, tiles.ok, hit,
+                             !requested ? Fallback::disabled : tiles.reason);
+  if (hit) return kRoutes[0];
+  for (size_t i = 1; i < sizeof(kRoutes) / sizeof(kRoutes[0]); ++i)
+    if (kRoutes[i].supports(p).ok) return kRoutes[i];
   throw Error(kOp, "no CUDA route for " + p.describe());
 }
 
@@ -77,7 +92,7 @@ int device_sm_count() {
 
 void gather_qmm_into(const detail::GatherQmmProblem& p, void* out, Workspace* ws) {
   if (!check_problem(p, out)) return;
-  select_route(p).call(p, out, ws);
+  select_route(p, /*record=*/true).call(p, out, ws);
 }
 
 Tensor gather_qmm(const detail::GatherQmmProblem& p) {
@@ -95,7 +110,7 @@ std::vector<std::string> gather_qmm_route_names() {
   return names;
 }
 
-std::string gather_qmm_selected_route(const detail::GatherQmmProblem& p) { return select_route(p).name; }
+std::string gather_qmm_selected_route(const detail::GatherQmmProblem& p) { return select_route(p, false).name; }
 
 void gather_qmm_into_route(const std::string& route, const detail::GatherQmmProblem& p, void* out, Workspace* ws) {
   const GatherQmmRoute* found = nullptr;

@@ -32,6 +32,15 @@ struct GatherQmmRoute {
   RouteCallFn call;
 };
 
+// --- expert_tiles: the sorted tile route (gather_qmm_expert_tiles.cu) ------------------------
+// Sorted problems with fewer rows than this go to qmv / rhs_tiles (Fallback::shape).
+constexpr int64_t kExpertTilesMinRows = 64;
+// Workspace slot holding the plan (header + tiles); slots 14 and 15 belong to the MoE path.
+constexpr int kExpertTilesPlanSlot = 0;
+// The predicate without the on/off setting (the selector applies that).
+RouteSupport supports_expert_tiles(const detail::GatherQmmProblem& p);
+void call_expert_tiles(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
+
 // --- qmv: decode sizes (gather_qmm_qmv.cu) -------------------------------------------------------
 // Problems with at most this many rows (B * M) go to qmv; the benchmark tunes it.
 constexpr int64_t kQmvMaxRows = 32;

@@ -1,0 +1,175 @@
+// expert_tiles: the sorted tile route of gather_qmm (DESIGN.md route 1). A device-built plan cuts
+// the sorted rows into tiles that each belong to exactly one expert (src/core/tile_plan.h), and the
+// GEMM runs one CTA per (plan tile, N block) with the tile's row count read from the plan: each
+// expert's weight slice is read once per tile, with no pass per run as in rhs_tiles.
+//
+// The sortedness promise is checked, never trusted, and without a host synchronization: the plan
+// builder (one 128-thread block) votes on the ids and, when they are not non-decreasing (or out of
+// range), retracts the plan (tile_count 0, sorted 0) and counts the retraction on the device. The
+// GEMM kernel then reads the verdict: a valid plan runs its tiles; a retracted one makes the same
+// CTAs run the generic rhs_tiles algorithm (16-row tiles, one pass per run of equal ids), which is
+// correct for any order. Both outcomes are decided on the device, so the call can be captured in a
+// CUDA graph.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <algorithm>
+
+#include "core/route_counters.h"
+#include "core/tile_plan.h"
+#include "cuda/device/tile_gemm.cuh"
+#include "cuda/gather_qmm_routes.h"
+#include "cuda/runtime.cuh"
+#include "cuda/tile_plan.cuh"
+
+namespace expertqmm::cuda {
+
+namespace {
+
+using device::TileArgs;
+using device::TileConfig;
+using device::TileLayout;
+using detail::ExpertTile;
+using detail::TilePlanHeader;
+
+using ExpertTiles32 = TileConfig<32, 128, 4, 4>;  // full plan tiles (17..32 rows)
+using ExpertTiles16 = TileConfig<16, 128, 4, 4>;  // tail tiles (<= 16 rows) and the retracted path
+static_assert(ExpertTiles32::THREADS == ExpertTiles16::THREADS, "one launch runs both tile heights");
+
+template <int kBits>
+constexpr int expert_tiles_smem() {
+  return std::max(TileLayout<ExpertTiles32, kBits>::kSmemBytes, TileLayout<ExpertTiles16, kBits>::kSmemBytes);
+}
+
+// Grid (ceil(N / BN), min(tile slots, 65535)), 128 threads. With a valid plan, CTA (x, y) runs plan
+// tiles y, y + gridDim.y, ... < tile_count against column block x: a bm=32 tile through the 32-row
+// tile_gemm, a bm=16 tail through the 16-row one (the row count is the tile's, so rows past it are
+// zero-filled and never stored). CTAs past the plan's tile count exit at once. With a retracted
+// plan the same CTAs stride over the 16-row tiles of all rows and split each into runs of equal ids
+// (the rhs_tiles algorithm), so any order of ids still gives the right answer.
+//   tiles   (max_tiles,) ExpertTile, the first header->tile_count valid
+//   header  the builder's verdict (written by the previous kernel on the stream)
+template <class T, int kBits>
+__global__ void __launch_bounds__(ExpertTiles32::THREADS)
+    expert_tiles_kernel(TileArgs a, const ExpertTile* __restrict__ tiles, const TilePlanHeader* __restrict__ header) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int sorted = header->sorted;
+  if (sorted) {
+    const int tile_count = header->tile_count;
+    for (int t = blockIdx.y; t < tile_count; t += gridDim.y) {
+      const ExpertTile tile = tiles[t];
+      if (tile.bm == 32)
+        device::tile_gemm<ExpertTiles32, T, kBits>(a, tile.expert, tile.row_begin, tile.rows, 0, tile.rows,
+                                                   blockIdx.x, smem);
+      else
+        device::tile_gemm<ExpertTiles16, T, kBits>(a, tile.expert, tile.row_begin, tile.rows, 0, tile.rows,
+                                                   blockIdx.x, smem);
+    }
+    return;
+  }
+  // Retracted: the generic route over 16-row tiles (expert of row r = rhs[r], M == 1 here).
+  __shared__ int tile_expert[ExpertTiles16::BM];
+  const int64_t row_tiles = (a.rows + ExpertTiles16::BM - 1) / ExpertTiles16::BM;
+  for (int64_t tile = blockIdx.y; tile < row_tiles; tile += gridDim.y) {
+    const int64_t row0 = tile * ExpertTiles16::BM;
+    const int load_rows = static_cast<int>(min(static_cast<int64_t>(ExpertTiles16::BM), a.rows - row0));
+    if (static_cast<int>(threadIdx.x) < load_rows) tile_expert[threadIdx.x] = a.rhs[row0 + threadIdx.x];
+    __syncthreads();
+    int begin = 0;
+    while (begin < load_rows) {
+      const int expert = tile_expert[begin];
+      int end = begin + 1;
+      while (end < load_rows && tile_expert[end] == expert) ++end;
+      device::tile_gemm<ExpertTiles16, T, kBits>(a, expert, row0, load_rows, begin, end, blockIdx.x, smem);
+      begin = end;
+    }
+    __syncthreads();
+  }
+}
+
+template <class T, int kBits>
+void launch_expert_tiles(const TileArgs& args, const ExpertTile* tiles, const TilePlanHeader* header,
+                         int64_t tile_slots) {
+  constexpr int kSmem = expert_tiles_smem<kBits>();
+  static const bool smem_configured = [] {
+    if (kSmem > 48 * 1024)
+      EXPERTQMM_CUDA_CHECK(cudaFuncSetAttribute(expert_tiles_kernel<T, kBits>,
+                                                cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+    return true;
+  }();
+  (void)smem_configured;
+  // Enough CTAs in y for every plan tile, and for the 16-row tiles of the retracted path.
+  const int64_t slots = std::max<int64_t>(tile_slots, (args.rows + 15) / 16);
+  const dim3 grid(ceil_div(args.N, ExpertTiles32::BN), static_cast<unsigned>(std::min<int64_t>(slots, 65535)));
+  expert_tiles_kernel<T, kBits><<<grid, ExpertTiles32::THREADS, kSmem, current_stream()>>>(args, tiles, header);
+  EXPERTQMM_CUDA_CHECK_LAUNCH("expert_tiles_kernel");
+}
+
+struct ExpertTilesVariant {
+  DType dtype;
+  int bits;
+  void (*launch)(const TileArgs&, const ExpertTile*, const TilePlanHeader*, int64_t);
+};
+const ExpertTilesVariant kExpertTilesVariants[] = {
+    {DType::bf16, 4, launch_expert_tiles<__nv_bfloat16, 4>},
+    {DType::bf16, 8, launch_expert_tiles<__nv_bfloat16, 8>},
+    {DType::f16, 4, launch_expert_tiles<__half, 4>},
+    {DType::f16, 8, launch_expert_tiles<__half, 8>},
+};
+
+// Cumulative count of retracted plans, read by diagnostics::snapshot() through the reader below.
+unsigned long long* retraction_counter() {
+  static unsigned long long* counter = [] {
+    unsigned long long* p = nullptr;
+    EXPERTQMM_CUDA_CHECK(cudaMalloc(&p, sizeof(unsigned long long)));
+    EXPERTQMM_CUDA_CHECK(cudaMemset(p, 0, sizeof(unsigned long long)));
+    detail::set_device_retraction_reader([](bool reset) -> uint64_t {
+      unsigned long long v = 0;
+      EXPERTQMM_CUDA_CHECK(cudaStreamSynchronize(current_stream()));
+      EXPERTQMM_CUDA_CHECK(cudaMemcpy(&v, retraction_counter(), sizeof(v), cudaMemcpyDeviceToHost));
+      if (reset) EXPERTQMM_CUDA_CHECK(cudaMemset(retraction_counter(), 0, sizeof(v)));
+      return v;
+    });
+    return p;
+  }();
+  return counter;
+}
+
+}  // namespace
+
+RouteSupport supports_expert_tiles(const detail::GatherQmmProblem& p) {
+  if (!p.sorted_indices) return route_miss(Fallback::topology);  // no promise of sorted rows
+  if (p.M != 1 || p.rhs_is_identity) return route_miss(Fallback::topology);
+  const RouteSupport operands = supports_tile_operands(p);
+  if (!operands.ok) return operands;
+  if (p.w_batch > detail::kTilePlanMaxExperts || p.B > detail::kTilePlanMaxRows) return route_miss(Fallback::shape);
+  if (p.B < kExpertTilesMinRows) return route_miss(Fallback::shape);  // decode sizes: qmv
+  return route_ok();
+}
+
+void call_expert_tiles(const detail::GatherQmmProblem& p, void* out, Workspace* ws) {
+  const ExpertTilesVariant* variant = nullptr;
+  for (const ExpertTilesVariant& v : kExpertTilesVariants)
+    if (v.dtype == p.dtype && v.bits == p.bits) variant = &v;
+  EXPERTQMM_CHECK(variant != nullptr, "gather_qmm", "expert_tiles has no kernel for ", p.describe());
+  const int E = static_cast<int>(p.w_batch);
+  const int64_t tile_slots = detail::max_tiles(p.B, E);
+  // Plan storage: the header, then the tiles (16-byte aligned), from the caller's workspace or a
+  // temporary that the stream-ordered caching allocator keeps alive until the kernels have run.
+  const size_t bytes = 16 + static_cast<size_t>(tile_slots) * sizeof(ExpertTile);
+  Tensor temp;
+  unsigned char* base = nullptr;
+  if (ws) {
+    base = static_cast<unsigned char*>(ws->get(kExpertTilesPlanSlot, bytes));
+  } else {
+    temp = Tensor::empty({static_cast<int64_t>((bytes + 3) / 4)}, DType::i32, Device::cuda);
+    base = static_cast<unsigned char*>(temp.data());
+  }
+  auto* header = reinterpret_cast<TilePlanHeader*>(base);
+  auto* tiles = reinterpret_cast<ExpertTile*>(base + 16);
+  launch_build_tile_plan(p.rhs.data_as<const int32_t>(), p.B, E, tiles, header, current_stream(),
+                         retraction_counter());
+  variant->launch(make_tile_args(p, out), tiles, header, tile_slots);
+}
+
+}  // namespace expertqmm::cuda
