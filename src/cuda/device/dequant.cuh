@@ -57,6 +57,88 @@ __device__ __forceinline__ uint32_t dequant_pair(uint32_t q_lo, uint32_t q_hi, f
   return Elem<T>::pack2(__fmaf_rn(s, small_uint_to_float(q_lo), b), __fmaf_rn(s, small_uint_to_float(q_hi), b));
 }
 
+// d = (a & b) | c in one LOP3 (the compiler does not always fuse the AND/OR pair itself).
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));  // 0xEA = (A & B) | C
+  return d;
+}
+
+// The raw 16-bit value in the low (high == false) or high half of `word`, copied to both halves:
+// a scale or bias ready for a packed fma.
+__device__ __forceinline__ uint32_t broadcast_half(uint32_t word, bool high) {
+  return __byte_perm(word, 0u, high ? 0x3232u : 0x1010u);
+}
+
+// Packed dequantization for the tensor-core B fragment: one register of two T, the low half the
+// lower k, computed as fma(q, s, b) in T arithmetic on both halves at once (s2, b2: the column's
+// scale and bias in both halves, see broadcast_half). The integer code is turned into an exact T
+// with a magic exponent: (code | M) is the T value M + code while the code fits the mantissa at
+// ulp 1, and subtracting M is exact. The packed fma rounds once (s*q + b exact, then rounded to T)
+// where MLX's tile loader rounds twice (fp32 fma, then T): results differ by one ulp of T in the
+// rare cases where the double rounding goes the other way.
+//
+// 4-bit: lane t of a quad owns byte t of a word, k = 2t (low nibble) and 2t+1 (high nibble).
+// 8-bit: lane t owns the 16-bit half t % 2 of its word, k = 2t' and 2t'+1 (bytes 2(t%2), +1).
+template <class T>
+struct PackedDequant;
+
+template <>
+struct PackedDequant<__nv_bfloat16> {
+  // __byte_perm selector: byte t of `word` into byte 0, byte t of `word >> 4` into byte 2.
+  static __device__ __forceinline__ uint32_t nibble_selector(int t) { return 0x4400u + 0x1111u * t; }
+  static __device__ __forceinline__ uint32_t nibbles(uint32_t word, uint32_t selector, uint32_t s2, uint32_t b2) {
+    // bf16 keeps 7 mantissa bits, so the high nibble must move to bits 16-19 (it cannot sit at
+    // bits 20-23, whose top bit is the exponent's lowest): byte t of word >> 4 puts it there.
+    const uint32_t y = __byte_perm(word, word >> 4, selector);
+    const uint32_t magic = and_or(y, 0x000F000Fu, 0x43004300u);  // {128 + lo, 128 + hi}, exact
+    const __nv_bfloat162 q = __hsub2(as_pair(magic), as_pair(0x43004300u));
+    return as_bits(__hfma2(q, as_pair(s2), as_pair(b2)));
+  }
+  // __byte_perm selectors building the floats 2^23 + code for bytes 2(t%2) and 2(t%2)+1 (the
+  // second operand supplies 0x4B and zeros): bf16 holds 0..255 exactly but no single bf16 magic
+  // spans 256 codes at ulp 1, so the codes go through fp32 and one packing conversion.
+  static __device__ __forceinline__ uint32_t byte_selector(int t) { return 0x4550u | (2u * (t & 1)); }
+  static __device__ __forceinline__ uint32_t bytes(uint32_t word, uint32_t selector, uint32_t s2, uint32_t b2) {
+    const float lo = __uint_as_float(__byte_perm(word, 0x4Bu, selector)) - 8388608.0f;
+    const float hi = __uint_as_float(__byte_perm(word, 0x4Bu, selector + 1u)) - 8388608.0f;
+    const __nv_bfloat162 q = __floats2bfloat162_rn(lo, hi);  // exact: integers below 256
+    return as_bits(__hfma2(q, as_pair(s2), as_pair(b2)));
+  }
+
+ private:
+  static __device__ __forceinline__ __nv_bfloat162 as_pair(uint32_t bits) {
+    return *reinterpret_cast<const __nv_bfloat162*>(&bits);
+  }
+  static __device__ __forceinline__ uint32_t as_bits(__nv_bfloat162 v) { return *reinterpret_cast<uint32_t*>(&v); }
+};
+
+template <>
+struct PackedDequant<__half> {
+  // __byte_perm selector: byte t of `word` into bytes 0 and 2, zeros in bytes 1 and 3.
+  static __device__ __forceinline__ uint32_t nibble_selector(int t) { return 0x4040u + 0x0101u * t; }
+  static __device__ __forceinline__ uint32_t nibbles(uint32_t word, uint32_t selector, uint32_t s2, uint32_t b2) {
+    // f16 has 10 mantissa bits: the high nibble may stay at bits 4-7 of its half, giving
+    // 1024 + 16 * hi, and one packed fma with {1, 1/16} and {-1024, -64} yields {lo, hi} exactly.
+    const uint32_t y = __byte_perm(word, 0u, selector);
+    const uint32_t magic = and_or(y, 0x00F0000Fu, 0x64006400u);  // {1024 + lo, 1024 + 16 hi}
+    const __half2 q = __hfma2(as_pair(magic), as_pair(0x2C003C00u), as_pair(0xD400E400u));
+    return as_bits(__hfma2(q, as_pair(s2), as_pair(b2)));
+  }
+  // __byte_perm selector: bytes 2(t%2) and 2(t%2)+1 of `word` into bytes 0 and 2, 0x64 (the
+  // second operand's byte 4) into bytes 1 and 3: {1024 + c0, 1024 + c1}, exact up to 1023.
+  static __device__ __forceinline__ uint32_t byte_selector(int t) { return 0x4140u + 0x0202u * (t & 1); }
+  static __device__ __forceinline__ uint32_t bytes(uint32_t word, uint32_t selector, uint32_t s2, uint32_t b2) {
+    const uint32_t magic = __byte_perm(word, 0x64u, selector);
+    const __half2 q = __hsub2(as_pair(magic), as_pair(0x64006400u));
+    return as_bits(__hfma2(q, as_pair(s2), as_pair(b2)));
+  }
+
+ private:
+  static __device__ __forceinline__ __half2 as_pair(uint32_t bits) { return *reinterpret_cast<const __half2*>(&bits); }
+  static __device__ __forceinline__ uint32_t as_bits(__half2 v) { return *reinterpret_cast<uint32_t*>(&v); }
+};
+
 // Code i of a packed row for any bits in 1..8 (3, 5 and 6-bit codes may straddle two words; the
 // second word is read only then, so a row is never read past its end).
 __device__ __forceinline__ uint32_t extract_code(const uint32_t* row, int64_t i, int bits) {

@@ -178,6 +178,8 @@ __device__ __forceinline__ void tile_gemm(const TileArgs& a, int expert, int64_t
   const int warp = tid >> 5, lane = tid & 31;
   const int g = lane >> 2, t = lane & 3;
   const int warp_col = warp * Cfg::WARP_N;
+  using Dequant = PackedDequant<T>;
+  const uint32_t code_selector = kBits == 4 ? Dequant::nibble_selector(t) : Dequant::byte_selector(t);
 
   // Parity of each owned column's first group element: with an odd group count per row the
   // group of a k tile may sit in the high half of its staged word.
@@ -215,9 +217,27 @@ __device__ __forceinline__ void tile_gemm(const TileArgs& a, int expert, int64_t
     const uint32_t* ss = ws + Cfg::BN * L::kWordsPerRow;
     const uint32_t* bs = ss + Cfg::BN;
 
+    // Scale and bias of each owned column as a packed pair (the value in both halves), read once
+    // per k tile: the tile's single group sits in the staged word's half given by its parity.
+    // With group_size 32 the word holds two groups: the low one serves k16 steps 0-1, and the
+    // high one is read at step 2.
     const int tile_parity = ((kt * Cfg::BK) >> a.group_shift) & 1;
+    uint32_t col_scale[Cfg::N8_TILES], col_bias[Cfg::N8_TILES];
+    auto read_params = [&](bool second_group) {
+#pragma unroll
+      for (int j = 0; j < Cfg::N8_TILES; ++j) {
+        const int row = warp_col + 8 * j + g;
+        const bool high = two_groups_per_tile ? second_group : (col_parity[j] ^ tile_parity) != 0;
+        col_scale[j] = broadcast_half(ss[row], high);
+        col_bias[j] = broadcast_half(bs[row], high);
+      }
+    };
+    read_params(false);
+
+    uint4 w4[Cfg::N8_TILES];  // 4-bit: the 16-byte chunk (4 words, two k16 steps) of each column
 #pragma unroll
     for (int s = 0; s < 4; ++s) {  // k16 steps: k = 16s .. 16s+15 of the tile
+      if (s == 2 && two_groups_per_tile) read_params(true);
       // A fragments: lanes 0-15 address rows 0-15 of the low 8-wide k chunk, lanes 16-31 the
       // same rows of the high chunk.
       uint32_t afrag[Cfg::M16_TILES][4];
@@ -231,27 +251,19 @@ __device__ __forceinline__ void tile_gemm(const TileArgs& a, int expert, int64_t
       for (int j = 0; j < Cfg::N8_TILES; ++j) {
         const int row = warp_col + 8 * j + g;  // weight row (output column) inside the tile
         const uint32_t* wrow = ws + row * L::kWordsPerRow;
-        // The step's group is the second of the staged word's two when group_size is 32 and
-        // s >= 2, or when the tile's only group is an odd element (see the loader).
-        const bool high = two_groups_per_tile ? (s >= 2) : ((col_parity[j] ^ tile_parity) != 0);
-        const float sc = Elem<T>::raw_to_float(high ? ss[row] >> 16 : ss[row] & 0xFFFFu);
-        const float bi = Elem<T>::raw_to_float(high ? bs[row] >> 16 : bs[row] & 0xFFFFu);
         uint32_t b0, b1;
         if constexpr (kBits == 4) {
-          // Word w holds k = 8w..8w+7; step s needs words 2s (b0) and 2s+1 (b1), and the lane
-          // byte t of each: k = 8w+2t (low nibble) and 8w+2t+1 (high nibble).
-          const uint2 words = *reinterpret_cast<const uint2*>(wrow + (L::w_chunk(row, s >> 1) << 2) + 2 * (s & 1));
-          const uint32_t v0 = words.x >> (8 * t), v1 = words.y >> (8 * t);
-          b0 = dequant_pair<T>(v0 & 0xFu, (v0 >> 4) & 0xFu, sc, bi);
-          b1 = dequant_pair<T>(v1 & 0xFu, (v1 >> 4) & 0xFu, sc, bi);
+          // Word w holds k = 8w..8w+7; step s needs words 2s (b0) and 2s+1 (b1), the second
+          // half of chunk s/2 for odd s. One 16-byte load serves two steps.
+          if ((s & 1) == 0) w4[j] = *reinterpret_cast<const uint4*>(wrow + (L::w_chunk(row, s >> 1) << 2));
+          b0 = Dequant::nibbles((s & 1) ? w4[j].z : w4[j].x, code_selector, col_scale[j], col_bias[j]);
+          b1 = Dequant::nibbles((s & 1) ? w4[j].w : w4[j].y, code_selector, col_scale[j], col_bias[j]);
         } else {
           // Word w holds k = 4w..4w+3; step s reads chunk s (words 4s..4s+3): k 16s+2t, +1 are
           // halfword t%2 of word 4s + t/2, and k 16s+8+2t, +1 the same halfword of word 4s+2+t/2.
-          const uint4 c = *reinterpret_cast<const uint4*>(wrow + (L::w_chunk(row, s) << 2));
-          const uint32_t v0 = ((t & 2) ? c.y : c.x) >> (16 * (t & 1));
-          const uint32_t v1 = ((t & 2) ? c.w : c.z) >> (16 * (t & 1));
-          b0 = dequant_pair<T>(v0 & 0xFFu, (v0 >> 8) & 0xFFu, sc, bi);
-          b1 = dequant_pair<T>(v1 & 0xFFu, (v1 >> 8) & 0xFFu, sc, bi);
+          const uint32_t* chunk = wrow + (L::w_chunk(row, s) << 2) + (t >> 1);
+          b0 = Dequant::bytes(chunk[0], code_selector, col_scale[j], col_bias[j]);
+          b1 = Dequant::bytes(chunk[2], code_selector, col_scale[j], col_bias[j]);
         }
 #pragma unroll
         for (int mt = 0; mt < Cfg::M16_TILES; ++mt) Mma<T>::run(acc[mt][j], afrag[mt], b0, b1);
