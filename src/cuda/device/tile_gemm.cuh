@@ -11,12 +11,14 @@
 //   out    (rows, N) T
 //
 // Work split inside the CTA (THREADS = 32 * WARPS): every warp covers all BM rows (BM/16 m16 tiles)
-// and WARP_N = BN/WARPS consecutive columns (WARP_N/8 n8 tiles). Per k tile (BK = 64) and k16 step
-// a lane loads the A fragment of each m16 tile with ldmatrix, then for each of its n8 tiles reads
-// the packed words of its column g = lane/4 for that step (8- or 16-byte shared loads),
+// and WARP_N = BN/WARPS consecutive columns (WARP_N/8 n8 tiles). Per k tile (BK = 64) a lane reads
+// the scale and bias of each of its columns once (as packed T pairs). Per k16 step it loads the A
+// fragment of each m16 tile with ldmatrix, then for each of its n8 tiles takes the packed words of
+// its column g = lane/4 (4-bit: one 16-byte shared load per two steps; 8-bit: two 4-byte loads),
 // dequantizes the 4 values it owns in the B fragment (k = 2t, 2t+1, 2t+8, 2t+9, t = lane%4) to T
-// in registers and issues one mma per m16 tile. A multi-stage cp.async pipeline keeps STAGES-1
-// k tiles in flight.
+// with packed math (PackedDequant) and issues one mma per m16 tile, so a larger BM spreads the
+// dequantization over more mmas. A multi-stage cp.async pipeline keeps STAGES-1 k tiles in
+// flight; each thread's copies per k tile are a fixed set (see the copy setup).
 //
 // Shared memory, per stage (all offsets 16-byte aligned):
 //   xs  (BM, 64) T: 8 chunks of 16 bytes per row, chunk c stored at c ^ (row % 8) so that the 8
@@ -137,41 +139,75 @@ __device__ __forceinline__ void tile_gemm(const TileArgs& a, int expert, int64_t
 
   auto stage_base = [&](int stage) { return smem + L::kRowInfoBytes + stage * L::kStageBytes; };
 
+  // Each thread's share of a k tile's copies is fixed: copy i of a kind is slot tid + i * THREADS.
+  // Sources at k tile 0 and destinations are worked out once here, so a k tile only adds its own
+  // offset (no division, no 64-bit index math, no loop in the pipeline). Invalid copies keep a
+  // source inside the first row of their tensor, which stays a valid address for every k tile.
+  constexpr int kXChunks = Cfg::BM * 8;                  // 16-byte x chunks per k tile
+  constexpr int kWChunks = Cfg::BN * L::kChunksPerRow;  // 16-byte weight chunks per k tile
+  constexpr int kParamWords = 2 * Cfg::BN;              // scale words, then bias words
+  constexpr int kXCopies = (kXChunks + Cfg::THREADS - 1) / Cfg::THREADS;
+  constexpr int kWCopies = (kWChunks + Cfg::THREADS - 1) / Cfg::THREADS;
+  constexpr int kParamCopies = (kParamWords + Cfg::THREADS - 1) / Cfg::THREADS;
+  const T* x_src[kXCopies];
+  bool x_valid[kXCopies];
+#pragma unroll
+  for (int i = 0; i < kXCopies; ++i) {
+    const int c = tid + i * Cfg::THREADS;
+    const int64_t offset = c < kXChunks ? row_offset[c >> 3] : -1;
+    x_valid[i] = offset >= 0;
+    x_src[i] = x_valid[i] ? x + offset + (c & 7) * 8 : x;
+  }
+  // Weight copies of one thread share the chunk and lie kWRowStep rows apart: one base pointer.
+  static_assert(Cfg::THREADS % L::kChunksPerRow == 0, "each thread copies the same chunk of its rows");
+  constexpr int kWRowStep = Cfg::THREADS / L::kChunksPerRow;
+  const int w_row0 = tid / L::kChunksPerRow;
+  const uint32_t* w_src = w_expert + static_cast<int64_t>(n0 + w_row0) * a.words_per_row + (tid % L::kChunksPerRow) * 4;
+  const int64_t w_copy_stride = static_cast<int64_t>(kWRowStep) * a.words_per_row;
+  const uint16_t* param_src[kParamCopies];  // the row's first group element
+  bool param_valid[kParamCopies];
+#pragma unroll
+  for (int i = 0; i < kParamCopies; ++i) {
+    const int c = tid + i * Cfg::THREADS;
+    const int n = n0 + c % Cfg::BN;
+    const uint16_t* param = c < Cfg::BN ? a.scales : a.biases;
+    param_valid[i] = c < kParamWords && n < a.N;
+    param_src[i] = param_valid[i] ? param + param_expert + static_cast<int64_t>(n) * a.groups_per_row : param;
+  }
+
   auto load_stage = [&](int stage, int kt) {
     unsigned char* base = stage_base(stage);
     T* xs = reinterpret_cast<T*>(base);
     uint32_t* ws = reinterpret_cast<uint32_t*>(base + L::kXBytes);
-    uint32_t* ss = ws + Cfg::BN * L::kWordsPerRow;
-    uint32_t* bs = ss + Cfg::BN;
-    for (int c = tid; c < Cfg::BM * 8; c += Cfg::THREADS) {
+    uint32_t* params = ws + Cfg::BN * L::kWordsPerRow;  // ss (BN,) then bs (BN,)
+#pragma unroll
+    for (int i = 0; i < kXCopies; ++i) {
+      const int c = tid + i * Cfg::THREADS;
+      if (kXChunks % Cfg::THREADS != 0 && c >= kXChunks) break;
       const int row = c >> 3, chunk = c & 7;
-      const int64_t offset = row_offset[row];
-      const T* src = offset >= 0 ? x + offset + kt * Cfg::BK + chunk * 8 : x;
-      cp_async_16(xs + row * Cfg::BK + ((chunk ^ (row & 7)) << 3), src, offset >= 0);
+      cp_async_16(xs + row * Cfg::BK + ((chunk ^ (row & 7)) << 3), x_src[i] + kt * Cfg::BK, x_valid[i]);
     }
-    for (int c = tid; c < Cfg::BN * L::kChunksPerRow; c += Cfg::THREADS) {
-      const int row = c / L::kChunksPerRow, chunk = c % L::kChunksPerRow;
-      const int n = n0 + row;
-      const bool valid = n < a.N;
-      const uint32_t* src =
-          valid ? w_expert + static_cast<int64_t>(n) * a.words_per_row + kt * L::kWordsPerRow + chunk * 4 : a.w;
-      cp_async_16(ws + row * L::kWordsPerRow + (L::w_chunk(row, chunk) << 2), src, valid);
+#pragma unroll
+    for (int i = 0; i < kWCopies; ++i) {
+      const int c = tid + i * Cfg::THREADS;
+      if (kWChunks % Cfg::THREADS != 0 && c >= kWChunks) break;
+      const int row = w_row0 + i * kWRowStep, chunk = tid % L::kChunksPerRow;
+      const bool valid = n0 + row < a.N;
+      cp_async_16(ws + row * L::kWordsPerRow + (L::w_chunk(row, chunk) << 2),
+                  valid ? w_src + i * w_copy_stride + kt * L::kWordsPerRow : a.w, valid);
     }
-    // Group element el of row n lives in the 4-byte word at el & ~1. Read exactly the bytes that
-    // belong to the needed groups: el odd -> both halves (el-1, el); el even -> el, plus el+1 when
-    // the tile spans two groups; the unread half is zero-filled.
-    for (int c = tid; c < 2 * Cfg::BN; c += Cfg::THREADS) {
-      const int row = c % Cfg::BN;
-      const int n = n0 + row;
-      const uint16_t* param = c < Cfg::BN ? a.scales : a.biases;
-      uint32_t* dst = (c < Cfg::BN ? ss : bs) + row;
-      if (n < a.N) {
-        const int64_t el = param_expert + static_cast<int64_t>(n) * a.groups_per_row + ((kt * Cfg::BK) >> a.group_shift);
-        const int bytes = ((el & 1) || two_groups_per_tile) ? 4 : 2;
-        cp_async_4(dst, param + (el & ~int64_t(1)), bytes);
-      } else {
-        cp_async_4(dst, param, 0);
-      }
+    // Group element el of a row lives in the 4-byte word at el & ~1 (scales and biases are 4-byte
+    // aligned). Read exactly the bytes of the needed groups: el odd -> both halves (el-1, el); el
+    // even -> el, plus el+1 when the tile spans two groups; the unread half is zero-filled.
+    const int group = (kt * Cfg::BK) >> a.group_shift;
+#pragma unroll
+    for (int i = 0; i < kParamCopies; ++i) {
+      const int c = tid + i * Cfg::THREADS;
+      if (kParamWords % Cfg::THREADS != 0 && c >= kParamWords) break;
+      const uint16_t* el = param_src[i] + group;
+      const int odd = static_cast<int>((reinterpret_cast<uintptr_t>(el) >> 1) & 1);
+      if (param_valid[i]) cp_async_4(params + c, el - odd, (odd || two_groups_per_tile) ? 4 : 2);
+      else cp_async_4(params + c, param_src[i], 0);
     }
   };
 
