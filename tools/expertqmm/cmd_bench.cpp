@@ -107,7 +107,7 @@ int run_bench(int argc, char** argv) {
 namespace {
 
 constexpr int kWeightCopies = 4;      // distinct weight copies replayed round robin
-constexpr int kReplaysPerGate = 8;    // replays enqueued behind one host gate (see time_graphs)
+constexpr int kReplaysPerGate = 8;    // replays enqueued behind one host gate (see time_layer)
 constexpr double kTolerance = 1e-2;   // docs/numerics.md, bf16 vs float64
 constexpr double kZipfExponent = 1.1;
 constexpr int kMinProtocolReplays = 50;
