@@ -23,7 +23,7 @@ using device::TileLayout;
 // equal ids and, for each run, runs tile_gemm over all BM rows with that expert's weights, storing
 // only the run's rows. Sorted ids give one run per tile; any order stays correct, only slower.
 template <class Cfg, class T, int kBits>
-__global__ void __launch_bounds__(Cfg::THREADS) rhs_tiles_kernel(TileArgs a, int64_t row_tiles) {
+__global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS_PER_SM) rhs_tiles_kernel(TileArgs a, int64_t row_tiles) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int tile_expert[Cfg::BM];  // (BM,) expert id of each local row
   for (int64_t tile = blockIdx.y; tile < row_tiles; tile += gridDim.y) {
@@ -62,12 +62,23 @@ void launch_rhs_tiles(const TileArgs& args) {
   EXPERTQMM_CUDA_CHECK_LAUNCH("rhs_tiles_kernel");
 }
 
-using RhsTiles16 = TileConfig<16, 128, 4, 4>;
-using RhsTiles32 = TileConfig<32, 128, 4, 4>;
+// Register caps (the 5th parameter, CTAs per SM for __launch_bounds__) chosen from ptxas -v: BM=16
+// fits 128 registers (4 CTAs, 16 warps per SM) and BM=32 168 (3 CTAs) without spills.
+using RhsTiles16 = TileConfig<16, 128, 4, 4, 4>;
+using RhsTiles32 = TileConfig<32, 128, 4, 4, 3>;
+// BM=64: each dequantized B fragment feeds 4 mmas. ptxas wants 215-228 registers (64 fp32
+// accumulators per lane plus addressing); capped at 168 it spills 4-40 bytes, at 128 about 240,
+// so it runs uncapped at 2 CTAs (8 warps) per SM. That is enough: every warp has 16 independent
+// mmas per k16 step to cover the tensor-core latency. BN=128 with 4 warps rather than BN=256 with
+// 8: the same 8 warps per SM and per-warp registers either way, but two CTAs do not all stop at
+// the same barrier, and 128-wide column blocks give twice the CTAs (N=704 has the same 8% tail
+// either way). Shared memory: 4 stages of 13 KB.
+using RhsTiles64 = TileConfig<64, 128, 4, 4>;
 
 // The rhs_tiles kernels. The first entry matching (dtype, bits) with min_m <= M is used: when every
-// batch element has at least 32 rows (one expert each), BM=32 tiles dequantize each weight once
-// for two m16 mma tiles; otherwise BM=16 (MLX's tile height) wastes fewer rows on short runs.
+// batch element has at least 64 (32) rows, one expert each, BM=64 (32) tiles dequantize each
+// weight once for four (two) m16 mma tiles; otherwise BM=16 (MLX's tile height) wastes fewer rows
+// on short runs.
 struct RhsTilesVariant {
   int bm;
   int64_t min_m;
@@ -76,6 +87,10 @@ struct RhsTilesVariant {
   void (*launch)(const TileArgs&);
 };
 const RhsTilesVariant kRhsTilesVariants[] = {
+    {64, 64, DType::bf16, 4, launch_rhs_tiles<RhsTiles64, __nv_bfloat16, 4>},
+    {64, 64, DType::bf16, 8, launch_rhs_tiles<RhsTiles64, __nv_bfloat16, 8>},
+    {64, 64, DType::f16, 4, launch_rhs_tiles<RhsTiles64, __half, 4>},
+    {64, 64, DType::f16, 8, launch_rhs_tiles<RhsTiles64, __half, 8>},
     {32, 32, DType::bf16, 4, launch_rhs_tiles<RhsTiles32, __nv_bfloat16, 4>},
     {32, 32, DType::bf16, 8, launch_rhs_tiles<RhsTiles32, __nv_bfloat16, 8>},
     {32, 32, DType::f16, 4, launch_rhs_tiles<RhsTiles32, __half, 4>},
@@ -148,5 +163,6 @@ RouteSupport supports_rhs_tiles(const detail::GatherQmmProblem& p) { return supp
 void call_rhs_tiles(const detail::GatherQmmProblem& p, void* out, Workspace*) { run_rhs_tiles(p, out, 0); }
 void call_rhs_tiles_bm16(const detail::GatherQmmProblem& p, void* out, Workspace*) { run_rhs_tiles(p, out, 16); }
 void call_rhs_tiles_bm32(const detail::GatherQmmProblem& p, void* out, Workspace*) { run_rhs_tiles(p, out, 32); }
+void call_rhs_tiles_bm64(const detail::GatherQmmProblem& p, void* out, Workspace*) { run_rhs_tiles(p, out, 64); }
 
 }  // namespace expertqmm::cuda

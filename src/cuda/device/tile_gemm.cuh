@@ -44,8 +44,11 @@ namespace expertqmm::cuda::device {
 
 // A tile shape. BK is fixed at 64: the x swizzle, the scale staging and the fragment unpacking are
 // written for eight 16-byte x chunks per row and at most two groups (group_size 32) per k tile.
-template <int kBM, int kBN, int kWarps, int kStages>
+// kMinCtasPerSm is a hint for the calling kernel's __launch_bounds__ (register cap 64K / (CTAs *
+// THREADS)); 1 leaves ptxas free.
+template <int kBM, int kBN, int kWarps, int kStages, int kMinCtasPerSm = 1>
 struct TileConfig {
+  static constexpr int MIN_CTAS_PER_SM = kMinCtasPerSm;
   static constexpr int BM = kBM;
   static constexpr int BN = kBN;
   static constexpr int BK = 64;
@@ -270,39 +273,52 @@ __device__ __forceinline__ void tile_gemm(const TileArgs& a, int expert, int64_t
     };
     read_params(false);
 
-    uint4 w4[Cfg::N8_TILES];  // 4-bit: the 16-byte chunk (4 words, two k16 steps) of each column
+    constexpr bool kWideWordLoads = Cfg::M16_TILES <= 2;
+    uint4 w4[kWideWordLoads ? Cfg::N8_TILES : 1];  // 4-bit: each column's 16-byte chunk (two k16 steps)
 #pragma unroll
     for (int s = 0; s < 4; ++s) {  // k16 steps: k = 16s .. 16s+15 of the tile
       if (s == 2 && two_groups_per_tile) read_params(true);
-      // A fragments: lanes 0-15 address rows 0-15 of the low 8-wide k chunk, lanes 16-31 the
-      // same rows of the high chunk.
-      uint32_t afrag[Cfg::M16_TILES][4];
-#pragma unroll
-      for (int mt = 0; mt < Cfg::M16_TILES; ++mt) {
-        const int row = mt * 16 + (lane & 15);
-        const int chunk = 2 * s + (lane >> 4);
-        ldmatrix_x4(afrag[mt], xs + row * Cfg::BK + ((chunk ^ (row & 7)) << 3));
-      }
+      // B fragments of every owned n8 tile for this step (2 registers each), then one m16 tile at
+      // a time: its A fragment feeds N8_TILES mmas, each B fragment M16_TILES mmas.
+      uint32_t bfrag[Cfg::N8_TILES][2];
 #pragma unroll
       for (int j = 0; j < Cfg::N8_TILES; ++j) {
         const int row = warp_col + 8 * j + g;  // weight row (output column) inside the tile
         const uint32_t* wrow = ws + row * L::kWordsPerRow;
-        uint32_t b0, b1;
         if constexpr (kBits == 4) {
           // Word w holds k = 8w..8w+7; step s needs words 2s (b0) and 2s+1 (b1), the second
-          // half of chunk s/2 for odd s. One 16-byte load serves two steps.
-          if ((s & 1) == 0) w4[j] = *reinterpret_cast<const uint4*>(wrow + (L::w_chunk(row, s >> 1) << 2));
-          b0 = Dequant::nibbles((s & 1) ? w4[j].z : w4[j].x, code_selector, col_scale[j], col_bias[j]);
-          b1 = Dequant::nibbles((s & 1) ? w4[j].w : w4[j].y, code_selector, col_scale[j], col_bias[j]);
+          // half of chunk s/2 for odd s. With BM <= 32 one 16-byte load serves two steps; BM=64
+          // has no registers to spare for it and loads 8 bytes per step (1 load per 8 mmas).
+          uint32_t word0, word1;
+          if constexpr (kWideWordLoads) {
+            if ((s & 1) == 0) w4[j] = *reinterpret_cast<const uint4*>(wrow + (L::w_chunk(row, s >> 1) << 2));
+            word0 = (s & 1) ? w4[j].z : w4[j].x;
+            word1 = (s & 1) ? w4[j].w : w4[j].y;
+          } else {
+            const uint2 words = *reinterpret_cast<const uint2*>(wrow + (L::w_chunk(row, s >> 1) << 2) + 2 * (s & 1));
+            word0 = words.x;
+            word1 = words.y;
+          }
+          bfrag[j][0] = Dequant::nibbles(word0, code_selector, col_scale[j], col_bias[j]);
+          bfrag[j][1] = Dequant::nibbles(word1, code_selector, col_scale[j], col_bias[j]);
         } else {
           // Word w holds k = 4w..4w+3; step s reads chunk s (words 4s..4s+3): k 16s+2t, +1 are
           // halfword t%2 of word 4s + t/2, and k 16s+8+2t, +1 the same halfword of word 4s+2+t/2.
           const uint32_t* chunk = wrow + (L::w_chunk(row, s) << 2) + (t >> 1);
-          b0 = Dequant::bytes(chunk[0], code_selector, col_scale[j], col_bias[j]);
-          b1 = Dequant::bytes(chunk[2], code_selector, col_scale[j], col_bias[j]);
+          bfrag[j][0] = Dequant::bytes(chunk[0], code_selector, col_scale[j], col_bias[j]);
+          bfrag[j][1] = Dequant::bytes(chunk[2], code_selector, col_scale[j], col_bias[j]);
         }
+      }
 #pragma unroll
-        for (int mt = 0; mt < Cfg::M16_TILES; ++mt) Mma<T>::run(acc[mt][j], afrag[mt], b0, b1);
+      for (int mt = 0; mt < Cfg::M16_TILES; ++mt) {
+        // A fragment: lanes 0-15 address rows 0-15 of the low 8-wide k chunk, lanes 16-31 the
+        // same rows of the high chunk.
+        uint32_t afrag[4];
+        const int row = mt * 16 + (lane & 15);
+        const int chunk = 2 * s + (lane >> 4);
+        ldmatrix_x4(afrag, xs + row * Cfg::BK + ((chunk ^ (row & 7)) << 3));
+#pragma unroll
+        for (int j = 0; j < Cfg::N8_TILES; ++j) Mma<T>::run(acc[mt][j], afrag, bfrag[j][0], bfrag[j][1]);
       }
     }
   }
