@@ -58,6 +58,7 @@ void call_rhs_tiles(const detail::GatherQmmProblem& p, void* out, Workspace* ws)
 // rhs_tiles with a pinned tile height (16 or 32) instead of the table's choice; for tests.
 void call_rhs_tiles_bm16(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
 void call_rhs_tiles_bm32(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
+void call_rhs_tiles_bm64(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
 
 // --- simt: every other combination, CUDA cores (gather_qmm_simt.cu) ----------------------------
 RouteSupport supports_simt(const detail::GatherQmmProblem& p);
