@@ -228,6 +228,12 @@ size_t qmv_smem_bytes(int64_t K, int64_t num_chunks) {
 
 }  // namespace
 
+// Row limit (kQmvMaxRows = 64, decode up to 8 tokens x top-8): qmv runs one CTA row per problem
+// row, so its grid only grows with rows: at 64 rows and Gemma's N=704 it is 22 x 64 = 1408 CTAs
+// (2816: 5632), well above 4 per SM without splitting K. Each row streams its expert's weights once
+// (64 rows over about 50 distinct experts of 128: ~1.3 reads per weight byte, partly from L2), while
+// rhs_tiles at those sizes sees runs of one or two rows per 16-row tile and re-reads each run's
+// expert weights for mostly-empty mma tiles.
 RouteSupport supports_qmv(const detail::GatherQmmProblem& p) {
   if (p.dtype != DType::bf16 && p.dtype != DType::f16) return route_miss(Fallback::dtype);
   if (p.bits != 4 && p.bits != 8) return route_miss(Fallback::quantization);

@@ -43,7 +43,7 @@ void call_expert_tiles(const detail::GatherQmmProblem& p, void* out, Workspace* 
 
 // --- qmv: decode sizes (gather_qmm_qmv.cu) -------------------------------------------------------
 // Problems with at most this many rows (B * M) go to qmv; the benchmark tunes it.
-constexpr int64_t kQmvMaxRows = 32;
+constexpr int64_t kQmvMaxRows = 64;  // 8 tokens x top-8; why: supports_qmv in gather_qmm_qmv.cu
 RouteSupport supports_qmv(const detail::GatherQmmProblem& p);
 void call_qmv(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
 
