@@ -105,16 +105,29 @@ def layer_fn(x, idx, wts, gate_up_t, down_t, experts, top_k):
     flat = idx.reshape(-1).long()
     ones = torch.ones_like(flat)
 
+    # Unpadded offsets tripped torch._grouped_mm's device-side offset assertion at 64 rows on the
+    # H200 (torch 2.11): as vLLM's moe_align does, each expert's rows go to a padded buffer of static
+    # size rows + 15 * E, every group starting on a 16-row boundary (the padding rows are zeros).
+    align = 16
+    padded_rows = flat.numel() + (align - 1) * experts
+
     def run():
         order = torch.argsort(flat, stable=True)
         token = order // top_k
-        rows = x.index_select(0, token)
+        sorted_e = flat.index_select(0, order)
         # scatter_add instead of bincount: bincount reads its size on the host, which a graph forbids
         counts = torch.zeros(experts, dtype=torch.long, device=x.device).scatter_add_(0, flat, ones)
-        offs = torch.cumsum(counts, 0).to(torch.int32)
-        gu = torch._grouped_mm(rows, gate_up_t, offs=offs)  # [T*k, 2I]
+        padded = (counts + (align - 1)) // align * align
+        start = torch.cumsum(counts, 0) - counts          # first sorted row of each expert
+        pstart = torch.cumsum(padded, 0) - padded         # first padded row of each expert
+        rank = torch.arange(flat.numel(), device=x.device) - start.index_select(0, sorted_e)
+        dest = pstart.index_select(0, sorted_e) + rank    # padded row of each sorted row
+        offs = torch.cumsum(padded, 0).to(torch.int32)
+        rows = torch.zeros((padded_rows, H), dtype=x.dtype, device=x.device)
+        rows.index_copy_(0, dest, x.index_select(0, token))
+        gu = torch._grouped_mm(rows, gate_up_t, offs=offs)  # [padded, 2I]
         h = F.gelu(gu[:, :I], approximate="tanh") * gu[:, I:]
-        y = torch._grouped_mm(h, down_t, offs=offs)  # [T*k, H]
+        y = torch._grouped_mm(h, down_t, offs=offs).index_select(0, dest)  # [T*k, H], sorted order
         scaled = y.float() * wts.reshape(-1).index_select(0, order).float().unsqueeze(1)
         return torch.zeros((T, H), dtype=torch.float32, device=x.device).index_add_(0, token, scaled).to(x.dtype)
 
