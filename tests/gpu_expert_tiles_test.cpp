@@ -218,7 +218,7 @@ TEST(GpuExpertTiles, OneFieldSelectorMissesSmall) {
                                                                         ids, DType::f32)});
   misses.push_back({"3-bit", Fallback::quantization, make_rows_case(test::random_quantized({8, 128, 256}, 3, 64), ids)});
   misses.push_back({"K % 64", Fallback::alignment, make_rows_case(test::random_quantized({8, 128, 96}, 4, 32), ids)});
-  misses.push_back({"too few rows", Fallback::shape, make_rows_case(q4, sorted_ids(40, 8))});
+  misses.push_back({"too few rows", Fallback::shape, make_rows_case(q4, sorted_ids(cuda::kExpertTilesMinRows - 1, 8))});
   misses.push_back({"E > 4096", Fallback::shape, make_rows_case(random_codes_weight(4097, 8, 64, 4, 64), sorted_ids(128, 4097))});
   for (Miss& m : misses) {
     CountersGuard guard;
@@ -321,7 +321,7 @@ TEST(GpuExpertTiles, CountersInvariantAndResetSmall) {
   gather_qmm(empty_x, q, Tensor(), Tensor::empty({0}, DType::i32, Device::cuda), true, true);
   RouteCounters c = gather_counters();
   EXPECT_EQ(c.attempts, 0u);
-  const RowsCase rc = make_rows_case(random_codes_weight(8, 64, 128, 4, 64), sorted_ids(96, 8));
+  const RowsCase rc = make_rows_case(random_codes_weight(8, 64, 128, 4, 64), sorted_ids(cuda::kExpertTilesMinRows + 31, 8));
   run(rc);
   run(rc, "");
   c = gather_counters();

@@ -165,8 +165,9 @@ void expect_routes_match_reference(const Case& c, const std::vector<std::string>
   }
 }
 
-const std::vector<std::string> kAllRoutes = {"qmv", "rhs_tiles_bm16", "rhs_tiles_bm32", "simt"};
-const std::vector<std::string> kManyRowRoutes = {"rhs_tiles", "rhs_tiles_bm16", "rhs_tiles_bm32", "simt"};
+const std::vector<std::string> kAllRoutes = {"qmv", "rhs_tiles_bm16", "rhs_tiles_bm32", "rhs_tiles_bm64", "simt"};
+const std::vector<std::string> kManyRowRoutes = {"rhs_tiles", "rhs_tiles_bm16", "rhs_tiles_bm32", "rhs_tiles_bm64",
+                                                 "simt"};
 
 }  // namespace
 
@@ -360,8 +361,10 @@ TEST(GpuGatherQmm, SelectorOrderAndChoicesSmall) {
 
   // Unsorted problems (sorted_indices=false), which the sorted tile route does not take.
   const QuantizedWeight q = make_weight(8, 64, 256, 4, 64, DType::bf16);
-  EXPECT_EQ(cuda::gather_qmm_selected_route(rows_case(q, DType::bf16, random_ids(32, 8, false), false).problem()), "qmv");
-  EXPECT_EQ(cuda::gather_qmm_selected_route(rows_case(q, DType::bf16, random_ids(33, 8, false), false).problem()),
+  const int64_t qmv_rows = cuda::kQmvMaxRows;
+  EXPECT_EQ(cuda::gather_qmm_selected_route(rows_case(q, DType::bf16, random_ids(qmv_rows, 8, false), false).problem()),
+            "qmv");
+  EXPECT_EQ(cuda::gather_qmm_selected_route(rows_case(q, DType::bf16, random_ids(qmv_rows + 1, 8, false), false).problem()),
             "rhs_tiles");
   // K = 224 is a multiple of 32 but not of 64: qmv for decode, simt beyond.
   const QuantizedWeight q224 = make_weight(8, 64, 224, 4, 32, DType::bf16);

@@ -29,6 +29,7 @@ const GatherQmmRoute kRoutes[] = {
 const GatherQmmRoute kTestRoutes[] = {
     {"rhs_tiles_bm16", supports_rhs_tiles, call_rhs_tiles_bm16},
     {"rhs_tiles_bm32", supports_rhs_tiles, call_rhs_tiles_bm32},
+    {"rhs_tiles_bm64", supports_rhs_tiles, call_rhs_tiles_bm64},
 };
 
 void check_index_tensor(const Tensor& t, const char* name, int64_t B) {

@@ -33,8 +33,8 @@ struct GatherQmmRoute {
 };
 
 // --- expert_tiles: the sorted tile route (gather_qmm_expert_tiles.cu) ------------------------
-// Sorted problems with fewer rows than this go to qmv / rhs_tiles (Fallback::shape).
-constexpr int64_t kExpertTilesMinRows = 64;
+// Sorted problems with fewer rows than kExpertTilesMinRows (defined below: the rows qmv takes,
+// plus one) go to qmv (Fallback::shape): at decode sizes most plan tiles would hold one row.
 // Workspace slot holding the plan (header + tiles); slots 14 and 15 belong to the MoE path.
 constexpr int kExpertTilesPlanSlot = 0;
 // The predicate without the on/off setting (the selector applies that).
@@ -44,6 +44,7 @@ void call_expert_tiles(const detail::GatherQmmProblem& p, void* out, Workspace* 
 // --- qmv: decode sizes (gather_qmm_qmv.cu) -------------------------------------------------------
 // Problems with at most this many rows (B * M) go to qmv; the benchmark tunes it.
 constexpr int64_t kQmvMaxRows = 64;  // 8 tokens x top-8; why: supports_qmv in gather_qmm_qmv.cu
+constexpr int64_t kExpertTilesMinRows = kQmvMaxRows + 1;
 RouteSupport supports_qmv(const detail::GatherQmmProblem& p);
 void call_qmv(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
 
@@ -55,7 +56,7 @@ RouteSupport supports_tile_operands(const detail::GatherQmmProblem& p);
 device::TileArgs make_tile_args(const detail::GatherQmmProblem& p, void* out);
 RouteSupport supports_rhs_tiles(const detail::GatherQmmProblem& p);
 void call_rhs_tiles(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
-// rhs_tiles with a pinned tile height (16 or 32) instead of the table's choice; for tests.
+// rhs_tiles with a pinned tile height (16, 32 or 64) instead of the table's choice; for tests.
 void call_rhs_tiles_bm16(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
 void call_rhs_tiles_bm32(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
 void call_rhs_tiles_bm64(const detail::GatherQmmProblem& p, void* out, Workspace* ws);

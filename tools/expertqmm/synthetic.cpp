@@ -77,6 +77,11 @@ SwitchGLUWeights synthetic_experts(const Preset& p, uint64_t seed) {
   return ex;
 }
 
+// The Gemma 4 QAT checkpoints quantize router.proj to 8 bits, group 64 (spec mlx-semantics 4.6).
+static QuantizedWeight router_proj_8bit(const Tensor& proj) {
+  return quantize(proj, QuantSpec{8, 64, Rounding::cpu});
+}
+
 RouterWeights synthetic_router(const Preset& p, uint64_t seed) {
   const int64_t E = p.experts, H = p.hidden;
   SplitMix64 g(derive_seed(seed, 20));
@@ -86,7 +91,7 @@ RouterWeights synthetic_router(const Preset& p, uint64_t seed) {
   for (auto& v : scale) v = float_to_bf16(float(1.0 + 0.05 * g.normal()));
   for (auto& v : per_expert) v = float_to_bf16(float(1.0 + 0.05 * g.normal()));
   RouterWeights r;
-  r.proj_dense = bf16_host(proj, {E, H});
+  r.proj = router_proj_8bit(bf16_host(proj, {E, H}));
   r.scale = bf16_host(scale, {H});
   r.per_expert_scale = bf16_host(per_expert, {E});
   r.top_k = p.top_k;
@@ -102,7 +107,7 @@ RouterWeights steering_router(const Preset& p, uint64_t seed) {
     for (int64_t i = 0; i < H; ++i) proj[e * H + i] = float_to_bf16(float((i == e ? 1.0 : 0.0) + 2e-4 * g.normal()));
   for (auto& v : per_expert) v = float_to_bf16(float(1.0 + 0.05 * g.normal()));
   RouterWeights r;
-  r.proj_dense = bf16_host(proj, {E, H});
+  r.proj = router_proj_8bit(bf16_host(proj, {E, H}));
   r.scale = bf16_host(scale, {H});
   r.per_expert_scale = bf16_host(per_expert, {E});
   r.top_k = p.top_k;
