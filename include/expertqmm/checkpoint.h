@@ -1,0 +1,104 @@
+// Gemma 4 checkpoints in MLX (mlx-lm) format: config.json, one model.safetensors or shards
+// model-0000N-of-0000M.safetensors with model.safetensors.index.json. The reader maps the files
+// (no copy of the weights) and hands out per-layer Gemma4FfnWeights as views; the writer produces
+// the same format (used for synthetic benchmark checkpoints and test fixtures).
+// Every file is untrusted: a malformed one gives expertqmm::Error("checkpoint" or "safetensors",
+// "<file>: ...") naming the tensor or key, never a crash or an out-of-bounds read.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "expertqmm/gemma4.h"
+#include "expertqmm/safetensors.h"
+
+namespace expertqmm {
+
+// An MLX affine quantization setting; bits == 0 means "not quantized" (a `false` override).
+struct QuantSetting {
+  int bits = 0;
+  int group_size = 0;
+  bool quantized() const { return bits != 0; }
+};
+
+// The keys of config.json the feed-forward part needs (read from "text_config" when present,
+// else the top level; "quantization" from the top level or text_config).
+struct Gemma4Config {
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;      // dense MLP width
+  int64_t moe_intermediate_size = 0;  // expert width
+  int64_t num_experts = 0;
+  int64_t top_k_experts = 0;
+  int64_t num_hidden_layers = 0;
+  float rms_norm_eps = 1e-6f;
+  bool quantized = false;          // a "quantization" object is present
+  QuantSetting default_quant;      // its group_size / bits
+  // Per-module overrides keyed by module path ("model.layers.0.router.proj"), as mlx-lm writes.
+  std::map<std::string, QuantSetting> overrides;
+
+  // The setting of the module at `module_path` (override, else default; {0,0} when unquantized).
+  QuantSetting quant_for(const std::string& module_path) const;
+  // The 26B-A4B geometry with the QAT checkpoint's quantization: experts 4-bit gs64, dense MLP and
+  // router.proj 8-bit gs64 (mlx-semantics 4.6), `layers` layers, prefix "model.".
+  static Gemma4Config gemma4_26b_a4b(int64_t layers);
+  // The JSON text of config.json for this config (module paths under `prefix`).
+  std::string to_json(const std::string& prefix) const;
+};
+
+// Parses config.json text; `file` names it in errors.
+Gemma4Config parse_gemma4_config(const std::string& text, const std::string& file);
+
+class Gemma4Checkpoint {
+ public:
+  // Reads dir/config.json, dir/model.safetensors.index.json when present (else every
+  // dir/*.safetensors), maps the files and checks every feed-forward tensor of every layer
+  // (presence, dtype, shape against the config and its quantization) up front.
+  static Gemma4Checkpoint open(const std::string& dir);
+
+  const Gemma4Config& config() const { return config_; }
+  // "language_model.model." or "model." (found by looking at the tensor names).
+  const std::string& prefix() const { return prefix_; }
+  int num_layers() const { return static_cast<int>(config_.num_hidden_layers); }
+  const std::vector<std::string>& files() const { return file_paths_; }
+  // CPU views into the mappings (use .to(Device::cuda) to copy). layer in [0, num_layers()).
+  Gemma4FfnWeights layer(int layer) const;
+  // A tensor by its full name (a view), and the file that holds it.
+  Tensor tensor(const std::string& name) const;
+  bool has(const std::string& name) const { return file_of_.count(name) != 0; }
+  const std::string& file_of(const std::string& name) const;
+
+ private:
+  Linear load_linear(const std::string& module, int64_t out_features, int64_t in_features) const;
+  QuantizedWeight load_quantized(const std::string& module, int64_t rows, int64_t in_features, int64_t experts) const;
+  Tensor load_float(const std::string& name, const Shape& shape) const;
+
+  std::string dir_;
+  std::string source_;  // named by "missing tensor" errors: the index json, the one file, or dir
+  Gemma4Config config_;
+  std::string prefix_;
+  std::vector<std::string> file_paths_;
+  std::vector<std::shared_ptr<SafetensorsFile>> files_;
+  std::map<std::string, int> file_of_;  // tensor name -> index into files_
+};
+
+// Writes a checkpoint in mlx-lm's format under `dir` (created if needed): config.json, and either
+// model.safetensors (shards == 1) or model-0000N-of-0000M.safetensors plus
+// model.safetensors.index.json, with layers split across the shards in order. Tensor names are
+// `prefix` + "layers.N." + the mlx-lm module names. `layer(n)` gives layer n's weights (host
+// tensors; quantized where the config says so, with the config's bits and group size). The data
+// are streamed: one layer is in memory at a time.
+void write_gemma4_checkpoint(const std::string& dir, const Gemma4Config& config, int shards,
+                             const std::function<Gemma4FfnWeights(int)>& layer,
+                             const std::string& prefix = "model.");
+
+// Synthetic weights for `config` from `seed`: random codes, bf16 scales ±(0.01 + 0.002 n) with
+// biases centring the dequantized values on 0 (quantized modules), N(0, 0.02) dense weights, norm
+// weights 1 + 0.1 n, router scale 1 + 0.05 n, per_expert_scale 1 + 0.05 n, layer_scalar 1.
+// Fast (no quantizer): meant for benchmark checkpoints at the real geometry and test fixtures.
+Gemma4FfnWeights synthetic_gemma4_layer(const Gemma4Config& config, int layer, uint64_t seed,
+                                        const std::string& prefix = "model.");
+
+}  // namespace expertqmm

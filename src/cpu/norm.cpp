@@ -1,0 +1,94 @@
+// CPU reference: RMSNorm (mx.fast.rms_norm), add, add-then-scale and the dense linear. fp32 math on
+// the widened inputs, one rounding to the output dtype per MLX op.
+#include "cpu/norm.h"
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "core/float16.h"
+
+namespace expertqmm::cpu {
+
+namespace {
+
+// Every element of a float tensor as fp32, row-major (any strides).
+std::vector<float> widen(const Tensor& t) {
+  const std::vector<uint8_t> bytes = t.to_host_bytes();
+  std::vector<float> v(static_cast<size_t>(t.numel()));
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (t.dtype() == DType::f32) {
+      std::memcpy(&v[i], bytes.data() + 4 * i, 4);
+    } else {
+      uint16_t h;
+      std::memcpy(&h, bytes.data() + 2 * i, 2);
+      v[i] = t.dtype() == DType::bf16 ? bf16_to_float(h) : f16_to_float(h);
+    }
+  }
+  return v;
+}
+
+// fp32 values rounded into a new contiguous host tensor of `dtype`.
+Tensor narrow(const std::vector<float>& v, const Shape& shape, DType dtype) {
+  Tensor out = Tensor::empty(shape, dtype, Device::cpu);
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (dtype == DType::f32) {
+      out.data_as<float>()[i] = v[i];
+    } else {
+      out.data_as<uint16_t>()[i] = dtype == DType::bf16 ? float_to_bf16(v[i]) : float_to_f16(v[i]);
+    }
+  }
+  return out;
+}
+
+// Rounds an fp32 value to the precision of `dtype` (identity for f32).
+float round_as(float v, DType dtype) {
+  if (dtype == DType::bf16) return round_to_bf16(v);
+  if (dtype == DType::f16) return f16_to_float(float_to_f16(v));
+  return v;
+}
+
+}  // namespace
+
+Tensor rms_norm(const Tensor& x, const Tensor& weight, float eps) {
+  const int64_t D = x.size(-1), rows = x.numel() / (D ? D : 1);
+  const std::vector<float> xv = widen(x), wv = widen(weight);
+  std::vector<float> out(xv.size());
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = xv.data() + r * D;
+    float sum_sq = 0.f;  // fp32 accumulation, as MLX's kernel
+    for (int64_t i = 0; i < D; ++i) sum_sq += row[i] * row[i];
+    const float inv = 1.f / std::sqrt(sum_sq / static_cast<float>(D) + eps);
+    for (int64_t i = 0; i < D; ++i) out[r * D + i] = row[i] * inv * wv[i];
+  }
+  return narrow(out, x.shape(), x.dtype());
+}
+
+Tensor add(const Tensor& a, const Tensor& b) {
+  const std::vector<float> av = widen(a), bv = widen(b);
+  std::vector<float> out(av.size());
+  for (size_t i = 0; i < out.size(); ++i) out[i] = av[i] + bv[i];
+  return narrow(out, a.shape(), a.dtype());
+}
+
+Tensor add_scaled(const Tensor& a, const Tensor& b, float scalar) {
+  const std::vector<float> av = widen(a), bv = widen(b);
+  std::vector<float> out(av.size());
+  for (size_t i = 0; i < out.size(); ++i) out[i] = round_as(av[i] + bv[i], a.dtype()) * scalar;
+  return narrow(out, a.shape(), a.dtype());
+}
+
+Tensor dense_linear(const Tensor& x, const Tensor& w, DType out_dtype) {
+  const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
+  const std::vector<float> xv = widen(x), wv = widen(w);
+  std::vector<float> out(static_cast<size_t>(T * N));
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t n = 0; n < N; ++n) {
+      double acc = 0.0;
+      for (int64_t k = 0; k < K; ++k) acc += double(xv[t * K + k]) * double(wv[n * K + k]);
+      out[t * N + n] = static_cast<float>(acc);
+    }
+  return narrow(out, {T, N}, out_dtype);
+}
+
+}  // namespace expertqmm::cpu

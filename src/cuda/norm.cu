@@ -1,0 +1,192 @@
+// RMSNorm, add, add-then-scale and a plain dense linear on the GPU (include/expertqmm/gemma4.h).
+// fp32 math on the widened inputs, one rounding to the output dtype per MLX op, as src/cpu/norm.cpp.
+#include "cuda/gemma4_backend.h"
+#include "cuda/moe_internal.h"
+
+namespace expertqmm::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+unsigned grid_for(int64_t items) {
+  const int64_t blocks = (items + kThreads - 1) / kThreads;
+  return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > 1048576 ? 1048576 : blocks));
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// x, out: (rows, D) row-major in D; weight: (D,) in W.
+// Work split: one CTA of 256 threads per row. Threads stride over the row (coalesced), sum x^2 in
+// fp32, reduce through warp shuffles and one shared slot per warp; then every thread writes its
+// strided elements x * inv_rms * weight.
+template <DType D, DType W>
+__global__ void rms_norm_kernel(const typename Elem<D>::storage* __restrict__ x,
+                                const typename Elem<W>::storage* __restrict__ weight, float eps, int64_t dim,
+                                typename Elem<D>::storage* __restrict__ out) {
+  __shared__ float warp_sums[kWarps];
+  __shared__ float inv_rms;
+  const int64_t row = blockIdx.x;
+  const typename Elem<D>::storage* xr = x + row * dim;
+  float sum_sq = 0.f;
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+    const float v = Elem<D>::load(xr[i]);
+    sum_sq += v * v;
+  }
+  sum_sq = warp_sum(sum_sq);
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = sum_sq;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float total = 0.f;
+    for (int w = 0; w < kWarps; ++w) total += warp_sums[w];
+    inv_rms = 1.f / sqrtf(total / static_cast<float>(dim) + eps);
+  }
+  __syncthreads();
+  const float inv = inv_rms;
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x)
+    out[row * dim + i] = Elem<D>::store(Elem<D>::load(xr[i]) * inv * Elem<W>::load(weight[i]));
+}
+
+// a, b, out: (n,) contiguous. Work split: one thread per value, grid-stride.
+template <DType D>
+__global__ void add_kernel(const typename Elem<D>::storage* __restrict__ a,
+                           const typename Elem<D>::storage* __restrict__ b, int64_t n,
+                           typename Elem<D>::storage* __restrict__ out) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    out[i] = Elem<D>::store(Elem<D>::load(a[i]) + Elem<D>::load(b[i]));
+}
+
+// a, b, out: (n,) contiguous; scalar: (1,) in S, read on the device (no host copy, graph-safe).
+// Work split: one thread per value, grid-stride. The sum is rounded to D before the multiply.
+template <DType D, DType S>
+__global__ void add_scaled_kernel(const typename Elem<D>::storage* __restrict__ a,
+                                  const typename Elem<D>::storage* __restrict__ b, int64_t n,
+                                  const typename Elem<S>::storage* __restrict__ scalar,
+                                  typename Elem<D>::storage* __restrict__ out) {
+  const float s = Elem<S>::load(scalar[0]);
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    out[i] = Elem<D>::store(round_to<D>(Elem<D>::load(a[i]) + Elem<D>::load(b[i])) * s);
+}
+
+// x: (T, K) row-major; w: (N, K) row-major; out: (T, N).
+// Work split: one warp per output element (t, n), 8 warps per CTA; lanes stride over K (coalesced
+// reads of one x row and one w row), fp32 partial sums reduced by shuffles. The simple form: dense
+// bf16 layers are the uncommon case in MLX checkpoints (router.proj of some), not the hot path.
+template <DType X, DType W, DType O>
+__global__ void dense_linear_kernel(const typename Elem<X>::storage* __restrict__ x,
+                                    const typename Elem<W>::storage* __restrict__ w, int64_t T, int64_t K, int64_t N,
+                                    typename Elem<O>::storage* __restrict__ out) {
+  const int lane = threadIdx.x & 31;
+  for (int64_t o = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5); o < T * N;
+       o += static_cast<int64_t>(gridDim.x) * kWarps) {
+    const int64_t t = o / N, n = o % N;
+    float acc = 0.f;
+    for (int64_t k = lane; k < K; k += 32) acc += Elem<X>::load(x[t * K + k]) * Elem<W>::load(w[n * K + k]);
+    acc = warp_sum(acc);
+    if (lane == 0) out[o] = Elem<O>::store(acc);
+  }
+}
+
+template <DType D>
+using Ptr = const typename Elem<D>::storage*;
+template <DType D>
+using MutPtr = typename Elem<D>::storage*;
+
+}  // namespace
+
+void launch_rms_norm(DType dtype, const void* x, int64_t rows, int64_t D, DType w_dtype, const void* weight,
+                     float eps, void* out) {
+  if (rows == 0 || D == 0) return;
+  EXPERTQMM_CHECK(rows <= INT32_MAX, "rms_norm", "rows=", rows, " exceed the grid limit");
+  dispatch_float(dtype, "rms_norm", [&](auto xtag) {
+    constexpr DType XD = decltype(xtag)::value;
+    dispatch_float(w_dtype, "rms_norm", [&](auto wtag) {
+      constexpr DType WD = decltype(wtag)::value;
+      rms_norm_kernel<XD, WD><<<static_cast<unsigned>(rows), kThreads, 0, current_stream()>>>(
+          static_cast<Ptr<XD>>(x), static_cast<Ptr<WD>>(weight), eps, D, static_cast<MutPtr<XD>>(out));
+      EXPERTQMM_CUDA_CHECK_LAUNCH(rms_norm_kernel);
+    });
+  });
+}
+
+void launch_add(DType dtype, const void* a, const void* b, int64_t n, void* out) {
+  if (n == 0) return;
+  dispatch_float(dtype, "add", [&](auto tag) {
+    constexpr DType D = decltype(tag)::value;
+    add_kernel<D><<<grid_for(n), kThreads, 0, current_stream()>>>(static_cast<Ptr<D>>(a), static_cast<Ptr<D>>(b), n,
+                                                                   static_cast<MutPtr<D>>(out));
+    EXPERTQMM_CUDA_CHECK_LAUNCH(add_kernel);
+  });
+}
+
+void launch_add_scaled(DType dtype, const void* a, const void* b, int64_t n, DType s_dtype, const void* scalar,
+                       void* out) {
+  if (n == 0) return;
+  dispatch_float(dtype, "add_scaled", [&](auto tag) {
+    constexpr DType D = decltype(tag)::value;
+    dispatch_float(s_dtype, "add_scaled", [&](auto stag) {
+      constexpr DType S = decltype(stag)::value;
+      add_scaled_kernel<D, S><<<grid_for(n), kThreads, 0, current_stream()>>>(
+          static_cast<Ptr<D>>(a), static_cast<Ptr<D>>(b), n, static_cast<Ptr<S>>(scalar),
+          static_cast<MutPtr<D>>(out));
+      EXPERTQMM_CUDA_CHECK_LAUNCH(add_scaled_kernel);
+    });
+  });
+}
+
+void launch_dense_linear(DType x_dtype, const void* x, int64_t T, int64_t K, DType w_dtype, const void* w, int64_t N,
+                         DType out_dtype, void* out) {
+  if (T == 0 || N == 0) return;
+  const int64_t blocks = (T * N + kWarps - 1) / kWarps;
+  const unsigned grid = static_cast<unsigned>(blocks > 65536 ? 65536 : blocks);
+  dispatch_float(x_dtype, "linear", [&](auto xtag) {
+    constexpr DType XD = decltype(xtag)::value;
+    dispatch_float(w_dtype, "linear", [&](auto wtag) {
+      constexpr DType WD = decltype(wtag)::value;
+      dispatch_float(out_dtype, "linear", [&](auto otag) {
+        constexpr DType OD = decltype(otag)::value;
+        dense_linear_kernel<XD, WD, OD><<<grid, kThreads, 0, current_stream()>>>(
+            static_cast<Ptr<XD>>(x), static_cast<Ptr<WD>>(w), T, K, N, static_cast<MutPtr<OD>>(out));
+        EXPERTQMM_CUDA_CHECK_LAUNCH(dense_linear_kernel);
+      });
+    });
+  });
+}
+
+Tensor rms_norm(const Tensor& x, const Tensor& weight, float eps) {
+  const Tensor xc = x.contiguous(), wc = weight.contiguous();
+  Tensor out = Tensor::empty(xc.shape(), xc.dtype(), Device::cuda);
+  const int64_t D = xc.size(-1);
+  launch_rms_norm(xc.dtype(), xc.data(), D ? xc.numel() / D : 0, D, wc.dtype(), wc.data(), eps, out.data());
+  return out;
+}
+
+Tensor add(const Tensor& a, const Tensor& b) {
+  const Tensor ac = a.contiguous(), bc = b.contiguous();
+  Tensor out = Tensor::empty(ac.shape(), ac.dtype(), Device::cuda);
+  launch_add(ac.dtype(), ac.data(), bc.data(), ac.numel(), out.data());
+  return out;
+}
+
+Tensor add_scaled(const Tensor& a, const Tensor& b, const Tensor& scalar) {
+  const Tensor ac = a.contiguous(), bc = b.contiguous(), sc = scalar.contiguous();
+  Tensor out = Tensor::empty(ac.shape(), ac.dtype(), Device::cuda);
+  launch_add_scaled(ac.dtype(), ac.data(), bc.data(), ac.numel(), sc.dtype(), sc.data(), out.data());
+  return out;
+}
+
+Tensor dense_linear(const Tensor& x, const Tensor& w, DType out_dtype) {
+  const Tensor xc = x.contiguous(), wc = w.contiguous();
+  Tensor out = Tensor::empty({xc.size(0), wc.size(0)}, out_dtype, Device::cuda);
+  launch_dense_linear(xc.dtype(), xc.data(), xc.size(0), xc.size(1), wc.dtype(), wc.data(), wc.size(0), out_dtype,
+                      out.data());
+  return out;
+}
+
+}  // namespace expertqmm::cuda
