@@ -19,6 +19,7 @@ import json
 import os
 import re
 import subprocess
+import tempfile
 import sys
 
 import torch
@@ -105,29 +106,16 @@ def layer_fn(x, idx, wts, gate_up_t, down_t, experts, top_k):
     flat = idx.reshape(-1).long()
     ones = torch.ones_like(flat)
 
-    # Unpadded offsets tripped torch._grouped_mm's device-side offset assertion at 64 rows on the
-    # H200 (torch 2.11): as vLLM's moe_align does, each expert's rows go to a padded buffer of static
-    # size rows + 15 * E, every group starting on a 16-row boundary (the padding rows are zeros).
-    align = 16
-    padded_rows = flat.numel() + (align - 1) * experts
-
     def run():
         order = torch.argsort(flat, stable=True)
         token = order // top_k
-        sorted_e = flat.index_select(0, order)
+        rows = x.index_select(0, token)
         # scatter_add instead of bincount: bincount reads its size on the host, which a graph forbids
         counts = torch.zeros(experts, dtype=torch.long, device=x.device).scatter_add_(0, flat, ones)
-        padded = (counts + (align - 1)) // align * align
-        start = torch.cumsum(counts, 0) - counts          # first sorted row of each expert
-        pstart = torch.cumsum(padded, 0) - padded         # first padded row of each expert
-        rank = torch.arange(flat.numel(), device=x.device) - start.index_select(0, sorted_e)
-        dest = pstart.index_select(0, sorted_e) + rank    # padded row of each sorted row
-        offs = torch.cumsum(padded, 0).to(torch.int32)
-        rows = torch.zeros((padded_rows, H), dtype=x.dtype, device=x.device)
-        rows.index_copy_(0, dest, x.index_select(0, token))
-        gu = torch._grouped_mm(rows, gate_up_t, offs=offs)  # [padded, 2I]
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        gu = torch._grouped_mm(rows, gate_up_t, offs=offs)  # [T*k, 2I]
         h = F.gelu(gu[:, :I], approximate="tanh") * gu[:, I:]
-        y = torch._grouped_mm(h, down_t, offs=offs).index_select(0, dest)  # [T*k, H], sorted order
+        y = torch._grouped_mm(h, down_t, offs=offs)  # [T*k, H]
         scaled = y.float() * wts.reshape(-1).index_select(0, order).float().unsqueeze(1)
         return torch.zeros((T, H), dtype=torch.float32, device=x.device).index_add_(0, token, scaled).to(x.dtype)
 
@@ -191,7 +179,7 @@ def reference_tokens(ew, x, idx, wts, tokens):
     return out
 
 
-def run_export_dir(export_dir, replays, l2_bytes, device):
+def run_export_dir(export_dir, replays, l2_bytes, device, only_tokens=None):
     ew = ExpertWeights(export_dir, device)
     gate_up, down = ew.dequantized(torch.bfloat16)
     copies = [(gate_up, down)] + [(gate_up.clone(), down.clone()) for _ in range(WEIGHT_COPIES - 1)]
@@ -207,6 +195,8 @@ def run_export_dir(export_dir, replays, l2_bytes, device):
         raise FileNotFoundError(f"{export_dir}: no case_T*.safetensors (run `expertqmm bench --export-dir`)")
     rows = []
     for T, path in sorted(cases):
+        if only_tokens is not None and T != only_tokens:
+            continue
         c = load_file(path, device=device)
         with safe_open(path, framework="pt") as f:
             meta = f.metadata() or {}
@@ -264,6 +254,8 @@ def main():
                     help="a directory written by `expertqmm bench --export-dir` (repeatable)")
     ap.add_argument("--json", required=True, help="output JSON file")
     ap.add_argument("--replays", type=int, default=100)
+    ap.add_argument("--only-tokens", type=int, default=None,
+                    help="run just this token count (the parent runs each case in a child process)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("torch_grouped.py: needs a CUDA device")
@@ -276,8 +268,27 @@ def main():
     l2_bytes = int(getattr(props, "L2_cache_size", 0)) or (64 << 20)
 
     rows = []
-    for d in args.export_dir:
-        rows += run_export_dir(d, args.replays, l2_bytes, device)
+    if args.only_tokens is not None:
+        for d in args.export_dir:
+            rows += run_export_dir(d, args.replays, l2_bytes, device, args.only_tokens)
+    else:
+        # One child process per (export dir, token count): after a case's graphs are freed, capturing
+        # the next case's graphs in the same process tripped _grouped_mm's device-side offset check
+        # (torch 2.11, H200), while each case alone runs clean. A fresh process per case avoids it.
+        for d in args.export_dir:
+            tokens = sorted(int(m.group(1)) for m in (re.search(r"case_T(\d+)\.safetensors$", p)
+                                                      for p in glob.glob(os.path.join(d, "case_T*.safetensors"))) if m)
+            if not tokens:
+                sys.exit(f"torch_grouped.py: {d}: no case_T*.safetensors (run `expertqmm bench --export-dir`)")
+            for T in tokens:
+                with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+                    child = subprocess.run([sys.executable, os.path.abspath(__file__), "--export-dir", d,
+                                            "--json", tmp.name, "--replays", str(args.replays),
+                                            "--only-tokens", str(T)])
+                    part = json.load(open(tmp.name)) if os.path.getsize(tmp.name) else {"rows": []}
+                rows += part["rows"]
+                if child.returncode != 0 and not part["rows"]:
+                    sys.exit(f"torch_grouped.py: the child for {d} T={T} failed (exit {child.returncode})")
 
     commit = os.environ.get("EXPERTQMM_COMMIT", "")
     if not commit:
