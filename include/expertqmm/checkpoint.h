@@ -42,10 +42,11 @@ struct Gemma4Config {
   // The setting of the module at `module_path` (override, else default; {0,0} when unquantized).
   QuantSetting quant_for(const std::string& module_path) const;
   // The 26B-A4B geometry with the QAT checkpoint's quantization: experts 4-bit gs64, dense MLP and
-  // router.proj 8-bit gs64 (mlx-semantics 4.6), `layers` layers, prefix "model.".
-  static Gemma4Config gemma4_26b_a4b(int64_t layers);
-  // The JSON text of config.json for this config (module paths under `prefix`).
-  std::string to_json(const std::string& prefix) const;
+  // router.proj 8-bit gs64 (mlx-semantics 4.6), `layers` layers, overrides keyed under `prefix`.
+  static Gemma4Config gemma4_26b_a4b(int64_t layers, const std::string& prefix = "model.");
+  // The JSON text of config.json for this config, as mlx-lm writes it (model_type gemma4_text,
+  // "quantization" and "quantization_config" with the per-module overrides).
+  std::string to_json() const;
 };
 
 // Parses config.json text; `file` names it in errors.
@@ -96,7 +97,8 @@ void write_gemma4_checkpoint(const std::string& dir, const Gemma4Config& config,
 
 // Synthetic weights for `config` from `seed`: random codes, bf16 scales ±(0.01 + 0.002 n) with
 // biases centring the dequantized values on 0 (quantized modules), N(0, 0.02) dense weights, norm
-// weights 1 + 0.1 n, router scale 1 + 0.05 n, per_expert_scale 1 + 0.05 n, layer_scalar 1.
+// weights 1 + 0.1 n, router scale 1 + 0.05 n, per_expert_scale 1 + 0.05 n, layer_scalar in
+// [0.75, 1.25). Module quantization from config.quant_for(prefix + "layers.N.<module>").
 // Fast (no quantizer): meant for benchmark checkpoints at the real geometry and test fixtures.
 Gemma4FfnWeights synthetic_gemma4_layer(const Gemma4Config& config, int layer, uint64_t seed,
                                         const std::string& prefix = "model.");

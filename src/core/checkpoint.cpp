@@ -146,7 +146,7 @@ Gemma4Config parse_gemma4_config(const std::string& text, const std::string& fil
   return c;
 }
 
-Gemma4Config Gemma4Config::gemma4_26b_a4b(int64_t layers) {
+Gemma4Config Gemma4Config::gemma4_26b_a4b(int64_t layers, const std::string& prefix) {
   Gemma4Config c;
   c.hidden_size = 2816;
   c.intermediate_size = 2112;
@@ -159,11 +159,11 @@ Gemma4Config Gemma4Config::gemma4_26b_a4b(int64_t layers) {
   c.default_quant = {4, 64};
   for (int64_t l = 0; l < layers; ++l)
     for (const char* m : {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "router.proj"})
-      c.overrides[layer_name("model.", static_cast<int>(l), m)] = {8, 64};
+      c.overrides[layer_name(prefix, static_cast<int>(l), m)] = {8, 64};
   return c;
 }
 
-std::string Gemma4Config::to_json(const std::string& prefix) const {
+std::string Gemma4Config::to_json() const {
   std::ostringstream s;
   s << "{\n  \"model_type\": \"gemma4_text\",\n  \"architectures\": [\"Gemma4ForCausalLM\"],\n"
     << "  \"hidden_size\": " << hidden_size << ",\n  \"intermediate_size\": " << intermediate_size
@@ -176,10 +176,7 @@ std::string Gemma4Config::to_json(const std::string& prefix) const {
       s << ",\n  \"" << key << "\": {\"group_size\": " << default_quant.group_size
         << ", \"bits\": " << default_quant.bits << ", \"mode\": \"affine\"";
       for (const auto& [path, q] : overrides) {
-        // Overrides are stored under the "model." prefix; rewrite them to the checkpoint's own.
-        std::string p = path;
-        if (p.rfind("model.", 0) == 0 && prefix != "model.") p = prefix + p.substr(6);
-        s << ",\n    " << json::quote(p) << ": ";
+        s << ",\n    " << json::quote(path) << ": ";
         if (q.quantized())
           s << "{\"group_size\": " << q.group_size << ", \"bits\": " << q.bits << "}";
         else

@@ -1,0 +1,349 @@
+// Writing Gemma 4 checkpoints in mlx-lm's format (include/expertqmm/checkpoint.h) and the
+// synthetic layers for them. The shards are streamed: each header is computed from the tensor
+// list up front (every layer has the structure of layer 0), then each layer is generated, written
+// and dropped, so a 30-layer 26B-A4B checkpoint never needs more than one layer in memory.
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <sstream>
+
+#include "core/float16.h"
+#include "core/json.h"
+#include "expertqmm/checkpoint.h"
+#include "expertqmm/error.h"
+
+namespace expertqmm {
+
+namespace {
+
+constexpr const char* kOp = "write_checkpoint";
+
+// splitmix64: fast, deterministic per seed; one stream per tensor.
+struct SplitMix64 {
+  uint64_t state;
+  uint64_t next() {
+    uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  double uniform() { return double(next() >> 11) * 0x1.0p-53; }
+  double normal() {  // Box-Muller, one of the pair
+    const double u1 = (double(next() >> 11) + 0.5) * 0x1.0p-53, u2 = uniform();
+    return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+  }
+};
+
+uint64_t stream_seed(uint64_t seed, int layer, int tensor) {
+  SplitMix64 g{seed ^ (0x632be59bd9b4e019ull * uint64_t(layer + 1)) ^ (0xd1b54a32d192ed03ull * uint64_t(tensor + 1))};
+  return g.next();
+}
+
+Tensor bf16_tensor(const std::vector<float>& v, const Shape& shape) {
+  Tensor t = Tensor::empty(shape, DType::bf16);
+  for (size_t i = 0; i < v.size(); ++i) t.data_as<uint16_t>()[i] = float_to_bf16(v[i]);
+  return t;
+}
+
+// [E..., N, K] quantized with random codes; scale ±(0.01 + 0.002 n), bias = -scale * middle code.
+QuantizedWeight random_quantized(int64_t experts, int64_t N, int64_t K, QuantSetting qs, uint64_t seed) {
+  EXPERTQMM_CHECK(valid_bits(qs.bits) && valid_group_size(qs.group_size), kOp, "bits ", qs.bits, " / group_size ",
+                  qs.group_size, " is not an MLX affine pair");
+  EXPERTQMM_CHECK(K % qs.group_size == 0 && (K * qs.bits) % 32 == 0, kOp, "K=", K,
+                  " is not a multiple of group_size ", qs.group_size, " and of 32/bits");
+  Shape wshape, gshape;
+  if (experts > 0) wshape.push_back(experts), gshape.push_back(experts);
+  wshape.insert(wshape.end(), {N, K * qs.bits / 32});
+  gshape.insert(gshape.end(), {N, K / qs.group_size});
+  QuantizedWeight q;
+  q.bits = qs.bits;
+  q.group_size = qs.group_size;
+  q.w = Tensor::empty(wshape, DType::u32);
+  SplitMix64 words{seed};
+  uint32_t* w = q.w.data_as<uint32_t>();
+  const int64_t n = q.w.numel();
+  for (int64_t i = 0; i + 1 < n; i += 2) {  // any bit pattern is a valid row of codes
+    const uint64_t r = words.next();
+    w[i] = uint32_t(r);
+    w[i + 1] = uint32_t(r >> 32);
+  }
+  if (n % 2) w[n - 1] = uint32_t(words.next());
+  const int64_t groups = shape_numel(gshape);
+  q.scales = Tensor::empty(gshape, DType::bf16);
+  q.biases = Tensor::empty(gshape, DType::bf16);
+  SplitMix64 g{seed ^ 0x5bf03635f0b4f3a1ull};
+  const double middle = std::ldexp(1.0, qs.bits - 1) - 0.5;
+  for (int64_t i = 0; i < groups; ++i) {
+    const double sign = (g.next() & 1) ? 1.0 : -1.0;
+    const float s = round_to_bf16(float(sign * (0.01 + 0.002 * g.normal())));
+    q.scales.data_as<uint16_t>()[i] = float_to_bf16(s);
+    q.biases.data_as<uint16_t>()[i] = float_to_bf16(float(-double(s) * middle));
+  }
+  return q;
+}
+
+Tensor around(int64_t n, double centre, double spread, uint64_t seed) {
+  SplitMix64 g{seed};
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) x = float(centre + spread * g.normal());
+  return bf16_tensor(v, {n});
+}
+
+Linear random_linear(const Gemma4Config& c, const std::string& module, int64_t N, int64_t K, uint64_t seed) {
+  Linear l;
+  const QuantSetting qs = c.quant_for(module);
+  if (qs.quantized()) {
+    l.quantized = random_quantized(0, N, K, qs, seed);
+  } else {
+    SplitMix64 g{seed};
+    std::vector<float> v(static_cast<size_t>(N * K));
+    for (float& x : v) x = float(0.02 * g.normal());
+    l.dense = bf16_tensor(v, {N, K});
+  }
+  return l;
+}
+
+// The (name, tensor) list of one layer in mlx-lm's names, in a fixed order.
+std::vector<std::pair<std::string, Tensor>> flatten(const Gemma4FfnWeights& w, const std::string& prefix, int n) {
+  const std::string base = prefix + "layers." + std::to_string(n) + ".";
+  std::vector<std::pair<std::string, Tensor>> out;
+  auto quantized = [&](const std::string& module, const QuantizedWeight& q) {
+    out.push_back({base + module + ".weight", q.w});
+    out.push_back({base + module + ".scales", q.scales});
+    out.push_back({base + module + ".biases", q.biases});
+  };
+  auto linear = [&](const std::string& module, const Linear& l) {
+    if (l.is_quantized())
+      quantized(module, l.quantized);
+    else
+      out.push_back({base + module + ".weight", l.dense});
+  };
+  const SwitchGLUWeights& ex = w.moe.experts;
+  if (ex.fused()) {
+    quantized("experts.switch_glu.gate_up_proj", ex.gate_up);
+  } else {
+    quantized("experts.switch_glu.gate_proj", ex.gate);
+    quantized("experts.switch_glu.up_proj", ex.up);
+  }
+  quantized("experts.switch_glu.down_proj", ex.down);
+  out.push_back({base + "layer_scalar", w.layer_scalar});
+  linear("mlp.down_proj", w.mlp.down);
+  linear("mlp.gate_proj", w.mlp.gate);
+  linear("mlp.up_proj", w.mlp.up);
+  out.push_back({base + "post_feedforward_layernorm.weight", w.post_feedforward_layernorm});
+  out.push_back({base + "post_feedforward_layernorm_1.weight", w.post_feedforward_layernorm_1});
+  out.push_back({base + "post_feedforward_layernorm_2.weight", w.post_feedforward_layernorm_2});
+  out.push_back({base + "pre_feedforward_layernorm.weight", w.pre_feedforward_layernorm});
+  out.push_back({base + "pre_feedforward_layernorm_2.weight", w.pre_feedforward_layernorm_2});
+  const RouterWeights& r = w.moe.router;
+  if (r.proj.defined())
+    quantized("router.proj", r.proj);
+  else
+    out.push_back({base + "router.proj.weight", r.proj_dense});
+  out.push_back({base + "router.per_expert_scale", r.per_expert_scale});
+  out.push_back({base + "router.scale", r.scale});
+  for (const auto& [name, t] : out)
+    EXPERTQMM_CHECK(t.defined(), kOp, "layer ", n, ": tensor '", name, "' is undefined");
+  return out;
+}
+
+const char* st_dtype(DType t) {
+  switch (t) {
+    case DType::bf16: return "BF16";
+    case DType::f16: return "F16";
+    case DType::f32: return "F32";
+    case DType::u32: return "U32";
+    case DType::i32: return "I32";
+  }
+  return "?";
+}
+
+struct Entry {
+  std::string name;
+  DType dtype;
+  Shape shape;
+  size_t bytes() const { return static_cast<size_t>(shape_numel(shape)) * dtype_size(dtype); }
+};
+
+// The safetensors header of `entries` in order, padded with spaces to a multiple of 8 bytes.
+std::string header_of(const std::vector<Entry>& entries) {
+  std::ostringstream h;
+  h << "{\"__metadata__\":{\"format\":\"mlx\"}";
+  size_t offset = 0;
+  for (const Entry& e : entries) {
+    h << "," << json::quote(e.name) << ":{\"dtype\":\"" << st_dtype(e.dtype) << "\",\"shape\":[";
+    for (size_t i = 0; i < e.shape.size(); ++i) h << (i ? "," : "") << e.shape[i];
+    h << "],\"data_offsets\":[" << offset << "," << offset + e.bytes() << "]}";
+    offset += e.bytes();
+  }
+  h << "}";
+  std::string s = h.str();
+  while (s.size() % 8) s += ' ';
+  return s;
+}
+
+struct File {
+  std::FILE* f = nullptr;
+  std::string path;
+  ~File() {
+    if (f) std::fclose(f);
+  }
+  void write(const void* data, size_t n) {
+    if (n && std::fwrite(data, 1, n, f) != n) throw Error(kOp, path + ": write failed: " + std::strerror(errno));
+  }
+};
+
+void write_text(const std::string& path, const std::string& text) {
+  File out;
+  out.path = path;
+  out.f = std::fopen(path.c_str(), "wb");
+  if (!out.f) throw Error(kOp, path + ": cannot create: " + std::strerror(errno));
+  out.write(text.data(), text.size());
+  if (std::fclose(out.f) != 0) {
+    out.f = nullptr;
+    throw Error(kOp, path + ": close failed: " + std::strerror(errno));
+  }
+  out.f = nullptr;
+}
+
+}  // namespace
+
+Gemma4FfnWeights synthetic_gemma4_layer(const Gemma4Config& c, int layer, uint64_t seed, const std::string& prefix) {
+  EXPERTQMM_CHECK(c.hidden_size > 0 && c.intermediate_size > 0 && c.moe_intermediate_size > 0 && c.num_experts > 0 &&
+                      c.top_k_experts > 0 && c.top_k_experts <= c.num_experts,
+                  kOp, "config has an empty or inconsistent geometry (hidden ", c.hidden_size, ", intermediate ",
+                  c.intermediate_size, ", moe_intermediate ", c.moe_intermediate_size, ", experts ", c.num_experts,
+                  ", top_k ", c.top_k_experts, ")");
+  const int64_t H = c.hidden_size, I = c.intermediate_size, Ie = c.moe_intermediate_size, E = c.num_experts;
+  const std::string base = prefix + "layers." + std::to_string(layer) + ".";
+  int stream = 0;
+  auto next_seed = [&] { return stream_seed(seed, layer, stream++); };
+  auto expert_quant = [&](const std::string& module) {
+    const QuantSetting qs = c.quant_for(base + module);
+    EXPERTQMM_CHECK(qs.quantized(), kOp, "experts must be quantized; config leaves '", base + module, "' unquantized");
+    return qs;
+  };
+  Gemma4FfnWeights w;
+  w.eps = c.rms_norm_eps;
+  w.pre_feedforward_layernorm = around(H, 1.0, 0.1, next_seed());
+  w.post_feedforward_layernorm_1 = around(H, 1.0, 0.1, next_seed());
+  w.pre_feedforward_layernorm_2 = around(H, 1.0, 0.1, next_seed());
+  w.post_feedforward_layernorm_2 = around(H, 1.0, 0.1, next_seed());
+  w.post_feedforward_layernorm = around(H, 1.0, 0.1, next_seed());
+  SplitMix64 ls{next_seed()};
+  w.layer_scalar = bf16_tensor({float(0.75 + 0.5 * ls.uniform())}, {1});
+  w.mlp.gate = random_linear(c, base + "mlp.gate_proj", I, H, next_seed());
+  w.mlp.up = random_linear(c, base + "mlp.up_proj", I, H, next_seed());
+  w.mlp.down = random_linear(c, base + "mlp.down_proj", H, I, next_seed());
+  RouterWeights& r = w.moe.router;
+  r.top_k = static_cast<int>(c.top_k_experts);
+  r.eps = c.rms_norm_eps;
+  const Linear proj = random_linear(c, base + "router.proj", E, H, next_seed());
+  r.proj = proj.quantized;
+  r.proj_dense = proj.dense;
+  r.scale = around(H, 1.0, 0.05, next_seed());
+  r.per_expert_scale = around(E, 1.0, 0.05, next_seed());
+  SwitchGLUWeights& ex = w.moe.experts;
+  ex.activation = Activation::geglu;
+  ex.gate = random_quantized(E, Ie, H, expert_quant("experts.switch_glu.gate_proj"), next_seed());
+  ex.up = random_quantized(E, Ie, H, expert_quant("experts.switch_glu.up_proj"), next_seed());
+  ex.down = random_quantized(E, H, Ie, expert_quant("experts.switch_glu.down_proj"), next_seed());
+  return w;
+}
+
+void write_gemma4_checkpoint(const std::string& dir, const Gemma4Config& config, int shards,
+                             const std::function<Gemma4FfnWeights(int)>& layer, const std::string& prefix) {
+  const int L = static_cast<int>(config.num_hidden_layers);
+  EXPERTQMM_CHECK(L >= 1, kOp, "num_hidden_layers must be >= 1, got ", config.num_hidden_layers);
+  EXPERTQMM_CHECK(shards >= 1 && shards <= L, kOp, "shards=", shards, " must be in [1, layers=", L, "]");
+  EXPERTQMM_CHECK(prefix.empty() || prefix.back() == '.', kOp, "prefix '", prefix, "' must be empty or end in '.'");
+  if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST)
+    throw Error(kOp, dir + ": cannot create the directory: " + std::strerror(errno));
+
+  // Layer 0 sets the structure (names, dtypes, shapes) every layer must have.
+  Gemma4FfnWeights first = layer(0);
+  std::vector<Entry> layout0;
+  for (const auto& [name, t] : flatten(first, prefix, 0)) layout0.push_back({name, t.dtype(), t.shape()});
+  const std::string base0 = prefix + "layers.0.";
+  auto entries_of = [&](int n) {
+    std::vector<Entry> e = layout0;
+    for (Entry& x : e) x.name = prefix + "layers." + std::to_string(n) + "." + x.name.substr(base0.size());
+    return e;
+  };
+
+  std::map<std::string, std::string> weight_map;
+  size_t total_bytes = 0;
+  for (int s = 0; s < shards; ++s) {
+    const int begin = L * s / shards, end = L * (s + 1) / shards;  // layers [begin, end) in shard s
+    char name[64];
+    if (shards == 1)
+      std::snprintf(name, sizeof(name), "model.safetensors");
+    else
+      std::snprintf(name, sizeof(name), "model-%05d-of-%05d.safetensors", s + 1, shards);
+    std::vector<Entry> entries;
+    for (int n = begin; n < end; ++n) {
+      const std::vector<Entry> e = entries_of(n);
+      entries.insert(entries.end(), e.begin(), e.end());
+    }
+    const std::string header = header_of(entries);
+    File out;
+    out.path = dir + "/" + name;
+    const std::string tmp = out.path + ".tmp";
+    out.f = std::fopen(tmp.c_str(), "wb");
+    if (!out.f) throw Error(kOp, tmp + ": cannot create: " + std::strerror(errno));
+    const uint64_t header_len = header.size();
+    out.write(&header_len, 8);
+    out.write(header.data(), header.size());
+    size_t next = 0;
+    for (int n = begin; n < end; ++n) {
+      const Gemma4FfnWeights w = n == 0 ? first : layer(n);
+      const auto tensors = flatten(w, prefix, n);
+      EXPERTQMM_CHECK(tensors.size() == layout0.size(), kOp, "layer ", n, " has ", tensors.size(),
+                      " tensors but layer 0 has ", layout0.size());
+      for (const auto& [tname, t] : tensors) {
+        const Entry& e = entries[next++];
+        EXPERTQMM_CHECK(tname == e.name && t.dtype() == e.dtype && t.shape() == e.shape, kOp, "layer ", n,
+                        ": tensor '", tname, "' ", dtype_name(t.dtype()), shape_str(t.shape()),
+                        " does not match layer 0's '", e.name, "' ", dtype_name(e.dtype), shape_str(e.shape));
+        if (t.device() == Device::cpu && t.is_contiguous()) {
+          out.write(t.data(), t.nbytes());
+        } else {
+          const std::vector<uint8_t> bytes = t.to_host_bytes();
+          out.write(bytes.data(), bytes.size());
+        }
+        weight_map[tname] = name;
+        total_bytes += e.bytes();
+      }
+      if (n == 0) first = Gemma4FfnWeights();  // drop layer 0 once written
+    }
+    if (std::fclose(out.f) != 0) {
+      out.f = nullptr;
+      throw Error(kOp, tmp + ": close failed: " + std::strerror(errno));
+    }
+    out.f = nullptr;
+    if (std::rename(tmp.c_str(), out.path.c_str()) != 0)
+      throw Error(kOp, out.path + ": rename failed: " + std::strerror(errno));
+  }
+
+  write_text(dir + "/config.json", config.to_json());
+  const std::string index_path = dir + "/model.safetensors.index.json";
+  if (shards > 1) {
+    std::ostringstream idx;
+    idx << "{\n  \"metadata\": {\"total_size\": " << total_bytes << "},\n  \"weight_map\": {";
+    bool comma = false;
+    for (const auto& [tname, file] : weight_map) {
+      idx << (comma ? ",\n    " : "\n    ") << json::quote(tname) << ": " << json::quote(file);
+      comma = true;
+    }
+    idx << "\n  }\n}\n";
+    write_text(index_path, idx.str());
+  } else {
+    std::remove(index_path.c_str());  // a stale index would point the reader at other files
+  }
+}
+
+}  // namespace expertqmm
