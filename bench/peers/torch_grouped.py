@@ -293,7 +293,7 @@ def main():
     commit = os.environ.get("EXPERTQMM_COMMIT", "")
     if not commit:
         try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+            commit = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True).stdout.strip()
         except OSError:
             commit = ""
     result = {

@@ -416,7 +416,7 @@ std::string commit_id() {
   if (const char* env = std::getenv("EXPERTQMM_COMMIT"))
     if (*env) return env;
   std::string out;
-  if (FILE* p = popen("git rev-parse HEAD 2>/dev/null", "r")) {
+  if (FILE* p = popen("git rev-parse --verify -q HEAD 2>/dev/null", "r")) {
     char buf[128];
     while (std::fgets(buf, sizeof(buf), p)) out += buf;
     pclose(p);
