@@ -94,9 +94,12 @@ BenchOptions parse_options(int argc, char** argv) {
 
 }  // namespace
 
+int run_bench_model(int argc, char** argv);  // cmd_bench_model.cpp: bench --model DIR
+
 #ifndef EXPERTQMM_HAVE_CUDA
 
 int run_bench(int argc, char** argv) {
+  if (Args(argc, argv).has("model")) return run_bench_model(argc, argv);
   if (Args(argc, argv).has("help")) return print_usage(), 0;
   parse_options(argc, argv);  // bad options are reported as such even here
   throw Error("bench", "needs the CUDA backend; this build has none (configure with -DEXPERTQMM_CUDA=ON)");
@@ -468,6 +471,7 @@ void export_weights(const std::string& dir, const Preset& p, const SwitchGLUWeig
 }  // namespace
 
 int run_bench(int argc, char** argv) {
+  if (Args(argc, argv).has("model")) return run_bench_model(argc, argv);
   if (Args(argc, argv).has("help")) return print_usage(), 0;
   const BenchOptions o = parse_options(argc, argv);
   EXPERTQMM_CHECK(cuda_available(), "bench", "needs a usable CUDA device; none was found");

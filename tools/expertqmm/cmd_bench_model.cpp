@@ -1,0 +1,238 @@
+// `expertqmm bench --model DIR`: the feed-forward part (dense GeGLU MLP, router, experts, the five
+// norms, residual and layer_scalar) of every layer of a Gemma 4 checkpoint, run back to back as one
+// CUDA graph per token count. Attention is not run (it is not part of expertqmm) and the output says
+// so. Reports µs per layer, tokens/s for prefill (T > 64) and decode (T <= 64) token counts, with the
+// fused and the separate GLU product, and the GPU memory the loaded layers and workspace take.
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "cli.h"
+#include "expertqmm/backend.h"
+#include "expertqmm/checkpoint.h"
+#include "expertqmm/error.h"
+#include "synthetic.h"
+#ifdef EXPERTQMM_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include "cuda/check.cuh"
+#endif
+
+namespace expertqmm::cli {
+
+namespace {
+
+constexpr int64_t kDecodeMaxTokens = 64;  // token counts up to this are reported as decode steps
+
+struct ModelBenchOptions {
+  std::string dir;
+  std::vector<long> tokens;
+  std::vector<ProductMode> products;
+  int replays = 20;
+  std::string json_path;
+  uint64_t seed = 1;
+};
+
+void print_model_usage() {
+  std::printf(
+      "usage: expertqmm bench --model DIR [--tokens 1,8,512,1024,2048] [--product fused|separate|both]\n"
+      "                       [--replays 20] [--json FILE] [--seed S]\n"
+      "Loads every layer of the Gemma 4 checkpoint in DIR to the GPU and times the feed-forward part of\n"
+      "all layers back to back (attention excluded) as one CUDA graph per token count: median of the\n"
+      "replays, µs per layer, tokens/s (T <= 64: decode, else prefill), fused and separate GLU product.\n");
+}
+
+ModelBenchOptions parse_model_options(int argc, char** argv) {
+  Args args(argc, argv);
+  args.check_known({"model", "tokens", "product", "replays", "json", "seed"});
+  ModelBenchOptions o;
+  o.dir = args.get("model");
+  EXPERTQMM_CHECK(!o.dir.empty(), "bench", "--model needs a checkpoint directory");
+  o.tokens = args.get_int_list("tokens", {1, 8, 512, 1024, 2048});
+  EXPERTQMM_CHECK(!o.tokens.empty(), "bench", "--tokens needs at least one token count");
+  for (long t : o.tokens) EXPERTQMM_CHECK(t >= 1 && t <= 65536, "bench", "--tokens: every count must be in [1, 65536], got ", t);
+  const std::string product = args.get("product", "both");
+  if (product == "both") o.products = {ProductMode::fused, ProductMode::separate};
+  else if (product == "fused") o.products = {ProductMode::fused};
+  else if (product == "separate") o.products = {ProductMode::separate};
+  else throw Error("bench", detail::cat("--product expects fused, separate or both, got '", product, "'"));
+  const long replays = args.get_int("replays", 20);
+  EXPERTQMM_CHECK(replays >= 1 && replays <= 10000, "bench", "--replays must be in [1, 10000], got ", replays);
+  o.replays = int(replays);
+  EXPERTQMM_CHECK(!args.has("json") || !args.get("json").empty(), "bench", "--json needs a file name");
+  o.json_path = args.get("json");
+  const long seed = args.get_int("seed", 1);
+  EXPERTQMM_CHECK(seed >= 0, "bench", "--seed must be >= 0, got ", seed);
+  o.seed = uint64_t(seed);
+  return o;
+}
+
+}  // namespace
+
+#ifndef EXPERTQMM_HAVE_CUDA
+
+int run_bench_model(int argc, char** argv) {
+  if (Args(argc, argv).has("help")) return print_model_usage(), 0;
+  const ModelBenchOptions o = parse_model_options(argc, argv);
+  (void)Gemma4Checkpoint::open(o.dir);  // a bad checkpoint is reported as such even here
+  throw Error("bench", "--model needs the CUDA backend; this build has none (configure with -DEXPERTQMM_CUDA=ON)");
+}
+
+#else
+
+namespace {
+
+struct Row {
+  int64_t tokens = 0;
+  ProductMode product = ProductMode::fused;
+  double median_us = 0, min_us = 0, max_us = 0;
+};
+
+double median_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+const char* product_label(ProductMode m) { return m == ProductMode::fused ? "fused" : "separate"; }
+
+// Runs all layers: layer 0 reads x0 (kept intact so every replay starts from the same input),
+// the others ping-pong between a and b. Returns the buffer holding the last layer's output.
+Tensor* run_layers(const std::vector<Gemma4FfnWeights>& layers, const Tensor& x0, Tensor& a, Tensor& b, Workspace& ws) {
+  const Tensor* in = &x0;
+  Tensor* out = &a;
+  for (const Gemma4FfnWeights& w : layers) {
+    gemma4_ffn_into(*out, *in, w, ws);
+    in = out;
+    out = out == &a ? &b : &a;
+  }
+  return const_cast<Tensor*>(in);
+}
+
+}  // namespace
+
+int run_bench_model(int argc, char** argv) {
+  if (Args(argc, argv).has("help")) return print_model_usage(), 0;
+  const ModelBenchOptions o = parse_model_options(argc, argv);
+  EXPERTQMM_CHECK(cuda_available(), "bench", "needs a usable CUDA device; none was found");
+  const Gemma4Checkpoint ck = Gemma4Checkpoint::open(o.dir);
+  const Gemma4Config& c = ck.config();
+  const int64_t H = c.hidden_size;
+
+  cudaStream_t stream = nullptr;
+  EXPERTQMM_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  struct StreamGuard {
+    cudaStream_t s;
+    ProductMode mode;
+    ~StreamGuard() {
+      set_product_mode(mode);
+      set_cuda_stream(nullptr);
+      cudaStreamSynchronize(s);
+      cudaStreamDestroy(s);
+    }
+  } guard{stream, product_mode()};
+  set_cuda_stream(stream);
+
+  size_t free_before = 0, total = 0;
+  EXPERTQMM_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
+  std::fprintf(stderr, "loading %d layers of %s to the GPU ...\n", ck.num_layers(), o.dir.c_str());
+  std::vector<Gemma4FfnWeights> layers;
+  size_t weight_bytes = 0;
+  for (int l = 0; l < ck.num_layers(); ++l) {
+    layers.push_back(ck.layer(l).to(Device::cuda));
+    weight_bytes += layers.back().nbytes();
+  }
+
+  std::vector<Row> rows;
+  Workspace ws;
+  cudaEvent_t start, stop;
+  EXPERTQMM_CUDA_CHECK(cudaEventCreate(&start));
+  EXPERTQMM_CUDA_CHECK(cudaEventCreate(&stop));
+  for (long T : o.tokens) {
+    const Tensor x0 = random_tokens(T, H, derive_seed(o.seed, uint64_t(T))).to(Device::cuda);
+    Tensor a = Tensor::empty({T, H}, DType::bf16, Device::cuda), b = Tensor::empty({T, H}, DType::bf16, Device::cuda);
+    for (ProductMode mode : o.products) {
+      set_product_mode(mode);
+      run_layers(layers, x0, a, b, ws);  // grows the workspace to this size; then nothing allocates
+      cuda_check();
+      cudaGraph_t graph = nullptr;
+      EXPERTQMM_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+      try {
+        run_layers(layers, x0, a, b, ws);
+      } catch (...) {
+        cudaStreamEndCapture(stream, &graph);
+        if (graph) cudaGraphDestroy(graph);
+        throw;
+      }
+      EXPERTQMM_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+      cudaGraphExec_t exec = nullptr;
+      EXPERTQMM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+      EXPERTQMM_CUDA_CHECK(cudaGraphLaunch(exec, stream));  // warm-up replay
+      EXPERTQMM_CUDA_CHECK(cudaStreamSynchronize(stream));
+      std::vector<double> us;
+      for (int r = 0; r < o.replays; ++r) {
+        EXPERTQMM_CUDA_CHECK(cudaEventRecord(start, stream));
+        EXPERTQMM_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+        EXPERTQMM_CUDA_CHECK(cudaEventRecord(stop, stream));
+        EXPERTQMM_CUDA_CHECK(cudaEventSynchronize(stop));
+        float ms = 0;
+        EXPERTQMM_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+        us.push_back(double(ms) * 1e3);
+      }
+      cuda_check();
+      EXPERTQMM_CUDA_CHECK(cudaGraphExecDestroy(exec));
+      EXPERTQMM_CUDA_CHECK(cudaGraphDestroy(graph));
+      Row row;
+      row.tokens = T;
+      row.product = mode;
+      row.median_us = median_of(us);
+      row.min_us = *std::min_element(us.begin(), us.end());
+      row.max_us = *std::max_element(us.begin(), us.end());
+      rows.push_back(row);
+    }
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  size_t free_after = 0;
+  EXPERTQMM_CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
+  const double used_gib = double(free_before - std::min(free_before, free_after)) / double(1ull << 30);
+
+  const int L = ck.num_layers();
+  std::printf("model %s: %d layers, H=%lld, dense I=%lld, %lld experts x I=%lld, top-%lld (attention excluded: "
+              "feed-forward part only)\n",
+              o.dir.c_str(), L, (long long)H, (long long)c.intermediate_size, (long long)c.num_experts,
+              (long long)c.moe_intermediate_size, (long long)c.top_k_experts);
+  std::printf("device %s: layer weights %.2f GiB, GPU memory used %.2f GiB (weights + workspace + buffers)\n",
+              cuda_device_name(), double(weight_bytes) / double(1ull << 30), used_gib);
+  std::printf("%-8s %6s %-8s %12s %12s %14s\n", "phase", "tokens", "product", "all layers", "per layer", "tokens/s");
+  for (const Row& r : rows)
+    std::printf("%-8s %6lld %-8s %10.1f us %10.1f us %14.1f\n", r.tokens <= kDecodeMaxTokens ? "decode" : "prefill",
+                (long long)r.tokens, product_label(r.product), r.median_us, r.median_us / L,
+                double(r.tokens) / (r.median_us * 1e-6));
+
+  if (!o.json_path.empty()) {
+    std::ofstream js(o.json_path);
+    EXPERTQMM_CHECK(bool(js), "bench", "cannot write --json file '", o.json_path, "'");
+    js << "{\n  \"bench\": \"model_ffn\",\n  \"note\": \"attention excluded: feed-forward part of every layer\",\n"
+       << "  \"model\": " << '"' << o.dir << '"' << ",\n  \"device\": \"" << cuda_device_name() << "\",\n"
+       << "  \"layers\": " << L << ",\n  \"hidden\": " << H << ",\n  \"weight_bytes\": " << weight_bytes
+       << ",\n  \"gpu_memory_used_bytes\": " << (free_before - std::min(free_before, free_after))
+       << ",\n  \"replays\": " << o.replays << ",\n  \"results\": [";
+    for (size_t i = 0; i < rows.size(); ++i) {
+      const Row& r = rows[i];
+      js << (i ? "," : "") << "\n    {\"phase\": \"" << (r.tokens <= kDecodeMaxTokens ? "decode" : "prefill")
+         << "\", \"tokens\": " << r.tokens << ", \"product\": \"" << product_label(r.product)
+         << "\", \"median_us\": " << r.median_us << ", \"min_us\": " << r.min_us << ", \"max_us\": " << r.max_us
+         << ", \"us_per_layer\": " << r.median_us / L << ", \"tokens_per_s\": " << double(r.tokens) / (r.median_us * 1e-6)
+         << "}";
+    }
+    js << "\n  ]\n}\n";
+  }
+  return 0;
+}
+
+#endif
+
+}  // namespace expertqmm::cli
