@@ -1,0 +1,133 @@
+// The Gemma 4 feed-forward part on CUDA against the CPU reference (same weights, same input), in
+// both GLU product modes and across the decode / unsorted / sorted / prefill sizes; and one layer
+// captured in a CUDA graph (global capture mode: any host sync or allocation fails the capture).
+#include <gtest/gtest.h>
+
+#ifdef EXPERTQMM_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
+#include "expertqmm/checkpoint.h"
+#include "expertqmm/error.h"
+#include "support/test_util.h"
+
+namespace expertqmm {
+namespace {
+
+constexpr double kTolerance = 1e-2;  // docs/numerics.md: bf16 vs bf16 across backends
+
+Gemma4Config small_config() {
+  Gemma4Config c;
+  c.hidden_size = 256;
+  c.intermediate_size = 384;
+  c.moe_intermediate_size = 128;
+  c.num_experts = 16;
+  c.top_k_experts = 4;
+  c.num_hidden_layers = 1;
+  c.quantized = true;
+  c.default_quant = {4, 64};
+  for (const char* m : {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "router.proj"})
+    c.overrides[std::string("model.layers.0.") + m] = {8, 64};
+  return c;
+}
+
+TEST(GpuGemma4Ffn, MatchesTheCpuReferenceInBothProductModes) {
+  EXPERTQMM_REQUIRE_GPU();
+  const Gemma4FfnWeights cpu_w = synthetic_gemma4_layer(small_config(), 0, 11);
+  const Gemma4FfnWeights gpu_w = cpu_w.to(Device::cuda);
+  const ProductMode saved = product_mode();
+  for (ProductMode mode : {ProductMode::fused, ProductMode::separate}) {
+    set_product_mode(mode);
+    for (int64_t T : {1, 3, 8, 40, 300}) {
+      const std::string what = detail::cat("T=", T, " mode=", mode == ProductMode::fused ? "fused" : "separate");
+      const Tensor h = test::random_tensor({T, 256}, DType::bf16, 1.0f);
+      const Tensor expected = gemma4_ffn(h, cpu_w);
+      const Tensor got = gemma4_ffn(h.to(Device::cuda), gpu_w);
+      EXPECT_EQ(got.device(), Device::cuda) << what;
+      EXPECT_LE(test::rel_error(test::to_float(got), test::to_float(expected)), kTolerance) << what << test::seed_note();
+    }
+  }
+  set_product_mode(saved);
+}
+
+TEST(GpuGemma4Ffn, ElementwiseOpsMatchTheCpu) {
+  EXPERTQMM_REQUIRE_GPU();
+  const Tensor x = test::random_tensor({37, 200}, DType::bf16, 2.0f);
+  const Tensor y = test::random_tensor({37, 200}, DType::bf16, 1.0f);
+  const Tensor w = test::random_tensor({200}, DType::f32, 1.0f);
+  const Tensor s = test::random_tensor({1}, DType::bf16, 1.0f);
+  const Tensor xd = x.to(Device::cuda), yd = y.to(Device::cuda);
+  EXPECT_LE(test::rel_error(test::to_float(rms_norm(xd, w.to(Device::cuda), 1e-6f)), test::to_float(rms_norm(x, w, 1e-6f))), 1e-2);
+  EXPECT_EQ(add(xd, yd).to_host_bytes(), add(x, y).to_host_bytes());
+  EXPECT_EQ(add_scaled(xd, yd, s.to(Device::cuda)).to_host_bytes(), add_scaled(x, y, s).to_host_bytes());
+  // dense linear on the device against the CPU
+  Linear dense;
+  dense.dense = test::random_tensor({48, 200}, DType::bf16, 0.1f);
+  Linear dense_d;
+  dense_d.dense = dense.dense.to(Device::cuda);
+  EXPECT_LE(test::rel_error(test::to_float(linear(xd, dense_d)), test::to_float(linear(x, dense))), 1e-2);
+}
+
+TEST(GpuGemma4Ffn, OneLayerCapturedInACudaGraphReplaysTheSameOutput) {
+  EXPERTQMM_REQUIRE_GPU();
+#ifdef EXPERTQMM_HAVE_CUDA
+  const Gemma4FfnWeights w = synthetic_gemma4_layer(small_config(), 0, 5).to(Device::cuda);
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  void* saved_stream = cuda_stream();
+  set_cuda_stream(stream);
+  Workspace ws;
+  for (int64_t T : {100, 6}) {  // warm at the larger size; the smaller one must not grow anything
+    const std::string what = detail::cat("T=", T);
+    const Tensor h = test::random_tensor({T, 256}, DType::bf16, 1.0f, Device::cuda);
+    Tensor expected = Tensor::empty({T, 256}, DType::bf16, Device::cuda);
+    gemma4_ffn_into(expected, h, w, ws);
+    cuda_check();
+    const size_t held = ws.bytes_held();
+    Tensor replayed = Tensor::empty({T, 256}, DType::bf16, Device::cuda);
+    cudaGraph_t graph = nullptr;
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess) << what;
+    std::string capture_error;
+    try {
+      gemma4_ffn_into(replayed, h, w, ws);
+    } catch (const std::exception& e) {
+      capture_error = e.what();
+    }
+    const cudaError_t end = cudaStreamEndCapture(stream, &graph);
+    ASSERT_TRUE(capture_error.empty()) << what << ": gemma4_ffn_into failed under capture: " << capture_error;
+    ASSERT_EQ(end, cudaSuccess) << what << ": " << cudaGetErrorString(end);
+    EXPECT_EQ(ws.bytes_held(), held) << what << ": the workspace grew during the captured call";
+    cudaGraphExec_t exec = nullptr;
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess) << what;
+    size_t nodes = 0;
+    ASSERT_EQ(cudaGraphGetNodes(graph, nullptr, &nodes), cudaSuccess);
+    EXPECT_GT(nodes, 12u) << what << ": the graph should hold the whole feed-forward part";
+    for (int replay = 0; replay < 2; ++replay) {
+      test::poison(replayed);
+      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess) << what;
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess) << what;
+      EXPECT_EQ(replayed.to_host_bytes(), expected.to_host_bytes()) << what << " replay " << replay;
+    }
+    cuda_check();
+    EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+    EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+  }
+  set_cuda_stream(saved_stream);
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+#endif
+}
+
+TEST(GpuGemma4Ffn, MixedDevicesAreAnError) {
+  EXPERTQMM_REQUIRE_GPU();
+  const Gemma4FfnWeights cpu_w = synthetic_gemma4_layer(small_config(), 0, 3);
+  const Tensor h = test::random_tensor({2, 256}, DType::bf16, 1.0f, Device::cuda);
+  try {
+    (void)gemma4_ffn(h, cpu_w);
+    ADD_FAILURE() << "no error for cuda h with cpu weights";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("gemma4_ffn"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace expertqmm
