@@ -19,9 +19,12 @@ using device::small_uint_to_float;
 
 constexpr int kQmvWarps = 8;
 constexpr int kQmvThreads = 32 * kQmvWarps;
-constexpr int kQmvColsPerWarp = 4;  // output columns a warp accumulates at once (4 weight loads in flight per lane)
+constexpr int kQmvMinCtasPerSm = 3;  // register cap 85: 3 CTAs (24 warps) resident per SM
+constexpr int kQmvColsPerWarp = 4;   // output columns a warp accumulates at once (x read once for 4)
+constexpr int kQmvChunksPerLane = 2;  // chunks per column a lane loads before any math (one batch)
 constexpr int kQmvPartials = kQmvWarps * kQmvColsPerWarp;  // split-K partial sums per CTA
-constexpr int64_t kQmvMaxK = 8192;  // x row staged as float in shared memory: <= 48 KB in all
+constexpr int kQmvStageVals = 8;      // x values one thread stages at a time (one 16-byte load)
+constexpr int64_t kQmvMaxK = 8192;    // x row staged as float in shared memory: <= 48 KB in all
 
 struct QmvArgs {
   const void* x;           // x_batch matrices of (M, K) T, x_batch_stride elements apart
@@ -37,6 +40,7 @@ struct QmvArgs {
   int words_per_row, groups_per_row, group_shift;
   int num_chunks;  // chunks per weight row (K / values per chunk)
   int k_split;     // warps that share one set of columns, each summing a slice of the chunks
+  bool x_vec;      // every x row starts 16-byte aligned: stage with 16-byte loads
 };
 
 // x is staged as float with 4 floats of padding after every 32, so that lanes reading
@@ -44,51 +48,99 @@ struct QmvArgs {
 __host__ __device__ constexpr int padded_index(int k) { return k + ((k >> 5) << 2); }
 __host__ __device__ constexpr int round_up4(int v) { return (v + 3) & ~3; }
 
-// sum_i x[i] * q[i] over one chunk of codes. 4-bit: x arrives pre-divided by 16^(i % 4) and each
-// nibble is read masked in place inside its 16-bit half (MLX's qdot trick), so one LOP3 gives the
-// code times 16^(i % 4) as an exact float. 8-bit: byte_perm moves each byte under the float
-// exponent 2^23. Both are exact; only the fp32 sums round.
-template <int kBits, int kVecWords>
-__device__ __forceinline__ float chunk_dot(const uint32_t (&words)[kVecWords], const float* xv) {
-  float dot = 0.f;
+// sum_i x[i] * q[i] over the values of one word of codes (8 for 4-bit, 4 for 8-bit), x given as
+// those values. 4-bit: x arrives pre-divided by 16^(i % 4) and each nibble is read masked in place
+// inside its 16-bit half (MLX's qdot trick), so one LOP3 gives the code times 16^(i % 4) as an
+// exact float. 8-bit: byte_perm moves each byte under the float exponent 2^23. Both are exact;
+// only the fp32 sums round.
+template <int kBits>
+__device__ __forceinline__ float word_dot(uint32_t w, const float* xv, float dot) {
+  if constexpr (kBits == 4) {
+    const uint32_t hi = w >> 16;
 #pragma unroll
-  for (int wi = 0; wi < kVecWords; ++wi) {
-    const uint32_t w = words[wi];
-    if constexpr (kBits == 4) {
-      const uint32_t hi = w >> 16;
+    for (int j = 0; j < 4; ++j) dot += xv[j] * small_uint_to_float(w & (0xFu << (4 * j)));
 #pragma unroll
-      for (int j = 0; j < 4; ++j) dot += xv[8 * wi + j] * small_uint_to_float(w & (0xFu << (4 * j)));
+    for (int j = 0; j < 4; ++j) dot += xv[4 + j] * small_uint_to_float(hi & (0xFu << (4 * j)));
+  } else {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) dot += xv[8 * wi + 4 + j] * small_uint_to_float(hi & (0xFu << (4 * j)));
-    } else {
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-        dot += xv[4 * wi + j] * (__uint_as_float(__byte_perm(w, 0x4B000000u, 0x7540u | j)) - 8388608.0f);
-    }
+    for (int j = 0; j < 4; ++j) dot += xv[j] * (__uint_as_float(__byte_perm(w, 0x4B000000u, 0x7540u | j)) - 8388608.0f);
   }
   return dot;
 }
 
-// Kernel: grid (ceil(N / cols_per_cta), rows), 256 threads = 8 warps. CTA (x, y) computes problem
-// row y (its expert rhs[y / M] and x row lhs[y / M], m = y % M) for cols_per_cta = (8 / k_split)
-// * 4 consecutive columns from x * cols_per_cta. First the whole x row is staged once in shared
-// memory as float (xs, padded, pre-scaled for 4-bit) with one float sum per chunk (chunk_sum).
+// One lane's weights for a batch: kQmvChunksPerLane chunks of each of the warp's 4 columns, with
+// the scale and bias of each chunk's group. Columns past N and chunks past the row read nothing and
+// hold zero codes, scale and bias, so they add exactly 0.
+template <class T, int kVecWords>
+struct QmvBatch {
+  uint32_t words[kQmvChunksPerLane][kQmvColsPerWarp][kVecWords];
+  float scale[kQmvChunksPerLane][kQmvColsPerWarp];
+  float bias[kQmvChunksPerLane][kQmvColsPerWarp];
+
+  // chunk0: the lane's first chunk of this batch; consecutive chunks of a lane are chunk_stride apart.
+  // w_col0, scale_col0, bias_col0: column col0's weight row and its first scale and bias; the
+  // warp's other columns follow at words_per_row / groups_per_row strides.
+  __device__ __forceinline__ void load(const QmvArgs& a, const uint32_t* w_col0, const uint16_t* scale_col0,
+                                       const uint16_t* bias_col0, int cols_left, int chunk0, int chunk_stride,
+                                       int vals_per_chunk) {
+#pragma unroll
+    for (int it = 0; it < kQmvChunksPerLane; ++it) {
+      const int c = chunk0 + it * chunk_stride;
+      const int group = (c * vals_per_chunk) >> a.group_shift;
+#pragma unroll
+      for (int i = 0; i < kQmvColsPerWarp; ++i) {
+        if (c < a.num_chunks && i < cols_left) {
+          const uint32_t* src = w_col0 + i * a.words_per_row + c * kVecWords;
+          if constexpr (kVecWords == 4) {
+            const uint4 v = __ldg(reinterpret_cast<const uint4*>(src));
+            words[it][i][0] = v.x;
+            words[it][i][1] = v.y;
+            words[it][i][2] = v.z;
+            words[it][i][3] = v.w;
+          } else {
+            words[it][i][0] = __ldg(src);
+          }
+          scale[it][i] = Elem<T>::raw_to_float(__ldg(scale_col0 + i * a.groups_per_row + group));
+          bias[it][i] = Elem<T>::raw_to_float(__ldg(bias_col0 + i * a.groups_per_row + group));
+        } else {
+#pragma unroll
+          for (int v = 0; v < kVecWords; ++v) words[it][i][v] = 0u;
+          scale[it][i] = 0.f;
+          bias[it][i] = 0.f;
+        }
+      }
+    }
+  }
+};
+
+// Kernel: grid (ceil(N / cols_per_cta), rows), 256 threads = 8 warps, at least 3 CTAs per SM.
+// CTA (x, y) computes problem row y (expert rhs[y / M], x row lhs[y / M], m = y % M) for
+// cols_per_cta = (8 / k_split) * 4 consecutive columns from x * cols_per_cta.
+//   xs         (K padded,) float: the x row, pre-divided by 16^(k % 4) for 4-bit (see word_dot)
+//   unit_sum   (K / 8 or K / 4,) float: sum of each staged unit of x (8 values, 4 for 8-bit
+//              single-word chunks); a chunk's sum(x) is the sum of its units
+//   partial    (k_split, cols_per_cta) float: split-K partial sums
 // Warp w works on column set w / k_split (4 columns) and chunk slice w % k_split: lane l takes
 // chunks l + 32 * (slice + k_split * i), a chunk being kVecWords consecutive words of a weight
-// row (uint4 = 32 4-bit codes when rows are 16-byte aligned, else one word). Per chunk the lane
-// issues the 4 columns' weight loads together, then accumulates s * dot + b * sum(x) per column.
-// Lanes reduce with xor shuffles; with k_split > 1 the slices meet in shared memory (partial).
+// row (uint4 = 32 4-bit or 16 8-bit codes when rows are 16-byte aligned, else one word).
+// Latency is what decode pays, so the order is: read the expert id, issue the first batch of
+// weight loads (2 chunks x 4 columns per lane: 8 x 16 bytes in flight per lane, ~96 KB per SM),
+// only then stage x (its loads overlap the weights'), then the math. Later batches (K beyond
+// 64 chunks per slice) load and compute in turn. Lanes reduce with xor shuffles; with
+// k_split > 1 the slices meet in shared memory.
 template <class T, int kBits, int kVecWords>
-__global__ void __launch_bounds__(kQmvThreads) qmv_kernel(QmvArgs a) {
+__global__ void __launch_bounds__(kQmvThreads, kQmvMinCtasPerSm) qmv_kernel(QmvArgs a) {
   constexpr int kValsPerChunk = kVecWords * (32 / kBits);
+  constexpr int kUnit = kValsPerChunk < kQmvStageVals ? kValsPerChunk : kQmvStageVals;  // values per staged unit
+  constexpr int kUnitsPerChunk = kValsPerChunk / kUnit;
   extern __shared__ __align__(16) float qmv_smem[];
-  float* xs = qmv_smem;                                     // padded (K,) float
-  float* chunk_sum = xs + round_up4(padded_index(a.K));     // (num_chunks,) float
-  float* partial = chunk_sum + round_up4(a.num_chunks);     // (k_split, cols_per_cta) float
+  float* xs = qmv_smem;                                    // padded (K,) float
+  float* unit_sum = xs + round_up4(padded_index(a.K));     // (K / kUnit,) float
+  float* partial = unit_sum + round_up4(a.K / kUnit);      // (k_split, cols_per_cta) float
 
-  const int64_t row = blockIdx.y;
-  const int64_t b = row / a.M;
-  const int64_t m = row - b * a.M;
+  const int row = blockIdx.y;
+  const int b = row / a.M;
+  const int m = row - b * a.M;
   const int64_t expert = a.rhs ? static_cast<int64_t>(a.rhs[b]) : b;
   const int64_t xb = a.lhs ? static_cast<int64_t>(a.lhs[b]) : b;
   if (expert < 0 || expert >= a.E) {
@@ -101,74 +153,86 @@ __global__ void __launch_bounds__(kQmvThreads) qmv_kernel(QmvArgs a) {
     return;
   }
 
-  const T* xrow = static_cast<const T*>(a.x) + xb * a.x_batch_stride + m * a.K;
-  for (int c = threadIdx.x; c < a.num_chunks; c += kQmvThreads) {
-    float sum = 0.f;
-#pragma unroll
-    for (int v = 0; v < kValsPerChunk; ++v) {
-      const int k = c * kValsPerChunk + v;
-      const float xv = Elem<T>::to_float(xrow[k]);
-      sum += xv;
-      xs[padded_index(k)] = kBits == 4 ? xv * (1.0f / static_cast<float>(1 << (4 * (v & 3)))) : xv;
-    }
-    chunk_sum[c] = sum;
-  }
-  __syncthreads();
-
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int slice = warp % a.k_split, col_set = warp / a.k_split;
   const int cols_per_cta = (kQmvWarps / a.k_split) * kQmvColsPerWarp;
   const int col0 = blockIdx.x * cols_per_cta + col_set * kQmvColsPerWarp;
-  const uint32_t* w_expert = a.w + expert * a.N * a.words_per_row;
-  const int64_t param_expert = expert * a.N * a.groups_per_row;
+  const int cols_left = a.N - col0;  // may be <= 0: the warp then loads nothing
+  const int64_t col_row = expert * a.N + col0;  // (expert, col0) as a row of w / scales / biases
+  const uint32_t* w_col0 = a.w + col_row * a.words_per_row;
+  const uint16_t* scale_col0 = a.scales + col_row * a.groups_per_row;
+  const uint16_t* bias_col0 = a.biases + col_row * a.groups_per_row;
+  const int chunk_stride = 32 * a.k_split;  // between one lane's consecutive chunks
+  const int batch_stride = kQmvChunksPerLane * chunk_stride;
+
+  QmvBatch<T, kVecWords> batch;
+  int chunk0 = slice * 32 + lane;
+  batch.load(a, w_col0, scale_col0, bias_col0, cols_left, chunk0, chunk_stride, kValsPerChunk);
+
+  // Stage x: thread u takes units u, u + 256, ...; 16-byte loads when the row is aligned.
+  const T* xrow = static_cast<const T*>(a.x) + xb * a.x_batch_stride + static_cast<int64_t>(m) * a.K;
+  const int units = a.K / kUnit;
+  for (int u = threadIdx.x; u < units; u += kQmvThreads) {
+    float xv[kUnit];
+    if (kUnit == 8 && a.x_vec) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(xrow + u * kUnit);
+      const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int v = 0; v < kUnit; ++v) xv[v] = Elem<T>::to_float(e[v]);
+    } else {
+#pragma unroll
+      for (int v = 0; v < kUnit; ++v) xv[v] = Elem<T>::to_float(xrow[u * kUnit + v]);
+    }
+    float sum = 0.f;
+#pragma unroll
+    for (int v = 0; v < kUnit; ++v) {
+      sum += xv[v];
+      // kUnit is 4 or 8, so value v sits at k % 4 == v % 4.
+      xs[padded_index(u * kUnit + v)] = kBits == 4 ? xv[v] * (1.0f / static_cast<float>(1 << (4 * (v & 3)))) : xv[v];
+    }
+    unit_sum[u] = sum;
+  }
+  __syncthreads();
 
   float acc[kQmvColsPerWarp];
 #pragma unroll
   for (int i = 0; i < kQmvColsPerWarp; ++i) acc[i] = 0.f;
 
-  for (int c = slice * 32 + lane; c < a.num_chunks; c += 32 * a.k_split) {
-    float xv[kValsPerChunk];
-    const float4* xp = reinterpret_cast<const float4*>(xs + padded_index(c * kValsPerChunk));
+  for (;;) {
 #pragma unroll
-    for (int i = 0; i < kValsPerChunk / 4; ++i) {
-      const float4 f = xp[i];
-      xv[4 * i] = f.x;
-      xv[4 * i + 1] = f.y;
-      xv[4 * i + 2] = f.z;
-      xv[4 * i + 3] = f.w;
-    }
-    const float sx = chunk_sum[c];
-    const int group = (c * kValsPerChunk) >> a.group_shift;
-
-    uint32_t words[kQmvColsPerWarp][kVecWords];
-    float sc[kQmvColsPerWarp], bi[kQmvColsPerWarp];
+    for (int it = 0; it < kQmvChunksPerLane; ++it) {
+      const int c = chunk0 + it * chunk_stride;
+      if (c >= a.num_chunks) break;  // later chunks of the lane are past the row too
+      // One word's x values at a time (8 or 4 floats), shared by the 4 columns: keeps the x
+      // registers to one word's worth while the batch's weights are live.
+      const float* xc = xs + padded_index(c * kValsPerChunk);
+      constexpr int kValsPerWord = 32 / kBits;
+      float dot[kQmvColsPerWarp];
 #pragma unroll
-    for (int i = 0; i < kQmvColsPerWarp; ++i) {
-      const int n = col0 + i;
-      if (n < a.N) {
-        const uint32_t* src = w_expert + static_cast<int64_t>(n) * a.words_per_row + static_cast<int64_t>(c) * kVecWords;
-        if constexpr (kVecWords == 4) {
-          const uint4 v = __ldg(reinterpret_cast<const uint4*>(src));
-          words[i][0] = v.x;
-          words[i][1] = v.y;
-          words[i][2] = v.z;
-          words[i][3] = v.w;
-        } else {
-          words[i][0] = __ldg(src);
+      for (int i = 0; i < kQmvColsPerWarp; ++i) dot[i] = 0.f;
+#pragma unroll
+      for (int wi = 0; wi < kVecWords; ++wi) {
+        float xv[kValsPerWord];
+#pragma unroll
+        for (int q = 0; q < kValsPerWord / 4; ++q) {
+          const float4 f = reinterpret_cast<const float4*>(xc + wi * kValsPerWord)[q];
+          xv[4 * q] = f.x;
+          xv[4 * q + 1] = f.y;
+          xv[4 * q + 2] = f.z;
+          xv[4 * q + 3] = f.w;
         }
-        const int64_t pi = param_expert + static_cast<int64_t>(n) * a.groups_per_row + group;
-        sc[i] = Elem<T>::raw_to_float(__ldg(a.scales + pi));
-        bi[i] = Elem<T>::raw_to_float(__ldg(a.biases + pi));
-      } else {
 #pragma unroll
-        for (int v = 0; v < kVecWords; ++v) words[i][v] = 0u;
-        sc[i] = 0.f;
-        bi[i] = 0.f;
+        for (int i = 0; i < kQmvColsPerWarp; ++i) dot[i] = word_dot<kBits>(batch.words[it][i][wi], xv, dot[i]);
       }
-    }
+      float sx = 0.f;
 #pragma unroll
-    for (int i = 0; i < kQmvColsPerWarp; ++i)
-      acc[i] += sc[i] * chunk_dot<kBits, kVecWords>(words[i], xv) + bi[i] * sx;
+      for (int u = 0; u < kUnitsPerChunk; ++u) sx += unit_sum[c * kUnitsPerChunk + u];
+#pragma unroll
+      for (int i = 0; i < kQmvColsPerWarp; ++i) acc[i] += batch.scale[it][i] * dot[i] + batch.bias[it][i] * sx;
+    }
+    chunk0 += batch_stride;
+    if (chunk0 - lane >= a.num_chunks) break;  // warp-uniform: no lane has chunks left
+    batch.load(a, w_col0, scale_col0, bias_col0, cols_left, chunk0, chunk_stride, kValsPerChunk);
   }
 
 #pragma unroll
@@ -176,12 +240,12 @@ __global__ void __launch_bounds__(kQmvThreads) qmv_kernel(QmvArgs a) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], offset);
 
-  T* out = static_cast<T*>(a.out) + row * a.N;
+  T* out = static_cast<T*>(a.out) + static_cast<int64_t>(row) * a.N;
   if (a.k_split == 1) {
     if (lane == 0) {
 #pragma unroll
       for (int i = 0; i < kQmvColsPerWarp; ++i)
-        if (col0 + i < a.N) out[col0 + i] = Elem<T>::from_float(acc[i]);
+        if (i < cols_left) out[col0 + i] = Elem<T>::from_float(acc[i]);
     }
     return;
   }
@@ -221,8 +285,9 @@ const QmvVariant kQmvVariants[] = {
     {DType::f16, 8, 4, launch_qmv<__half, 8, 4>},         {DType::f16, 8, 1, launch_qmv<__half, 8, 1>},
 };
 
-size_t qmv_smem_bytes(int64_t K, int64_t num_chunks) {
-  return sizeof(float) * (round_up4(padded_index(static_cast<int>(K))) + round_up4(static_cast<int>(num_chunks)) +
+// xs, unit_sum (at most K / 4 units: 8-bit single-word chunks) and the split-K partials.
+size_t qmv_smem_bytes(int64_t K) {
+  return sizeof(float) * (round_up4(padded_index(static_cast<int>(K))) + round_up4(static_cast<int>(K / 4)) +
                           kQmvPartials);
 }
 
@@ -268,11 +333,12 @@ void call_qmv(const detail::GatherQmmProblem& p, void* out, Workspace*) {
   a.group_shift = log2_of(p.group_size);
   const int vec_words = (a.words_per_row % 4 == 0 && is_aligned(p.w.data(), 16)) ? 4 : 1;
   a.num_chunks = a.words_per_row / vec_words;
+  a.x_vec = is_aligned(p.x.data(), 16) && p.x_batch_stride % 8 == 0;  // K % 8 == 0: every row aligned
 
-  // Split K across warps while the grid would leave the GPU short of CTAs, as long as every lane
-  // of every slice still gets at least one chunk.
+  // Split K across warps while the grid would not fill the resident CTA slots (3 per SM), as long
+  // as every lane of every slice still gets at least one chunk.
   const int64_t rows = p.B * p.M;
-  const int64_t target_ctas = 4 * static_cast<int64_t>(device_sm_count());
+  const int64_t target_ctas = kQmvMinCtasPerSm * static_cast<int64_t>(device_sm_count());
   int k_split = 1;
   auto ctas = [&](int ks) { return rows * ((p.N + (kQmvWarps / ks) * kQmvColsPerWarp - 1) / ((kQmvWarps / ks) * kQmvColsPerWarp)); };
   while (k_split < kQmvWarps && ctas(k_split) < target_ctas && a.num_chunks >= 32 * 2 * k_split) k_split *= 2;
@@ -280,7 +346,7 @@ void call_qmv(const detail::GatherQmmProblem& p, void* out, Workspace*) {
 
   const int cols_per_cta = (kQmvWarps / k_split) * kQmvColsPerWarp;
   const dim3 grid(ceil_div(p.N, cols_per_cta), static_cast<unsigned>(rows));
-  const size_t smem = qmv_smem_bytes(p.K, a.num_chunks);
+  const size_t smem = qmv_smem_bytes(p.K);
   for (const QmvVariant& v : kQmvVariants) {
     if (v.dtype != p.dtype || v.bits != p.bits || v.vec_words != vec_words) continue;
     v.launch(a, grid, smem);
