@@ -29,33 +29,54 @@ __device__ __forceinline__ float load_any(const void* p, DType dtype, int64_t i)
 }
 
 // r[t, i] = T(h[t, i] * inv_rms(t) * (scale[i] * root_size)), inv_rms = 1 / sqrt(sum(h^2)/H + eps).
-//   h      (T, H) of D, rows h_row_stride apart;  scale (H) of scale_dtype;  r (T, H) of D contiguous
-// Work split: one CTA of 256 threads per token; each thread squares and sums a strided slice of the
-// row, warps reduce by shuffles and the 8 warp sums meet in shared memory; then the same threads
-// write their slice of r.
-template <DType D>
+//   h      (T, H) of D, rows h_row_stride apart;  scale (H) of S;  r (T, H) of D contiguous
+// Work split: one CTA of 256 threads per token; thread i owns elements i, i + 256, ... of the row.
+// Latency is the cost at decode (one token, 2816 values), so a thread issues the loads of up to
+// kNormBatch elements (h and scale) before using any, squares and sums them in index order, warps
+// reduce by shuffles and the 8 warp sums meet in shared memory; then the thread writes its
+// elements of r from the same registers (rows longer than 256 * kNormBatch reload per batch).
+constexpr int kNormBatch = 16;
+
+template <DType D, DType S>
 __global__ void router_rms_norm_kernel(const typename Elem<D>::storage* __restrict__ h, int64_t h_row_stride,
-                                       int64_t H, const void* __restrict__ scale, DType scale_dtype,
+                                       int64_t H, const typename Elem<S>::storage* __restrict__ scale,
                                        float root_size, float eps, typename Elem<D>::storage* __restrict__ r) {
   __shared__ float warp_sums[kNormThreads / 32];
   const int64_t t = blockIdx.x;
   const typename Elem<D>::storage* row = h + t * h_row_stride;
+  constexpr int64_t kBatchSpan = static_cast<int64_t>(kNormThreads) * kNormBatch;
+  float x[kNormBatch], w[kNormBatch];
+  // Loads one batch of this thread's elements (i = base + threadIdx.x + 256 u); 0 past the row.
+  auto load_batch = [&](int64_t base) {
+#pragma unroll
+    for (int u = 0; u < kNormBatch; ++u) {
+      const int64_t i = base + threadIdx.x + static_cast<int64_t>(kNormThreads) * u;
+      x[u] = i < H ? Elem<D>::load(row[i]) : 0.0f;
+      w[u] = i < H ? Elem<S>::load(scale[i]) : 0.0f;
+    }
+  };
   float sum_sq = 0.0f;
-  for (int64_t i = threadIdx.x; i < H; i += blockDim.x) {
-    const float x = Elem<D>::load(row[i]);
-    sum_sq = __fadd_rn(sum_sq, __fmul_rn(x, x));
+  for (int64_t base = 0; base < H; base += kBatchSpan) {
+    load_batch(base);
+#pragma unroll
+    for (int u = 0; u < kNormBatch; ++u)
+      if (base + threadIdx.x + static_cast<int64_t>(kNormThreads) * u < H) sum_sq = __fadd_rn(sum_sq, __fmul_rn(x[u], x[u]));
   }
   for (int off = 16; off > 0; off >>= 1) sum_sq = __fadd_rn(sum_sq, __shfl_xor_sync(0xffffffffu, sum_sq, off));
   if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = sum_sq;
   __syncthreads();
   float total = 0.0f;
-  for (int w = 0; w < kNormThreads / 32; ++w) total = __fadd_rn(total, warp_sums[w]);
+  for (int wi = 0; wi < kNormThreads / 32; ++wi) total = __fadd_rn(total, warp_sums[wi]);
   const float inv_rms =
       __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(total, static_cast<float>(H)), eps)));
-  for (int64_t i = threadIdx.x; i < H; i += blockDim.x) {
-    const float x = Elem<D>::load(row[i]);
-    const float weight = __fmul_rn(load_any(scale, scale_dtype, i), root_size);
-    r[t * H + i] = Elem<D>::store(__fmul_rn(__fmul_rn(x, inv_rms), weight));
+  const bool one_batch = H <= kBatchSpan;  // the registers still hold the whole slice
+  for (int64_t base = 0; base < H; base += kBatchSpan) {
+    if (!one_batch) load_batch(base);
+#pragma unroll
+    for (int u = 0; u < kNormBatch; ++u) {
+      const int64_t i = base + threadIdx.x + static_cast<int64_t>(kNormThreads) * u;
+      if (i < H) r[t * H + i] = Elem<D>::store(__fmul_rn(__fmul_rn(x[u], inv_rms), __fmul_rn(w[u], root_size)));
+    }
   }
 }
 
@@ -89,46 +110,89 @@ __device__ __forceinline__ unsigned long long routing_key(float logit, int32_t e
   return (static_cast<unsigned long long>(ordered) << 32) | (0xffffffffu - static_cast<uint32_t>(expert));
 }
 
+// The logit a routing key was made from (exact: the key's high word is a bijection of the float
+// bits, every NaN becoming one NaN).
+__device__ __forceinline__ float key_logit(unsigned long long key) {
+  const uint32_t ordered = static_cast<uint32_t>(key >> 32);
+  return __uint_as_float((ordered & 0x80000000u) ? (ordered & 0x7fffffffu) : ~ordered);
+}
+__device__ __forceinline__ int32_t key_expert(unsigned long long key) {
+  return static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(key & 0xffffffffu));
+}
+
+constexpr int kTopkCachedKeys = 8;  // keys a lane keeps in registers: E <= 256 is read once
+
 // Top-k over each token's logits, softmax over the k, times per_expert_scale.
 //   logits (T, E) of L;  per_expert_scale (E) of pes_dtype
 //   indices (T, k) int32, best first;  weights (T, k) of W
-// Work split: one warp per token (8 per CTA). Pass j: each lane scans experts lane, lane+32, ...
-// for the largest key strictly below the key picked in pass j-1 (keys are distinct, so the k passes
-// pick k distinct experts in order without marking anything), then a shuffle max picks the warp's.
-// Lane 0 then evaluates the softmax sequentially in slot order, as the CPU does.
+// Work split: one warp per token (8 per CTA). Lane l reads experts l, l+32, ... once into keys
+// (the first 8 in registers, the rest re-read per pass). Pass j: each lane finds its largest key
+// strictly below the key picked in pass j-1 (keys are distinct, so the k passes pick k distinct
+// experts in order without marking anything), then a shuffle max gives every lane the warp's.
+// Slots go in blocks of 32: lane l keeps the key of slot 32b + l, writes its index and computes
+// its softmax numerator; the sum is folded in slot order through shuffles (the CPU's order), so
+// the weights are written by all lanes at once. Slots of earlier blocks (k > 32 only) are
+// recomputed from the indices the same lanes wrote.
 template <DType L, DType W>
 __global__ void router_topk_softmax_kernel(const typename Elem<L>::storage* __restrict__ logits, int64_t T, int64_t E,
                                            int k, const void* __restrict__ per_expert_scale, DType pes_dtype,
                                            int32_t* __restrict__ indices, typename Elem<W>::storage* __restrict__ weights) {
   const int lane = threadIdx.x & 31;
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + (threadIdx.x >> 5);
-  if (t >= T) return;
+  if (t >= T) return;  // uniform per warp
   const typename Elem<L>::storage* row = logits + t * E;
+  // 0 is below every key (a key's high word is never 0), so it stands for "no expert".
+  unsigned long long cached[kTopkCachedKeys];
+#pragma unroll
+  for (int c = 0; c < kTopkCachedKeys; ++c) {
+    const int64_t e = lane + 32 * c;
+    cached[c] = e < E ? routing_key(Elem<L>::load(row[e]), static_cast<int32_t>(e)) : 0ull;
+  }
   unsigned long long bound = ~0ull;
   bool first = true;
-  for (int j = 0; j < k; ++j) {
-    unsigned long long best = 0;
-    for (int64_t e = lane; e < E; e += 32) {
-      const unsigned long long key = routing_key(Elem<L>::load(row[e]), static_cast<int32_t>(e));
-      if ((first || key < bound) && key > best) best = key;
+  float max_logit = 0.0f, sum = 0.0f;
+  unsigned long long mine = 0;  // the key of this lane's slot in the current block
+  for (int block = 0; block * 32 < k; ++block) {
+    const int in_block = min(32, k - block * 32);
+    for (int j = 0; j < in_block; ++j) {
+      unsigned long long best = 0;
+#pragma unroll
+      for (int c = 0; c < kTopkCachedKeys; ++c) {
+        const unsigned long long key = cached[c];
+        if ((first || key < bound) && key > best) best = key;
+      }
+      for (int64_t e = lane + 32 * kTopkCachedKeys; e < E; e += 32) {
+        const unsigned long long key = routing_key(Elem<L>::load(row[e]), static_cast<int32_t>(e));
+        if ((first || key < bound) && key > best) best = key;
+      }
+      for (int off = 16; off > 0; off >>= 1) {
+        const unsigned long long other = __shfl_xor_sync(0xffffffffu, best, off);
+        best = other > best ? other : best;
+      }
+      if (lane == j) mine = best;
+      bound = best;
+      first = false;
     }
-    for (int off = 16; off > 0; off >>= 1) {
-      const unsigned long long other = __shfl_xor_sync(0xffffffffu, best, off);
-      best = other > best ? other : best;
-    }
-    if (lane == 0) indices[t * k + j] = static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(best & 0xffffffffu));
-    bound = best;
-    first = false;
+    // Slot 0 holds the largest logit (a NaN there propagates, as on the CPU).
+    if (block == 0) max_logit = key_logit(__shfl_sync(0xffffffffu, mine, 0));
+    const float p = lane < in_block ? expf(__fsub_rn(key_logit(mine), max_logit)) : 0.0f;
+    for (int j = 0; j < in_block; ++j) sum = __fadd_rn(sum, __shfl_sync(0xffffffffu, p, j));
+    if (lane < in_block) indices[t * k + block * 32 + lane] = key_expert(mine);
   }
-  if (lane != 0) return;
-  // Softmax over the selected logits, slot 0 the largest (a NaN there propagates, as on the CPU).
-  const float max_logit = Elem<L>::load(row[indices[t * k]]);
-  float sum = 0.0f;
-  for (int j = 0; j < k; ++j) sum = __fadd_rn(sum, expf(__fsub_rn(Elem<L>::load(row[indices[t * k + j]]), max_logit)));
-  for (int j = 0; j < k; ++j) {
-    const int32_t e = indices[t * k + j];
-    const float p = expf(__fsub_rn(Elem<L>::load(row[e]), max_logit));
-    weights[t * k + j] = Elem<W>::store(__fmul_rn(__fdiv_rn(p, sum), load_any(per_expert_scale, pes_dtype, e)));
+  const int last_block = (k - 1) / 32;
+  for (int block = 0; block <= last_block; ++block) {
+    const int slot = block * 32 + lane;
+    if (slot >= k) break;
+    int32_t e;
+    float p;
+    if (block == last_block) {
+      e = key_expert(mine);
+      p = expf(__fsub_rn(key_logit(mine), max_logit));
+    } else {
+      e = indices[t * k + slot];  // written by this lane above
+      p = expf(__fsub_rn(Elem<L>::load(row[e]), max_logit));
+    }
+    weights[t * k + slot] = Elem<W>::store(__fmul_rn(__fdiv_rn(p, sum), load_any(per_expert_scale, pes_dtype, e)));
   }
 }
 
@@ -170,10 +234,14 @@ void route_into(const Tensor& h, const RouterWeights& router, int32_t* indices, 
 
   dispatch_float(h_dtype, op, [&](auto tag) {
     constexpr DType D = decltype(tag)::value;
-    using S = typename Elem<D>::storage;
-    router_rms_norm_kernel<D><<<static_cast<unsigned>(T), kNormThreads, 0, stream>>>(
-        h.data_as<const S>(), h.stride(0), H, scale.data(), scale.dtype(), root_size, router.eps, static_cast<S*>(r));
-    EXPERTQMM_CUDA_CHECK_LAUNCH(router_rms_norm_kernel);
+    dispatch_float(scale.dtype(), op, [&](auto stag) {
+      constexpr DType S = decltype(stag)::value;
+      using HS = typename Elem<D>::storage;
+      router_rms_norm_kernel<D, S><<<static_cast<unsigned>(T), kNormThreads, 0, stream>>>(
+          h.data_as<const HS>(), h.stride(0), H, scale.data_as<const typename Elem<S>::storage>(), root_size,
+          router.eps, static_cast<HS*>(r));
+      EXPERTQMM_CUDA_CHECK_LAUNCH(router_rms_norm_kernel);
+    });
   });
   void* r_in_logit_dtype = r;
   if (cast_r) {
