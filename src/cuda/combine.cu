@@ -10,7 +10,7 @@ namespace expertqmm::cuda {
 
 namespace {
 
-constexpr int kThreads = 128;
+constexpr int kThreads = 64;
 
 template <DType D, int VEC>
 struct alignas(sizeof(typename Elem<D>::storage) * VEC) Pack {
@@ -25,14 +25,18 @@ __device__ __forceinline__ float load_weight(const void* w, DType dtype, int64_t
   }
 }
 
+constexpr int kSlotBatch = 8;  // slots whose row ids, weights and y loads are all issued before any math
+
 // Weighted sum of k rows per token.
 //   y        (y_rows, D) of Y, contiguous; slot (t, j) reads row slot_row[t*k + j] (identity t*k + j
 //            when slot_row is null)
 //   w        (T, k) of w_dtype (uniform branch on the dtype: one scalar per slot)
 //   out      (T, D) of O, contiguous
-// Work split: blockIdx.x = token t, blockIdx.y * 128 + threadIdx.x = a VEC-wide column chunk
-// (16 bytes of y); each thread walks the k slots in order, so one CTA row reads the k rows of its
-// token with coalesced 16-byte loads and writes its chunk of out[t] once.
+// Work split: blockIdx.x = token t, blockIdx.y * 64 + threadIdx.x = a VEC-wide column chunk
+// (16 bytes of y): 2816 bf16 values make 6 CTAs of 64 threads per token. A thread takes the slots
+// 8 at a time: it loads the 8 row ids and weights, then the 8 rows' chunks (8 x 16 bytes in flight,
+// so one token costs two dependent memory latencies, not 2k), then accumulates in slot order and
+// writes its chunk of out[t] once.
 template <DType Y, DType O, int VEC>
 __global__ void weighted_combine_kernel(const typename Elem<Y>::storage* __restrict__ y, int64_t y_rows,
                                         const int32_t* __restrict__ slot_row, const void* __restrict__ w,
@@ -44,17 +48,31 @@ __global__ void weighted_combine_kernel(const typename Elem<Y>::storage* __restr
   float acc[VEC];
 #pragma unroll
   for (int i = 0; i < VEC; ++i) acc[i] = 0.0f;
-  for (int64_t j = 0; j < k; ++j) {
-    const int64_t slot = t * k + j;
-    const int64_t row = slot_row ? slot_row[slot] : slot;
-    if (row < 0 || row >= y_rows) {
-      if (c == 0) record_fault(faults, kFaultRowOutOfRange, static_cast<uint32_t>(row), static_cast<uint32_t>(y_rows));
-      continue;
-    }
-    const float wj = load_weight(w, w_dtype, slot);
-    const Pack<Y, VEC> yv = *reinterpret_cast<const Pack<Y, VEC>*>(y + row * D + c);
+  for (int64_t j0 = 0; j0 < k; j0 += kSlotBatch) {
+    int64_t row[kSlotBatch];
+    float wj[kSlotBatch];
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(wj, Elem<Y>::load(yv.v[i])));
+    for (int s = 0; s < kSlotBatch; ++s) {
+      const int64_t slot = t * k + j0 + s;
+      const bool live = j0 + s < k;
+      row[s] = !live ? -1 : slot_row ? slot_row[slot] : slot;
+      wj[s] = live ? load_weight(w, w_dtype, slot) : 0.0f;
+    }
+    Pack<Y, VEC> yv[kSlotBatch];
+#pragma unroll
+    for (int s = 0; s < kSlotBatch; ++s)
+      if (row[s] >= 0 && row[s] < y_rows) yv[s] = *reinterpret_cast<const Pack<Y, VEC>*>(y + row[s] * D + c);
+#pragma unroll
+    for (int s = 0; s < kSlotBatch; ++s) {
+      if (j0 + s >= k) break;
+      if (row[s] < 0 || row[s] >= y_rows) {
+        if (c == 0)
+          record_fault(faults, kFaultRowOutOfRange, static_cast<uint32_t>(row[s]), static_cast<uint32_t>(y_rows));
+        continue;
+      }
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(wj[s], Elem<Y>::load(yv[s].v[i])));
+    }
   }
   Pack<O, VEC> o;
 #pragma unroll
