@@ -29,7 +29,8 @@ std::vector<int32_t> ids_from_counts(const std::vector<int64_t>& counts) {
 }
 
 // Checks a built plan against the ids with counts computed here, independently of the builder and of
-// tile_plan_violation: per-row coverage, per-expert tile counts, tail classes.
+// tile_plan_violation: per-row coverage, per-expert tile counts, the class of every tile (full tiles
+// of 64 rows are bm 64; a tail of r = c % 64 rows is bm 16 for r <= 16, 32 for r <= 32, else 64).
 void expect_valid_plan(const TilePlan& plan, const std::vector<int32_t>& ids, int E, const std::string& what) {
   SCOPED_TRACE(what);
   const int64_t n = static_cast<int64_t>(ids.size());
@@ -37,20 +38,23 @@ void expect_valid_plan(const TilePlan& plan, const std::vector<int32_t>& ids, in
   ASSERT_EQ(detail::tile_plan_violation(plan.tiles.data(), plan.tiles.size(), ids.data(), n, E), "");
   std::vector<int64_t> count(E, 0);
   for (int32_t id : ids) ++count[id];
-  std::vector<int64_t> tiles_of(E, 0), bm16_of(E, 0), rows_of(E, 0);
+  std::vector<int64_t> tiles_of(E, 0), bm16_of(E, 0), bm32_of(E, 0), bm64_of(E, 0), rows_of(E, 0);
   std::vector<int> covered(n, 0);
   for (const ExpertTile& t : plan.tiles) {
     ASSERT_GE(t.expert, 0);
     ASSERT_LT(t.expert, E);
     ASSERT_GE(t.rows, 1);
-    ASSERT_LE(t.rows, 32);
+    ASSERT_LE(t.rows, 64);
+    ASSERT_TRUE(t.bm == 16 || t.bm == 32 || t.bm == 64) << "bm " << t.bm;
     ASSERT_LE(t.rows, t.bm);
+    if (t.bm > 16) {
+      ASSERT_GT(t.rows, t.bm / 2) << "a tile of " << t.rows << " rows belongs to a smaller class than bm " << t.bm;
+    }
     ++tiles_of[t.expert];
     bm16_of[t.expert] += t.bm == 16;
+    bm32_of[t.expert] += t.bm == 32;
+    bm64_of[t.expert] += t.bm == 64;
     rows_of[t.expert] += t.rows;
-    if (t.bm == 16) {
-      ASSERT_LE(t.rows, 16);
-    }
     for (int64_t r = t.row_begin; r < t.row_begin + t.rows; ++r) {
       ASSERT_EQ(ids[r], t.expert) << "row " << r;
       ++covered[r];
@@ -59,9 +63,11 @@ void expect_valid_plan(const TilePlan& plan, const std::vector<int32_t>& ids, in
   for (int64_t r = 0; r < n; ++r) ASSERT_EQ(covered[r], 1) << "row " << r;
   for (int e = 0; e < E; ++e) {
     ASSERT_EQ(rows_of[e], count[e]) << "expert " << e;
-    ASSERT_EQ(tiles_of[e], count[e] / 32 + (count[e] % 32 != 0)) << "expert " << e;
-    const int64_t tail = count[e] % 32;
+    ASSERT_EQ(tiles_of[e], count[e] / 64 + (count[e] % 64 != 0)) << "expert " << e;
+    const int64_t tail = count[e] % 64;
     ASSERT_EQ(bm16_of[e], (tail > 0 && tail <= 16) ? 1 : 0) << "expert " << e;
+    ASSERT_EQ(bm32_of[e], (tail > 16 && tail <= 32) ? 1 : 0) << "expert " << e;
+    ASSERT_EQ(bm64_of[e], count[e] / 64 + (tail > 32 ? 1 : 0)) << "expert " << e;
   }
   for (size_t i = 1; i < plan.tiles.size(); ++i) {
     const ExpertTile& a = plan.tiles[i - 1];
@@ -83,14 +89,26 @@ std::string str(const std::vector<int32_t>& v) {
 
 }  // namespace
 
+TEST(TilePlan, TileClassRule) {
+  for (int32_t rows = 1; rows <= 64; ++rows)
+    EXPECT_EQ(detail::tile_bm_for_rows(rows), rows <= 16 ? 16 : rows <= 32 ? 32 : 64) << "rows " << rows;
+  EXPECT_EQ(detail::tile_bm_for_rows(0), 0);
+  EXPECT_EQ(detail::tile_bm_for_rows(65), 0);
+  EXPECT_EQ(detail::tile_bm_for_rows(-1), 0);
+  EXPECT_EQ(detail::kTileRowsFull, 64);
+}
+
 TEST(TilePlan, HandWrittenPlan) {
-  const std::vector<int32_t> ids = ids_from_counts({0, 33, 16, 17, 0, 64, 1});
-  const TilePlan plan = detail::build_tile_plan(ids.data(), ids.size(), 7);
-  const std::vector<ExpertTile> expected = {{1, 0, 32, 32}, {1, 32, 1, 16},  {2, 33, 16, 16}, {3, 49, 17, 32},
-                                            {5, 66, 32, 32}, {5, 98, 32, 32}, {6, 130, 1, 16}};
+  const std::vector<int32_t> ids = ids_from_counts({0, 33, 16, 17, 0, 64, 1, 129, 96, 112});
+  const TilePlan plan = detail::build_tile_plan(ids.data(), ids.size(), 10);
+  const std::vector<ExpertTile> expected = {
+      {1, 0, 33, 64},    {2, 33, 16, 16},   {3, 49, 17, 32},  {5, 66, 64, 64},   {6, 130, 1, 16},
+      {7, 131, 64, 64},  {7, 195, 64, 64},  {7, 259, 1, 16},  {8, 260, 64, 64},  {8, 324, 32, 32},
+      {9, 356, 64, 64},  {9, 420, 48, 64}};
+  ASSERT_EQ(ids.size(), 468u);
   ASSERT_EQ(plan.tiles.size(), expected.size());
   for (size_t i = 0; i < expected.size(); ++i) EXPECT_TRUE(plan.tiles[i] == expected[i]) << "tile " << i;
-  expect_valid_plan(plan, ids, 7, "hand-written");
+  expect_valid_plan(plan, ids, 10, "hand-written");
 }
 
 TEST(TilePlan, EveryIdSequenceOfSmallSizes) {
@@ -129,9 +147,9 @@ TEST(TilePlan, EveryIdSequenceOfSmallSizes) {
   EXPECT_GT(plans, 20000);
 }
 
-TEST(TilePlan, EveryCountPairUpTo100) {
-  for (int64_t a = 0; a <= 100; ++a)
-    for (int64_t b = 0; b <= 100; ++b) {
+TEST(TilePlan, EveryCountPairUpTo200) {
+  for (int64_t a = 0; a <= 200; ++a)
+    for (int64_t b = 0; b <= 200; ++b) {
       const std::vector<int32_t> ids = ids_from_counts({a, b});
       expect_valid_plan(detail::build_tile_plan(ids.data(), ids.size(), 2), ids, 2,
                         "counts " + std::to_string(a) + "," + std::to_string(b));
@@ -139,7 +157,8 @@ TEST(TilePlan, EveryCountPairUpTo100) {
 }
 
 TEST(TilePlan, CountsAroundTileBoundaries) {
-  const std::vector<int64_t> edges = {0, 1, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64, 65, 96, 97};
+  const std::vector<int64_t> edges = {0,  1,  15, 16, 17, 31, 32,  33,  47,  48,  49,  63,
+                                      64, 65, 80, 81, 96, 97, 127, 128, 129, 144, 160, 161};
   for (int64_t a : edges)
     for (int64_t b : edges)
       for (int64_t c : edges) {
@@ -157,7 +176,7 @@ TEST(TilePlan, RandomExpertCountsFuzz) {
     std::vector<int64_t> counts(E, 0);
     const int shape = iter % 3;
     for (int e = 0; e < E; ++e) {
-      if (shape == 0) counts[e] = std::uniform_int_distribution<int64_t>(0, 80)(g);        // uniform
+      if (shape == 0) counts[e] = std::uniform_int_distribution<int64_t>(0, 200)(g);       // uniform
       else if (shape == 1) counts[e] = (g() % 4 == 0) ? std::uniform_int_distribution<int64_t>(0, 300)(g) : 0;  // sparse
       else counts[e] = static_cast<int64_t>(2000.0 / (1.0 + e)) * (g() % 2);                // Zipf-like
     }
@@ -186,16 +205,21 @@ TEST(TilePlan, EmptyInputAndEmptyExperts) {
 TEST(TilePlan, OneExpertOwnsEveryRow) {
   std::vector<int32_t> ids(16384 + 20, 77);
   const TilePlan plan = detail::build_tile_plan(ids.data(), ids.size(), 128);
-  ASSERT_EQ(plan.tiles.size(), 513u);
+  ASSERT_EQ(plan.tiles.size(), 257u);
   EXPECT_TRUE(plan.tiles.back() == (ExpertTile{77, 16384, 20, 32}));
   expect_valid_plan(plan, ids, 128, "one expert");
+  ids.resize(16384 + 40, 77);
+  const TilePlan wide_tail = detail::build_tile_plan(ids.data(), ids.size(), 128);
+  ASSERT_EQ(wide_tail.tiles.size(), 257u);
+  EXPECT_TRUE(wide_tail.tiles.back() == (ExpertTile{77, 16384, 40, 64}));
+  expect_valid_plan(wide_tail, ids, 128, "one expert, 40-row tail");
 }
 
 TEST(TilePlan, SingleExpert) {
-  for (int64_t n : {1, 16, 17, 32, 33, 48, 49, 1000}) {
+  for (int64_t n : {1, 16, 17, 32, 33, 48, 49, 63, 64, 65, 96, 97, 128, 129, 1000}) {
     const std::vector<int32_t> ids(n, 0);
     const TilePlan plan = detail::build_tile_plan(ids.data(), n, 1);
-    EXPECT_EQ(static_cast<int64_t>(plan.tiles.size()), (n + 31) / 32);
+    EXPECT_EQ(static_cast<int64_t>(plan.tiles.size()), (n + 63) / 64);
     expect_valid_plan(plan, ids, 1, "E=1 n=" + std::to_string(n));
   }
 }
@@ -248,37 +272,63 @@ TEST(TilePlan, LimitsThrow) {
   expect_error([&] { detail::max_tiles(-5, 4); }, "n=-5");
   expect_error([&] { detail::max_tiles(10, 5000); }, "E=5000");
   EXPECT_NO_THROW(detail::build_tile_plan(ids.data(), 2, 4096));
-  EXPECT_EQ(detail::max_tiles(INT32_MAX, 4096), INT32_MAX / 32 + 4096);
+  EXPECT_EQ(detail::max_tiles(INT32_MAX, 4096), INT32_MAX / 64 + 4096);
+  EXPECT_EQ(detail::max_tiles(16384, 128), 256 + 128);
   EXPECT_EQ(detail::max_tiles(3, 128), 3);
   EXPECT_EQ(detail::max_tiles(0, 1), 0);
 }
 
 TEST(TilePlan, MaxTilesIsReached) {
-  // Two experts of one row each: 2 tiles == floor(2/32) + min(2, 2).
+  // Two experts of one row each: 2 tiles == floor(2/64) + min(2, 2).
   const std::vector<int32_t> ids = {0, 1};
   EXPECT_EQ(static_cast<int64_t>(detail::build_tile_plan(ids.data(), 2, 2).tiles.size()), detail::max_tiles(2, 2));
+  // With full tiles too: three experts of 65 rows, 6 tiles == floor(195/64) + min(195, 3).
+  const std::vector<int32_t> full = ids_from_counts({65, 65, 65});
+  EXPECT_EQ(static_cast<int64_t>(detail::build_tile_plan(full.data(), full.size(), 3).tiles.size()),
+            detail::max_tiles(full.size(), 3));
+  EXPECT_EQ(detail::max_tiles(full.size(), 3), 6);
 }
 
 TEST(TilePlan, CheckerRejectsCorruptedPlans) {
-  const std::vector<int32_t> ids = ids_from_counts({40, 0, 17, 16, 64});
-  const int E = 5;
+  // Tiles: {0,0,64,64} {0,64,36,64} {2,100,17,32} {3,117,16,16} {4,133,64,64} {5,197,40,64}.
+  const std::vector<int32_t> ids = ids_from_counts({100, 0, 17, 16, 64, 40});
+  const int E = 6;
   const std::vector<ExpertTile> good = detail::build_tile_plan(ids.data(), ids.size(), E).tiles;
+  ASSERT_EQ(good.size(), 6u);
+  ASSERT_TRUE(good[1] == (ExpertTile{0, 64, 36, 64}));
+  ASSERT_TRUE(good[5] == (ExpertTile{5, 197, 40, 64}));
   ASSERT_EQ(detail::tile_plan_violation(good.data(), good.size(), ids.data(), ids.size(), E), "");
   const std::vector<std::pair<std::string, std::function<void(std::vector<ExpertTile>&)>>> mutations = {
       {"drop first", [](auto& t) { t.erase(t.begin()); }},
       {"drop last", [](auto& t) { t.pop_back(); }},
       {"duplicate", [](auto& t) { const ExpertTile copy = t[1]; t.insert(t.begin() + 1, copy); }},
-      {"bm of a short tail", [](auto& t) { t[1].bm = 32; }},
-      {"bm of a full tile", [](auto& t) { t[0].bm = 16; }},
+      {"bm 16 tail as 32", [](auto& t) { t[3].bm = 32; }},
+      {"bm 32 tail as 16", [](auto& t) { t[2].bm = 16; }},
+      {"bm 32 tail as 64", [](auto& t) { t[2].bm = 64; }},
+      {"bm 64 tail as 32", [](auto& t) { t[5].bm = 32; }},
+      {"bm of a full tile", [](auto& t) { t[0].bm = 32; }},
+      {"rows over 64", [](auto& t) {
+         t[0].rows = 100;
+         t.erase(t.begin() + 1);
+       }},
       {"rows too many", [](auto& t) { t[1].rows += 1; }},
       {"rows zero", [](auto& t) { t[1].rows = 0; }},
       {"row_begin shifted", [](auto& t) { t[2].row_begin += 1; }},
       {"wrong expert", [](auto& t) { t[2].expert = 3; }},
       {"expert out of range", [](auto& t) { t.back().expert = E; }},
       {"swapped", [](auto& t) { std::swap(t[1], t[2]); }},
-      {"full tile split 16+16", [](auto& t) {
-         t[0] = ExpertTile{0, 0, 16, 16};
-         t.insert(t.begin() + 1, ExpertTile{0, 16, 16, 16});
+      {"full tile split 32+32", [](auto& t) {
+         t[0] = ExpertTile{0, 0, 32, 32};
+         t.insert(t.begin() + 1, ExpertTile{0, 32, 32, 32});
+       }},
+      {"tail split 32+8", [](auto& t) {
+         t[5] = ExpertTile{5, 197, 32, 32};
+         t.push_back(ExpertTile{5, 229, 8, 16});
+       }},
+      {"the old 32-row plan", [](auto& t) {
+         t[0] = ExpertTile{0, 0, 32, 32};
+         t[1] = ExpertTile{0, 32, 32, 32};
+         t.insert(t.begin() + 2, {ExpertTile{0, 64, 32, 32}, ExpertTile{0, 96, 4, 16}});
        }},
   };
   for (const auto& [name, mutate] : mutations) {

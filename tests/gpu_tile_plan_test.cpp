@@ -155,7 +155,8 @@ TEST(GpuTilePlan, EdgeCasesMatchCpu) {
   expect_gpu_matches_cpu(std::vector<int32_t>(16384, 0), 1, "E=1 n=16384");
   expect_gpu_matches_cpu(std::vector<int32_t>(16384, 77), 128, "one expert owns every row");
   expect_gpu_matches_cpu(std::vector<int32_t>(16384 - 5, 1023), 1024, "last of 1024 owns every row");
-  expect_gpu_matches_cpu(ids_from_counts({0, 33, 16, 17, 0, 64, 1}), 7, "hand-written");
+  expect_gpu_matches_cpu(ids_from_counts({0, 33, 16, 17, 0, 64, 1, 129, 96, 112}), 10, "hand-written");
+  expect_gpu_matches_cpu(std::vector<int32_t>(16384 + 40, 5), 8, "one expert, 40-row bm 64 tail");
   {
     std::vector<int64_t> one_each(1024, 1);
     expect_gpu_matches_cpu(ids_from_counts(one_each), 1024, "E=1024, one row each");
@@ -168,10 +169,13 @@ TEST(GpuTilePlan, EdgeCasesMatchCpu) {
     counts[127] = 16;
     counts[128] = 32;
     counts[129] = 48;
+    counts[130] = 65;
+    counts[255] = 97;
+    counts[256] = 128;
     counts[4095] = 33;
     expect_gpu_matches_cpu(ids_from_counts(counts), 4096, "sparse over round edges, E=4096");
   }
-  const std::vector<int64_t> edges = {0, 1, 15, 16, 17, 31, 32, 33, 63, 64, 65};
+  const std::vector<int64_t> edges = {0, 1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 80, 96, 97, 127, 128, 129};
   for (int64_t a : edges)
     for (int64_t b : edges)
       expect_gpu_matches_cpu(ids_from_counts({b, 0, a, b, a}), 5, "counts " + std::to_string(a) + "/" + std::to_string(b));

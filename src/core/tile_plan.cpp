@@ -17,7 +17,6 @@ void check_limits(const char* op, int64_t n, int E) {
 int32_t tile_rows(int64_t remaining) {
   return static_cast<int32_t>(std::min<int64_t>(remaining, kTileRowsFull));
 }
-int32_t tile_bm(int32_t rows) { return rows <= kTileRowsShort ? kTileRowsShort : kTileRowsFull; }
 }  // namespace
 
 int64_t max_tiles(int64_t n, int E) {
@@ -47,7 +46,8 @@ TilePlan build_tile_plan(const int32_t* ids, int64_t n, int E) {
   }
   if (plan.retracted()) return plan;
 
-  // Each run of equal ids is one expert's rows: full 32-row tiles, then one tile for the rest.
+  // Each run of equal ids is one expert's rows: full 64-row tiles, then one tile for the rest, in
+  // the class of its row count.
   plan.tiles.reserve(static_cast<size_t>(max_tiles(n, E)));
   for (int64_t run_begin = 0; run_begin < n;) {
     const int32_t expert = ids[run_begin];
@@ -55,7 +55,7 @@ TilePlan build_tile_plan(const int32_t* ids, int64_t n, int E) {
     while (run_end < n && ids[run_end] == expert) ++run_end;
     for (int64_t row = run_begin; row < run_end; row += kTileRowsFull) {
       const int32_t rows = tile_rows(run_end - row);
-      plan.tiles.push_back(ExpertTile{expert, static_cast<int32_t>(row), rows, tile_bm(rows)});
+      plan.tiles.push_back(ExpertTile{expert, static_cast<int32_t>(row), rows, tile_bm_for_rows(rows)});
     }
     run_begin = run_end;
   }
@@ -76,13 +76,13 @@ std::string tile_plan_violation(const ExpertTile* tiles, int64_t tile_count, con
     const std::string at = cat("tile ", t, " {expert ", tile.expert, ", row_begin ", tile.row_begin, ", rows ",
                                tile.rows, ", bm ", tile.bm, "}: ");
     if (tile.expert < 0 || tile.expert >= E) return at + cat("expert outside [0, ", E, ")");
-    if (tile.rows < 1 || tile.rows > kTileRowsFull) return at + "rows outside [1, 32]";
-    if (tile.bm != tile_bm(tile.rows)) return at + cat("bm should be ", tile_bm(tile.rows));
+    if (tile.rows < 1 || tile.rows > kTileRowsFull) return at + cat("rows outside [1, ", kTileRowsFull, "]");
+    if (tile.bm != tile_bm_for_rows(tile.rows)) return at + cat("bm should be ", tile_bm_for_rows(tile.rows));
     if (tile.row_begin != next_row) return at + cat("expected row_begin ", next_row, " (gap or overlap)");
     if (tile.row_begin + static_cast<int64_t>(tile.rows) > n) return at + cat("runs past n=", n);
     for (int64_t r = tile.row_begin; r < tile.row_begin + tile.rows; ++r)
       if (ids[r] != tile.expert) return at + cat("row ", r, " has id ", ids[r]);
-    // A short tile must end its expert's rows: otherwise the expert got more tiles than ceil(c/32).
+    // A short tile must end its expert's rows: otherwise the expert got more tiles than ceil(c/64).
     const int64_t end = tile.row_begin + tile.rows;
     if (tile.rows < kTileRowsFull && end < n && ids[end] == tile.expert)
       return at + cat("short tile but row ", end, " is the same expert");

@@ -9,13 +9,46 @@
 
 namespace expertqmm::detail {
 
-constexpr int kTileRowsFull = 32;      // BM of a full tile
-constexpr int kTileRowsShort = 16;     // BM of a tail tile holding at most 16 rows
+// Tile classes, ascending: a tile of `rows` rows runs through the GEMM of the first class whose
+// max_rows >= rows, with that class's row-tile height bm. An expert with c rows gets floor(c / 64)
+// full tiles of the last class, then at most one tail tile of c % 64 rows in its class. More
+// classes mean less padding on tails but one more GEMM instantiation; these three are the heights
+// of the tile_gemm configurations (16: MLX's height; 32 and 64 spread each dequantized weight
+// fragment over 2 and 4 mmas).
+struct TileClass {
+  int32_t bm;        // the GEMM's row-tile height
+  int32_t max_rows;  // largest tile of this class (== bm: a tile never pads past its own class)
+};
+constexpr int kTileClassCount = 3;
+constexpr TileClass kTileClasses[kTileClassCount] = {{16, 16}, {32, 32}, {64, 64}};
+constexpr int kTileRowsFull = kTileClasses[kTileClassCount - 1].max_rows;  // rows of a full tile (64)
+constexpr bool tile_classes_well_formed() {
+  for (int c = 0; c < kTileClassCount; ++c) {
+    if (kTileClasses[c].max_rows < 1 || kTileClasses[c].max_rows > kTileClasses[c].bm) return false;
+    if (kTileClasses[c].bm % 16 != 0) return false;  // tile_gemm heights are whole m16 tiles
+    if (c > 0 && kTileClasses[c].max_rows <= kTileClasses[c - 1].max_rows) return false;
+  }
+  return true;
+}
+static_assert(tile_classes_well_formed(), "classes ascend by max_rows, and each tile fits its bm");
 constexpr int kTilePlanMaxExperts = 4096;
 constexpr int64_t kTilePlanMaxRows = INT32_MAX;
 
+// bm of a tile of `rows` rows, 1 <= rows <= kTileRowsFull (0 outside). Usable in device code
+// (--expt-relaxed-constexpr): the loop unrolls over the constant table.
+constexpr int32_t tile_bm_for_rows(int32_t rows) {
+  if (rows < 1) return 0;
+  for (int c = 0; c < kTileClassCount; ++c)
+    if (rows <= kTileClasses[c].max_rows) return kTileClasses[c].bm;
+  return 0;
+}
+static_assert(tile_bm_for_rows(1) == 16 && tile_bm_for_rows(16) == 16 && tile_bm_for_rows(17) == 32 &&
+                  tile_bm_for_rows(32) == 32 && tile_bm_for_rows(33) == 64 && tile_bm_for_rows(64) == 64 &&
+                  tile_bm_for_rows(65) == 0,
+              "the class rule of docs/design.md (Tile plan)");
+
 // One tile: rows [row_begin, row_begin + rows) of the sorted rows, all routed to `expert`.
-// rows is in [1, 32]; bm (the GEMM's row-tile class) is 16 when rows <= 16, else 32.
+// rows is in [1, 64]; bm (the GEMM's row-tile class) is tile_bm_for_rows(rows): 16, 32 or 64.
 struct ExpertTile {
   int32_t expert;
   int32_t row_begin;
@@ -37,7 +70,11 @@ struct TilePlanHeader {
 };
 
 // Upper bound on the tile count of any valid plan of n rows over E experts (sizes tile buffers):
-// each expert with c rows has ceil(c/32) tiles, so the sum is <= floor(n/32) + min(n, E).
+// floor(n/64) + min(n, E). Proof: an expert with c > 0 rows has floor(c/64) full tiles plus at most
+// one tail, and none when c == 0. Summing over experts, sum floor(c_e/64) <= floor(sum c_e / 64) =
+// floor(n/64) (a sum of floors never exceeds the floor of the sum), and the tails number at most
+// the count of experts with rows, which is <= E and <= n. Reached when every expert with rows has
+// a tail (e.g. n <= E rows over distinct experts: n tiles).
 // Throws Error("tile_plan", ...) when n or E is outside the limits.
 int64_t max_tiles(int64_t n, int E);
 
@@ -58,8 +95,8 @@ struct TilePlan {
 TilePlan build_tile_plan(const int32_t* ids, int64_t n, int E);
 
 // Checks a non-retracted plan against ids from first principles (not through the builder): every row
-// covered once and in order, each tile one expert matching ids, rows in [1, 32], bm == 16 exactly
-// when rows <= 16, only an expert's last tile short, at most max_tiles(n, E) tiles. Returns "" when
+// covered once and in order, each tile one expert matching ids, rows in [1, 64], bm ==
+// tile_bm_for_rows(rows), only an expert's last tile short of 64 rows, at most max_tiles(n, E) tiles. Returns "" when
 // the plan is valid, else a description of the first violation.
 std::string tile_plan_violation(const ExpertTile* tiles, int64_t tile_count, const int32_t* ids, int64_t n,
                                 int E);

@@ -32,25 +32,42 @@ using device::TileLayout;
 using detail::ExpertTile;
 using detail::TilePlanHeader;
 
-using ExpertTiles32 = TileConfig<32, 128, 4, 4>;  // full plan tiles (17..32 rows)
-using ExpertTiles16 = TileConfig<16, 128, 4, 4>;  // tail tiles (<= 16 rows) and the retracted path
-static_assert(ExpertTiles32::THREADS == ExpertTiles16::THREADS, "one launch runs both tile heights");
+// The three plan tile classes (detail::kTileClasses) run in ONE kernel. ptxas -v (CUDA 13.0,
+// sm_90, bf16/f16 x 4/8-bit) left free: 166-168 registers, so 3 CTAs (12 warps) per SM as the 16/32
+// kernel had before BM 64; no spills with 8-bit, 8 bytes with 4-bit: one stack word stored at
+// kernel entry and reloaded once per tile_gemm call, outside the k loops (SASS: no local memory
+// access inside any loop). Instructions per mma in the bf16 4-bit k loop: 22.3 / 12.3 / 7.7 at
+// BM 16 / 32 / 64, against 22.1 / 11.8 / 7.4 for the same tiles in their own rhs_tiles kernels
+// (122 / 168 / 223 registers). More registers do not buy that 3% back here
+// (__launch_bounds__(128, 2): 197-207 registers, 7.6 per mma) and cost a CTA per SM; an explicit
+// cap of 3 CTAs spills more (12-28 bytes) than ptxas's own choice. Launching per class would run
+// three grids one after another, most CTAs of each finding a tile of another class. So one launch.
+using ExpertTiles64 = TileConfig<64, 128, 4, 4>;  // full plan tiles and tails of 33..63 rows
+using ExpertTiles32 = TileConfig<32, 128, 4, 4>;  // tails of 17..32 rows
+using ExpertTiles16 = TileConfig<16, 128, 4, 4>;  // tails of <= 16 rows and the retracted path
+static_assert(ExpertTiles64::THREADS == ExpertTiles32::THREADS && ExpertTiles32::THREADS == ExpertTiles16::THREADS,
+              "one launch runs every tile height");
+static_assert(ExpertTiles64::BN == ExpertTiles32::BN && ExpertTiles32::BN == ExpertTiles16::BN,
+              "every tile height covers the same column block of the grid");
 
 template <int kBits>
 constexpr int expert_tiles_smem() {
-  return std::max(TileLayout<ExpertTiles32, kBits>::kSmemBytes, TileLayout<ExpertTiles16, kBits>::kSmemBytes);
+  return std::max({TileLayout<ExpertTiles64, kBits>::kSmemBytes, TileLayout<ExpertTiles32, kBits>::kSmemBytes,
+                   TileLayout<ExpertTiles16, kBits>::kSmemBytes});
 }
 
 // Grid (ceil(N / BN), min(tile slots, 65535)), 128 threads. With a valid plan, CTA (x, y) runs plan
-// tiles y, y + gridDim.y, ... < tile_count against column block x: a bm=32 tile through the 32-row
-// tile_gemm, a bm=16 tail through the 16-row one (the row count is the tile's, so rows past it are
-// zero-filled and never stored). CTAs past the plan's tile count exit at once. With a retracted
+// tiles y, y + gridDim.y, ... < tile_count against column block x through the tile_gemm of the
+// tile's class: bm 64 (full 64-row tiles and 33..63-row tails; each dequantized B fragment feeds 4
+// m16 mmas), bm 32 (17..32-row tails) or bm 16 (<= 16-row tails). The row count is the tile's, so
+// rows past it are zero-filled and never stored. Dynamic shared memory is the largest of the three
+// layouts (bm 64's: its x stages are 4x bm 16's); each call reuses it from offset 0. CTAs past the plan's tile count exit at once. With a retracted
 // plan the same CTAs stride over the 16-row tiles of all rows and split each into runs of equal ids
 // (the rhs_tiles algorithm), so any order of ids still gives the right answer.
-//   tiles   (max_tiles,) ExpertTile, the first header->tile_count valid
+//   tiles   (max_tiles,) ExpertTile {expert, row_begin, rows <= 64, bm}, the first header->tile_count valid
 //   header  the builder's verdict (written by the previous kernel on the stream)
 template <class T, int kBits>
-__global__ void __launch_bounds__(ExpertTiles32::THREADS)
+__global__ void __launch_bounds__(ExpertTiles64::THREADS)
     expert_tiles_kernel(TileArgs a, const ExpertTile* __restrict__ tiles, const TilePlanHeader* __restrict__ header) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int sorted = header->sorted;
@@ -58,7 +75,10 @@ __global__ void __launch_bounds__(ExpertTiles32::THREADS)
     const int tile_count = header->tile_count;
     for (int t = blockIdx.y; t < tile_count; t += gridDim.y) {
       const ExpertTile tile = tiles[t];
-      if (tile.bm == 32)
+      if (tile.bm == ExpertTiles64::BM)
+        device::tile_gemm<ExpertTiles64, T, kBits>(a, tile.expert, tile.row_begin, tile.rows, 0, tile.rows,
+                                                   blockIdx.x, smem);
+      else if (tile.bm == ExpertTiles32::BM)
         device::tile_gemm<ExpertTiles32, T, kBits>(a, tile.expert, tile.row_begin, tile.rows, 0, tile.rows,
                                                    blockIdx.x, smem);
       else
@@ -100,8 +120,8 @@ void launch_expert_tiles(const TileArgs& args, const ExpertTile* tiles, const Ti
   (void)smem_configured;
   // Enough CTAs in y for every plan tile, and for the 16-row tiles of the retracted path.
   const int64_t slots = std::max<int64_t>(tile_slots, (args.rows + 15) / 16);
-  const dim3 grid(ceil_div(args.N, ExpertTiles32::BN), static_cast<unsigned>(std::min<int64_t>(slots, 65535)));
-  expert_tiles_kernel<T, kBits><<<grid, ExpertTiles32::THREADS, kSmem, current_stream()>>>(args, tiles, header);
+  const dim3 grid(ceil_div(args.N, ExpertTiles64::BN), static_cast<unsigned>(std::min<int64_t>(slots, 65535)));
+  expert_tiles_kernel<T, kBits><<<grid, ExpertTiles64::THREADS, kSmem, current_stream()>>>(args, tiles, header);
   EXPERTQMM_CUDA_CHECK_LAUNCH("expert_tiles_kernel");
 }
 

@@ -24,14 +24,14 @@ __device__ __forceinline__ int32_t lower_bound_rows(const int32_t* __restrict__ 
   return static_cast<int32_t>(lo);
 }
 
-// Tiles of an expert with `rows` rows: ceil(rows / 32), written so rows near 2^31 cannot overflow.
+// Tiles of an expert with `rows` rows: ceil(rows / 64), written so rows near 2^31 cannot overflow.
 __device__ __forceinline__ int32_t tiles_of(int32_t rows) {
   return rows / detail::kTileRowsFull + (rows % detail::kTileRowsFull != 0);
 }
 
 // Pointers and layout:
 //   ids    (n,) int32, the expert of each sorted row; read-only, checked before any search
-//   tiles  (max_tiles(n, E),) ExpertTile {expert, row_begin, rows, bm}; [0, tile_count) written
+//   tiles  (max_tiles(n, E),) ExpertTile {expert, row_begin, rows <= 64, bm}; [0, tile_count) written
 //   header (1,) TilePlanHeader {tile_count, sorted, retract_reasons}, written last by thread 0
 //
 // Work split: ONE block of 128 threads does everything, so the verdict and the plan need no
@@ -40,12 +40,13 @@ __device__ __forceinline__ int32_t tiles_of(int32_t rows) {
 // a retracted plan writes only the header. Phase 2 walks the experts in rounds of 128: in a round
 // thread t owns expert round_base + t, binary-searches its first row (lower_bound; its end is the
 // next expert's lower_bound, i.e. its upper_bound, searched by thread t+1 or by thread 0 for the
-// round's last expert), and counts ceil(rows/32) tiles. A Hillis-Steele inclusive scan over the 128
+// round's last expert), and counts ceil(rows/64) tiles (floor(rows/64) full ones and one tail). A Hillis-Steele inclusive scan over the 128
 // counts in shared memory (7 steps, ping-pong buffers) gives each expert its first tile slot in the
 // round; rounds are appended at a running base, so tiles come out ordered by expert, then row.
 // The threads then emit the round's tiles in a strided loop over tile slots (not over experts, so
 // one expert holding every row does not serialize on one thread): slot s finds its expert by a
-// binary search over the 128 scanned first slots and derives row_begin, rows and bm from it.
+// binary search over the 128 scanned first slots and derives row_begin, rows and bm from it (bm:
+// the class of the tile's row count, tile_bm_for_rows, the same rule as the CPU builder).
 __global__ void __launch_bounds__(kPlanThreads, 1)
     build_tile_plan_kernel(const int32_t* __restrict__ ids, int64_t n, int E, ExpertTile* __restrict__ tiles,
                            TilePlanHeader* __restrict__ header, unsigned long long* retraction_counter) {
@@ -112,7 +113,7 @@ __global__ void __launch_bounds__(kPlanThreads, 1)
       out.expert = round_base + lo;
       out.row_begin = row_begin;
       out.rows = rows;
-      out.bm = rows <= detail::kTileRowsShort ? detail::kTileRowsShort : detail::kTileRowsFull;
+      out.bm = detail::tile_bm_for_rows(rows);
     }
     tile_base += round_tiles;
     __syncthreads();  // row_bound, scan and first_slot are rewritten by the next round
