@@ -1,7 +1,7 @@
 // One tensor-core tile of gather_qmm: rows [row0, row0 + BM) of the problem times the dequantized
 // weights of ONE expert for BN output columns, over the full K, storing a chosen slice of the rows.
 // Shared by the generic route (rhs_tiles: one pass per run of equal expert ids inside a 16-row tile)
-// and the sorted tile route (expert_tiles: one pass per plan tile, BM = 16 or 32).
+// and the sorted tile route (expert_tiles: one pass per plan tile, BM = 16, 32 or 64).
 //
 // Operands (all row-major, element offsets in int64):
 //   x      activations, x_batch matrices of (M, K) T, x_batch_stride elements apart; problem row r
