@@ -20,13 +20,17 @@ struct TileClass {
   int32_t max_rows;  // largest tile of this class (== bm: a tile never pads past its own class)
 };
 constexpr int kTileClassCount = 3;
-constexpr TileClass kTileClasses[kTileClassCount] = {{16, 16}, {32, 32}, {64, 64}};
-constexpr int kTileRowsFull = kTileClasses[kTileClassCount - 1].max_rows;  // rows of a full tile (64)
+// The table as a constexpr function rather than an array: device code may call constexpr
+// functions (--expt-relaxed-constexpr) but may not read a host array at run time (it traps).
+constexpr TileClass tile_class(int c) {
+  return c == 0 ? TileClass{16, 16} : c == 1 ? TileClass{32, 32} : TileClass{64, 64};
+}
+constexpr int kTileRowsFull = tile_class(kTileClassCount - 1).max_rows;  // rows of a full tile (64)
 constexpr bool tile_classes_well_formed() {
   for (int c = 0; c < kTileClassCount; ++c) {
-    if (kTileClasses[c].max_rows < 1 || kTileClasses[c].max_rows > kTileClasses[c].bm) return false;
-    if (kTileClasses[c].bm % 16 != 0) return false;  // tile_gemm heights are whole m16 tiles
-    if (c > 0 && kTileClasses[c].max_rows <= kTileClasses[c - 1].max_rows) return false;
+    if (tile_class(c).max_rows < 1 || tile_class(c).max_rows > tile_class(c).bm) return false;
+    if (tile_class(c).bm % 16 != 0) return false;  // tile_gemm heights are whole m16 tiles
+    if (c > 0 && tile_class(c).max_rows <= tile_class(c - 1).max_rows) return false;
   }
   return true;
 }
@@ -39,7 +43,7 @@ constexpr int64_t kTilePlanMaxRows = INT32_MAX;
 constexpr int32_t tile_bm_for_rows(int32_t rows) {
   if (rows < 1) return 0;
   for (int c = 0; c < kTileClassCount; ++c)
-    if (rows <= kTileClasses[c].max_rows) return kTileClasses[c].bm;
+    if (rows <= tile_class(c).max_rows) return tile_class(c).bm;
   return 0;
 }
 static_assert(tile_bm_for_rows(1) == 16 && tile_bm_for_rows(16) == 16 && tile_bm_for_rows(17) == 32 &&

@@ -32,7 +32,7 @@ using device::TileLayout;
 using detail::ExpertTile;
 using detail::TilePlanHeader;
 
-// The three plan tile classes (detail::kTileClasses) run in ONE kernel. ptxas -v (CUDA 13.0,
+// The three plan tile classes (detail::tile_class) run in ONE kernel. ptxas -v (CUDA 13.0,
 // sm_90, bf16/f16 x 4/8-bit) left free: 166-168 registers, so 3 CTAs (12 warps) per SM as the 16/32
 // kernel had before BM 64; no spills with 8-bit, 8 bytes with 4-bit: one stack word stored at
 // kernel entry and reloaded once per tile_gemm call, outside the k loops (SASS: no local memory
