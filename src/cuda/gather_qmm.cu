@@ -96,6 +96,32 @@ void gather_qmm_into(const detail::GatherQmmProblem& p, void* out, Workspace* ws
   select_route(p, /*record=*/true).call(p, out, ws);
 }
 
+detail::GatherQmmProblem single_matrix_problem(const void* x, int64_t T, int64_t K, DType dtype,
+                                               const QuantizedWeight& q, const Tensor& scales, const Tensor& biases) {
+  detail::GatherQmmProblem p;
+  p.M = T;
+  p.N = q.w.size(-2);
+  p.K = K;
+  p.bits = q.bits;
+  p.group_size = q.group_size;
+  p.transpose = true;
+  p.sorted_indices = false;
+  p.batch = {};
+  p.B = 1;
+  p.x_batch = 1;
+  p.w_batch = 1;
+  p.dtype = dtype;
+  p.device = Device::cuda;
+  p.x = Tensor::view(const_cast<void*>(x), {T, K}, dtype, Device::cuda);
+  p.x_batch_stride = T * K;
+  p.w = q.w.contiguous();
+  p.scales = scales.defined() ? scales : q.scales.contiguous();
+  p.biases = biases.defined() ? biases : q.biases.contiguous();
+  p.lhs_is_identity = true;
+  p.rhs_is_identity = true;
+  return p;
+}
+
 Tensor gather_qmm(const detail::GatherQmmProblem& p) {
   Shape shape = p.batch;
   shape.push_back(p.M);

@@ -12,6 +12,13 @@ namespace expertqmm::cuda {
 // No host synchronization; scratch comes from `ws` (nullptr: the op allocates its own).
 void gather_qmm_into(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
 
+// The problem of out [T, N] = x [T, K] @ dequant(q)^T with one weight matrix: x (T, K) in `dtype`
+// on the device is one batch of M = T rows (B = 1, identity indices), N = q's rows. scales/biases
+// replace q's (e.g. copies cast to `dtype`) when defined. Builds views only: no copy, no sync.
+detail::GatherQmmProblem single_matrix_problem(const void* x, int64_t T, int64_t K, DType dtype,
+                                               const QuantizedWeight& q, const Tensor& scales = Tensor(),
+                                               const Tensor& biases = Tensor());
+
 // Test hooks. The selector's route names in order; the route it picks for p; and a run of one
 // named route instead of the selector: a selector route, or "rhs_tiles_bm16" / "rhs_tiles_bm32"
 // (rhs_tiles with its tile height pinned). Throws Error when the route does not support p.

@@ -87,24 +87,11 @@ __global__ void __launch_bounds__(ExpertTiles64::THREADS)
     }
     return;
   }
-  // Retracted: the generic route over 16-row tiles (expert of row r = rhs[r], M == 1 here).
+  // Retracted: the generic route over 16-row tiles (M == 1 here, so the expert of row r is rhs[r]).
   __shared__ int tile_expert[ExpertTiles16::BM];
   const int64_t row_tiles = (a.rows + ExpertTiles16::BM - 1) / ExpertTiles16::BM;
-  for (int64_t tile = blockIdx.y; tile < row_tiles; tile += gridDim.y) {
-    const int64_t row0 = tile * ExpertTiles16::BM;
-    const int load_rows = static_cast<int>(min(static_cast<int64_t>(ExpertTiles16::BM), a.rows - row0));
-    if (static_cast<int>(threadIdx.x) < load_rows) tile_expert[threadIdx.x] = a.rhs[row0 + threadIdx.x];
-    __syncthreads();
-    int begin = 0;
-    while (begin < load_rows) {
-      const int expert = tile_expert[begin];
-      int end = begin + 1;
-      while (end < load_rows && tile_expert[end] == expert) ++end;
-      device::tile_gemm<ExpertTiles16, T, kBits>(a, expert, row0, load_rows, begin, end, blockIdx.x, smem);
-      begin = end;
-    }
-    __syncthreads();
-  }
+  for (int64_t tile = blockIdx.y; tile < row_tiles; tile += gridDim.y)
+    device::tile_gemm_runs<ExpertTiles16, T, kBits>(a, tile, blockIdx.x, smem, tile_expert);
 }
 
 template <class T, int kBits>

@@ -26,24 +26,8 @@ template <class Cfg, class T, int kBits>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS_PER_SM) rhs_tiles_kernel(TileArgs a, int64_t row_tiles) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int tile_expert[Cfg::BM];  // (BM,) expert id of each local row
-  for (int64_t tile = blockIdx.y; tile < row_tiles; tile += gridDim.y) {
-    const int64_t row0 = tile * Cfg::BM;
-    const int load_rows = static_cast<int>(min(static_cast<int64_t>(Cfg::BM), a.rows - row0));
-    if (static_cast<int>(threadIdx.x) < load_rows) {
-      const int64_t b = (row0 + threadIdx.x) / a.M;
-      tile_expert[threadIdx.x] = a.rhs ? a.rhs[b] : static_cast<int>(b);
-    }
-    __syncthreads();
-    int begin = 0;
-    while (begin < load_rows) {
-      const int expert = tile_expert[begin];
-      int end = begin + 1;
-      while (end < load_rows && tile_expert[end] == expert) ++end;
-      device::tile_gemm<Cfg, T, kBits>(a, expert, row0, load_rows, begin, end, blockIdx.x, smem);
-      begin = end;
-    }
-    __syncthreads();  // tile_expert is rewritten for the next tile
-  }
+  for (int64_t tile = blockIdx.y; tile < row_tiles; tile += gridDim.y)
+    device::tile_gemm_runs<Cfg, T, kBits>(a, tile, blockIdx.x, smem, tile_expert);
 }
 
 template <class Cfg, class T, int kBits>

@@ -29,29 +29,7 @@ void linear_into(const Linear& l, DType dtype, const void* x, int64_t T, void* o
     launch_dense_linear(dtype, x, T, K, w.dtype(), w.data(), N, dtype, out);
     return;
   }
-  const QuantizedWeight& q = l.quantized;
-  detail::GatherQmmProblem p;
-  p.M = T;
-  p.N = N;
-  p.K = K;
-  p.bits = q.bits;
-  p.group_size = q.group_size;
-  p.transpose = true;
-  p.sorted_indices = false;
-  p.batch = {};
-  p.B = 1;
-  p.x_batch = 1;
-  p.w_batch = 1;
-  p.dtype = dtype;
-  p.device = Device::cuda;
-  p.x = Tensor::view(const_cast<void*>(x), {T, K}, dtype, Device::cuda);
-  p.x_batch_stride = T * K;
-  p.w = q.w.contiguous();
-  p.scales = q.scales.contiguous();
-  p.biases = q.biases.contiguous();
-  p.lhs_is_identity = true;
-  p.rhs_is_identity = true;
-  gather_qmm_into(p, out, &ws);
+  gather_qmm_into(single_matrix_problem(x, T, K, dtype, l.quantized), out, &ws);
 }
 
 }  // namespace

@@ -252,38 +252,17 @@ void route_into(const Tensor& h, const RouterWeights& router, int32_t* indices, 
   if (quantized) {
     // One weight matrix, no indices: x [T, H] is a single batch of M = T rows (B = 1).
     const QuantizedWeight& q = router.proj;
-    detail::GatherQmmProblem p;
-    p.M = T;
-    p.N = E;
-    p.K = H;
-    p.bits = q.bits;
-    p.group_size = q.group_size;
-    p.transpose = true;
-    p.sorted_indices = false;
-    p.batch = {};
-    p.B = 1;
-    p.x_batch = 1;
-    p.w_batch = 1;
-    p.dtype = logit_dtype;
-    p.device = Device::cuda;
-    p.x = Tensor::view(r_in_logit_dtype, {T, H}, logit_dtype, Device::cuda);
-    p.x_batch_stride = T * H;
-    p.w = q.w.contiguous();
+    Tensor scales, biases;  // q's own unless they must be cast to the logit dtype
     if (cast_scales) {
       void* s = arena_at(base, scales_off);
       void* b = arena_at(base, biases_off);
       const Tensor qs = q.scales.contiguous(), qb = q.biases.contiguous();
       launch_cast(proj_dtype, qs.data(), logit_dtype, s, proj_groups, stream);
       launch_cast(proj_dtype, qb.data(), logit_dtype, b, proj_groups, stream);
-      p.scales = Tensor::view(s, q.scales.shape(), logit_dtype, Device::cuda);
-      p.biases = Tensor::view(b, q.biases.shape(), logit_dtype, Device::cuda);
-    } else {
-      p.scales = q.scales.contiguous();
-      p.biases = q.biases.contiguous();
+      scales = Tensor::view(s, q.scales.shape(), logit_dtype, Device::cuda);
+      biases = Tensor::view(b, q.biases.shape(), logit_dtype, Device::cuda);
     }
-    p.lhs_is_identity = true;
-    p.rhs_is_identity = true;
-    gather_qmm_into(p, logits, &ws);
+    gather_qmm_into(single_matrix_problem(r_in_logit_dtype, T, H, logit_dtype, q, scales, biases), logits, &ws);
   } else {
     const Tensor proj = router.proj_dense.contiguous();
     dispatch_float(h_dtype, op, [&](auto rtag) {
