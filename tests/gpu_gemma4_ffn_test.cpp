@@ -3,6 +3,9 @@
 // captured in a CUDA graph (global capture mode: any host sync or allocation fails the capture).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <vector>
+
 #ifdef EXPERTQMM_HAVE_CUDA
 #include <cuda_runtime.h>
 #endif
@@ -31,6 +34,11 @@ Gemma4Config small_config() {
   return c;
 }
 
+// The CPU and GPU routers work on bf16 logits with different summation orders, so a token whose
+// k-th and (k+1)-th logits sit within rounding of each other may pick a different expert on each
+// backend (tests/gpu_ops_test.cpp pins the router itself). Such tokens are compared separately:
+// at most 2% of them (and at least one allowed) may differ in routing; every other token must
+// match within the tolerance.
 TEST(GpuGemma4Ffn, MatchesTheCpuReferenceInBothProductModes) {
   EXPERTQMM_REQUIRE_GPU();
   const Gemma4FfnWeights cpu_w = synthetic_gemma4_layer(small_config(), 0, 11);
@@ -44,7 +52,28 @@ TEST(GpuGemma4Ffn, MatchesTheCpuReferenceInBothProductModes) {
       const Tensor expected = gemma4_ffn(h, cpu_w);
       const Tensor got = gemma4_ffn(h.to(Device::cuda), gpu_w);
       EXPECT_EQ(got.device(), Device::cuda) << what;
-      EXPECT_LE(test::rel_error(test::to_float(got), test::to_float(expected)), kTolerance) << what << test::seed_note();
+      // Which tokens did the two routers send to the same experts?
+      const std::vector<int32_t> cpu_idx = test::to_i32(route(h, cpu_w.moe.router).indices);
+      const std::vector<int32_t> gpu_idx = test::to_i32(route(h.to(Device::cuda), gpu_w.moe.router).indices);
+      const int64_t k = cpu_w.moe.router.top_k, H = h.size(1);
+      const std::vector<float> g = test::to_float(got), e = test::to_float(expected);
+      std::vector<float> g_same, e_same;
+      int64_t rerouted = 0;
+      for (int64_t t = 0; t < T; ++t) {
+        std::vector<int32_t> a(cpu_idx.begin() + t * k, cpu_idx.begin() + (t + 1) * k);
+        std::vector<int32_t> b(gpu_idx.begin() + t * k, gpu_idx.begin() + (t + 1) * k);
+        std::sort(a.begin(), a.end());
+        std::sort(b.begin(), b.end());
+        if (a != b) {
+          ++rerouted;
+          continue;
+        }
+        g_same.insert(g_same.end(), g.begin() + t * H, g.begin() + (t + 1) * H);
+        e_same.insert(e_same.end(), e.begin() + t * H, e.begin() + (t + 1) * H);
+      }
+      EXPECT_LE(rerouted, std::max<int64_t>(1, T / 50)) << what << test::seed_note();
+      EXPECT_LE(test::rel_error(g_same, e_same), kTolerance) << what << " (" << rerouted << " tokens rerouted) "
+                                                              << test::seed_note();
     }
   }
   set_product_mode(saved);
