@@ -10,6 +10,7 @@
 
 #include "core/gather_qmm_problem.h"
 #include "cpu/cpu_backend.h"
+#include "cpu/elements.h"
 
 namespace expertqmm::cpu {
 
@@ -21,12 +22,6 @@ constexpr float kGeluCubic = 0.044715f;
 float gelu_tanh(float g) { return 0.5f * g * (1.0f + std::tanh(kSqrt2OverPi * (g + kGeluCubic * g * g * g))); }
 float silu(float g) { return g / (1.0f + std::exp(-g)); }
 
-std::vector<float> to_f32(const Tensor& t) {
-  Tensor f = detail::cast_floating(t, DType::f32).contiguous();
-  std::vector<float> v(static_cast<size_t>(f.numel()));
-  if (!v.empty()) std::memcpy(v.data(), f.data(), v.size() * sizeof(float));
-  return v;
-}
 
 }  // namespace
 

@@ -7,17 +7,9 @@
 
 #include "core/gather_qmm_problem.h"
 #include "cpu/cpu_backend.h"
+#include "cpu/elements.h"
 
 namespace expertqmm::cpu {
-
-namespace {
-std::vector<float> to_f32(const Tensor& t) {
-  Tensor f = detail::cast_floating(t, DType::f32).contiguous();
-  std::vector<float> v(static_cast<size_t>(f.numel()));
-  if (!v.empty()) std::memcpy(v.data(), f.data(), v.size() * sizeof(float));
-  return v;
-}
-}  // namespace
 
 Tensor weighted_combine(const Tensor& y, const Tensor& weights) {
   const int64_t T = y.size(0), k = y.size(1), D = y.size(2);

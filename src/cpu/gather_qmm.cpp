@@ -9,6 +9,7 @@
 
 #include "core/gather_qmm_problem.h"
 #include "cpu/cpu_backend.h"
+#include "cpu/elements.h"
 
 namespace expertqmm::cpu {
 
@@ -52,13 +53,6 @@ void dequantize_matrix(const detail::GatherQmmProblem& p, const uint32_t* w, con
   }
 }
 
-// Widens any float tensor to a contiguous host fp32 copy.
-std::vector<float> to_f32(const Tensor& t) {
-  Tensor f = detail::cast_floating(t, DType::f32).contiguous();
-  std::vector<float> v(static_cast<size_t>(f.numel()));
-  if (!v.empty()) std::memcpy(v.data(), f.data(), v.size() * sizeof(float));
-  return v;
-}
 
 }  // namespace
 

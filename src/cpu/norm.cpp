@@ -7,26 +7,12 @@
 #include <vector>
 
 #include "core/float16.h"
+#include "cpu/elements.h"
 
 namespace expertqmm::cpu {
 
 namespace {
 
-// Every element of a float tensor as fp32, row-major (any strides).
-std::vector<float> widen(const Tensor& t) {
-  const std::vector<uint8_t> bytes = t.to_host_bytes();
-  std::vector<float> v(static_cast<size_t>(t.numel()));
-  for (size_t i = 0; i < v.size(); ++i) {
-    if (t.dtype() == DType::f32) {
-      std::memcpy(&v[i], bytes.data() + 4 * i, 4);
-    } else {
-      uint16_t h;
-      std::memcpy(&h, bytes.data() + 2 * i, 2);
-      v[i] = t.dtype() == DType::bf16 ? bf16_to_float(h) : f16_to_float(h);
-    }
-  }
-  return v;
-}
 
 // fp32 values rounded into a new contiguous host tensor of `dtype`.
 Tensor narrow(const std::vector<float>& v, const Shape& shape, DType dtype) {
@@ -52,7 +38,7 @@ float round_as(float v, DType dtype) {
 
 Tensor rms_norm(const Tensor& x, const Tensor& weight, float eps) {
   const int64_t D = x.size(-1), rows = x.numel() / (D ? D : 1);
-  const std::vector<float> xv = widen(x), wv = widen(weight);
+  const std::vector<float> xv = to_f32(x), wv = to_f32(weight);
   std::vector<float> out(xv.size());
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = xv.data() + r * D;
@@ -65,14 +51,14 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, float eps) {
 }
 
 Tensor add(const Tensor& a, const Tensor& b) {
-  const std::vector<float> av = widen(a), bv = widen(b);
+  const std::vector<float> av = to_f32(a), bv = to_f32(b);
   std::vector<float> out(av.size());
   for (size_t i = 0; i < out.size(); ++i) out[i] = av[i] + bv[i];
   return narrow(out, a.shape(), a.dtype());
 }
 
 Tensor add_scaled(const Tensor& a, const Tensor& b, float scalar) {
-  const std::vector<float> av = widen(a), bv = widen(b);
+  const std::vector<float> av = to_f32(a), bv = to_f32(b);
   std::vector<float> out(av.size());
   for (size_t i = 0; i < out.size(); ++i) out[i] = round_as(av[i] + bv[i], a.dtype()) * scalar;
   return narrow(out, a.shape(), a.dtype());
@@ -80,7 +66,7 @@ Tensor add_scaled(const Tensor& a, const Tensor& b, float scalar) {
 
 Tensor dense_linear(const Tensor& x, const Tensor& w, DType out_dtype) {
   const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
-  const std::vector<float> xv = widen(x), wv = widen(w);
+  const std::vector<float> xv = to_f32(x), wv = to_f32(w);
   std::vector<float> out(static_cast<size_t>(T * N));
   for (int64_t t = 0; t < T; ++t)
     for (int64_t n = 0; n < N; ++n) {

@@ -20,17 +20,12 @@
 
 #include "core/gather_qmm_problem.h"
 #include "cpu/cpu_backend.h"
+#include "cpu/elements.h"
 
 namespace expertqmm::cpu {
 
 namespace {
 
-std::vector<float> to_f32(const Tensor& t) {
-  Tensor f = detail::cast_floating(t, DType::f32).contiguous();
-  std::vector<float> v(static_cast<size_t>(f.numel()));
-  if (!v.empty()) std::memcpy(v.data(), f.data(), v.size() * sizeof(float));
-  return v;
-}
 
 // True when expert a ranks before expert b: NaN first, then larger logit, then lower id.
 bool ranks_before(float la, int32_t a, float lb, int32_t b) {

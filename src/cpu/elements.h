@@ -1,0 +1,12 @@
+// Element access shared by the CPU reference ops.
+#pragma once
+#include <vector>
+
+#include "expertqmm/tensor.h"
+
+namespace expertqmm::cpu {
+
+// Every element of a float tensor (any float dtype, any strides, any device) as fp32, row-major.
+std::vector<float> to_f32(const Tensor& t);
+
+}  // namespace expertqmm::cpu
