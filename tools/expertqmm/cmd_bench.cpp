@@ -47,6 +47,7 @@ struct BenchOptions {
   std::vector<long> tokens;
   std::string routing;
   std::vector<ProductMode> products;
+  std::vector<RouteSwitch> tile_settings;  // expert tile route: automatic (its default) and/or off
   std::string json_path;
   std::string export_dir;
   int replays = 100;
@@ -56,7 +57,8 @@ struct BenchOptions {
 void print_usage() {
   std::printf(
       "usage: expertqmm bench [--preset gemma4-26b-a4b] [--tokens 1,8,64,512,1024,2048] [--routing uniform|zipf]\n"
-      "                       [--product fused|separate|both] [--json FILE] [--replays 100] [--export-dir DIR]\n"
+      "                       [--product fused|separate|both] [--expert-tiles auto|off|both] [--json FILE]\n"
+      "                       [--replays 100] [--export-dir DIR]\n"
       "                       [--seed S]\n"
       "Times the whole MoE layer as CUDA graph replays (4 weight copies round robin, L2 flushed between\n"
       "replays, median of the replays) against a floor measured in the same run; bench/README.md has\n"
@@ -65,7 +67,7 @@ void print_usage() {
 
 BenchOptions parse_options(int argc, char** argv) {
   Args args(argc, argv);
-  args.check_known({"preset", "tokens", "routing", "product", "json", "replays", "export-dir", "seed"});
+  args.check_known({"preset", "tokens", "routing", "product", "expert-tiles", "json", "replays", "export-dir", "seed"});
   BenchOptions o;
   o.preset = &find_preset(args.get("preset", "gemma4-26b-a4b"));
   o.tokens = args.get_int_list("tokens", {1, 8, 64, 512, 1024, 2048});
@@ -79,6 +81,13 @@ BenchOptions parse_options(int argc, char** argv) {
   else if (product == "fused") o.products = {ProductMode::fused};
   else if (product == "separate") o.products = {ProductMode::separate};
   else throw Error("bench", detail::cat("--product expects fused, separate or both, got '", product, "'"));
+  // --expert-tiles off (or both) also times the layer with the sorted tile route switched off, so one
+  // run shows the tile route against the generic routes it falls back to.
+  const std::string tiles = args.get("expert-tiles", "auto");
+  if (tiles == "both") o.tile_settings = {RouteSwitch::automatic, RouteSwitch::off};
+  else if (tiles == "auto") o.tile_settings = {RouteSwitch::automatic};
+  else if (tiles == "off") o.tile_settings = {RouteSwitch::off};
+  else throw Error("bench", detail::cat("--expert-tiles expects auto, off or both, got '", tiles, "'"));
   EXPERTQMM_CHECK(!args.has("json") || !args.get("json").empty(), "bench", "--json needs a file name");
   o.json_path = args.get("json");
   EXPERTQMM_CHECK(!args.has("export-dir") || !args.get("export-dir").empty(), "bench", "--export-dir needs a directory");
@@ -438,6 +447,7 @@ std::string utc_now() {
 }
 
 const char* product_name(ProductMode m) { return m == ProductMode::fused ? "fused" : "separate"; }
+const char* tiles_name(RouteSwitch s) { return s == RouteSwitch::off ? "off" : s == RouteSwitch::on ? "on" : "auto"; }
 
 // ---- export for the torch peer (bench/peers/torch_grouped.py) ----
 
@@ -493,6 +503,7 @@ int run_bench(int argc, char** argv) {
   } stream_guard{stream};
   set_cuda_stream(stream);
   const ProductMode product_before = product_mode();
+  const RouteSwitch tiles_before = expert_tiles_setting();
 
   std::fprintf(stderr, "measuring the ceilings ...\n");
   Ceilings ceilings;
@@ -566,14 +577,16 @@ int run_bench(int argc, char** argv) {
                 T * long(k), experts_hit, p.experts, flops / 1e9, bytes / 1e6, floor_us);
     if (o.routing == "zipf")
       std::printf("  routing follows the Zipf plan on %" PRId64 "/%ld tokens\n", T - off_plan, T);
-    std::printf("  %-9s %10s %9s %9s %8s %8s %10s %10s %7s %10s\n", "product", "median us", "p10", "p90", "TFLOP/s",
+    std::printf("  %-16s %10s %9s %9s %8s %8s %10s %10s %7s %10s\n", "product", "median us", "p10", "p90", "TFLOP/s",
                 "GB/s", "floor us", "time/floor", "kernels", "rel error");
 
     Tensor out = Tensor::empty({T, H}, DType::bf16, Device::cuda);
     Tensor exported_out;
     std::vector<double> medians;
+    for (RouteSwitch tiles : o.tile_settings)
     for (ProductMode mode : o.products) {
       set_product_mode(mode);
+      set_expert_tiles(tiles);
       const Measurement m = time_layer(out, h, copies, o.replays, stream, flush, flush_bytes);
       const std::vector<float> got = host_floats(out);
       double err = 0;
@@ -585,15 +598,18 @@ int run_bench(int argc, char** argv) {
       all_pass = all_pass && pass;
       if (!exported_out.defined()) exported_out = out.to(Device::cpu);
       const double sec = m.us.median * 1e-6;
-      std::printf("  %-9s %10.1f %9.1f %9.1f %8.1f %8.0f %10.1f %10.2f %7d %10.2e%s\n", product_name(mode),
+      const std::string label = tiles == RouteSwitch::automatic
+                                    ? std::string(product_name(mode))
+                                    : std::string(product_name(mode)) + "/tiles-" + tiles_name(tiles);
+      std::printf("  %-16s %10.1f %9.1f %9.1f %8.1f %8.0f %10.1f %10.2f %7d %10.2e%s\n", label.c_str(),
                   m.us.median, m.us.p10, m.us.p90, flops / sec / 1e12, bytes / sec / 1e9, floor_us,
                   m.us.median / floor_us, m.nodes.kernels, err, pass ? "" : "  FAIL");
-      std::printf("    route counters (%s; host calls: %d warm-up + %d captured):\n%s", product_name(mode),
+      std::printf("    route counters (%s; host calls: %d warm-up + %d captured):\n%s", label.c_str(),
                   kWeightCopies, kWeightCopies, diagnostics::format(m.counters).c_str());
-      medians.push_back(m.us.median);
+      if (tiles == o.tile_settings.front()) medians.push_back(m.us.median);
 
       rows_json << (n_rows++ ? ",\n    " : "") << "{\"tokens\": " << T << ", \"product\": \"" << product_name(mode)
-                << "\", \"assignments\": " << T * k << ", \"experts_hit\": " << experts_hit
+                << "\", \"expert_tiles\": \"" << tiles_name(tiles) << "\", \"assignments\": " << T * k << ", \"experts_hit\": " << experts_hit
                 << ", \"replays\": " << o.replays << ", \"us_median\": " << json_number(m.us.median)
                 << ", \"us_p10\": " << json_number(m.us.p10) << ", \"us_p90\": " << json_number(m.us.p90)
                 << ", \"tflops\": " << json_number(flops / sec / 1e12) << ", \"gbps\": " << json_number(bytes / sec / 1e9)
@@ -631,6 +647,7 @@ int run_bench(int argc, char** argv) {
     }
   }
   set_product_mode(product_before);
+  set_expert_tiles(tiles_before);
 
   if (!o.json_path.empty()) {
     std::ofstream f(o.json_path);
