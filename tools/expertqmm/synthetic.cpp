@@ -77,9 +77,17 @@ SwitchGLUWeights synthetic_experts(const Preset& p, uint64_t seed) {
   return ex;
 }
 
-// The Gemma 4 QAT checkpoints quantize router.proj to 8 bits, group 64 (spec mlx-semantics 4.6).
-static QuantizedWeight router_proj_8bit(const Tensor& proj) {
-  return quantize(proj, QuantSpec{8, 64, Rounding::cpu});
+// Router weights from bf16 bits: proj [E, H] quantized to 8 bits, group 64, as the Gemma 4 QAT
+// checkpoints do (spec mlx-semantics 4.6); scale [H]; per_expert_scale [E].
+static RouterWeights make_router(const Preset& p, const std::vector<uint16_t>& proj, const std::vector<uint16_t>& scale,
+                                 const std::vector<uint16_t>& per_expert) {
+  const int64_t E = p.experts, H = p.hidden;
+  RouterWeights r;
+  r.proj = quantize(bf16_host(proj, {E, H}), QuantSpec{8, 64, Rounding::cpu});
+  r.scale = bf16_host(scale, {H});
+  r.per_expert_scale = bf16_host(per_expert, {E});
+  r.top_k = p.top_k;
+  return r;
 }
 
 RouterWeights synthetic_router(const Preset& p, uint64_t seed) {
@@ -90,12 +98,7 @@ RouterWeights synthetic_router(const Preset& p, uint64_t seed) {
   for (auto& v : proj) v = float_to_bf16(float(std_proj * g.normal()));
   for (auto& v : scale) v = float_to_bf16(float(1.0 + 0.05 * g.normal()));
   for (auto& v : per_expert) v = float_to_bf16(float(1.0 + 0.05 * g.normal()));
-  RouterWeights r;
-  r.proj = router_proj_8bit(bf16_host(proj, {E, H}));
-  r.scale = bf16_host(scale, {H});
-  r.per_expert_scale = bf16_host(per_expert, {E});
-  r.top_k = p.top_k;
-  return r;
+  return make_router(p, proj, scale, per_expert);
 }
 
 RouterWeights steering_router(const Preset& p, uint64_t seed) {
@@ -106,12 +109,7 @@ RouterWeights steering_router(const Preset& p, uint64_t seed) {
   for (int64_t e = 0; e < E; ++e)
     for (int64_t i = 0; i < H; ++i) proj[e * H + i] = float_to_bf16(float((i == e ? 1.0 : 0.0) + 2e-4 * g.normal()));
   for (auto& v : per_expert) v = float_to_bf16(float(1.0 + 0.05 * g.normal()));
-  RouterWeights r;
-  r.proj = router_proj_8bit(bf16_host(proj, {E, H}));
-  r.scale = bf16_host(scale, {H});
-  r.per_expert_scale = bf16_host(per_expert, {E});
-  r.top_k = p.top_k;
-  return r;
+  return make_router(p, proj, scale, per_expert);
 }
 
 Tensor steering_tokens(const std::vector<int32_t>& indices, int64_t T, const Preset& p, uint64_t seed) {
