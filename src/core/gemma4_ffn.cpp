@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "core/gather_qmm_problem.h"
+#include "core/op_checks.h"
 #include "expertqmm/error.h"
 #include "expertqmm/gemma4.h"
 #ifdef EXPERTQMM_HAVE_CUDA
@@ -168,7 +169,7 @@ void gemma4_ffn_into(Tensor& out, const Tensor& h, const Gemma4FfnWeights& w, Wo
     cuda::gemma4_ffn_into(out, h.contiguous(), w, ws);
     return;
 #else
-    throw Error(kOp, "the inputs are on cuda but this build of expertqmm has no CUDA backend");
+    detail::no_cuda_backend(kOp);
 #endif
   }
   (void)ws;  // the CPU path allocates as it goes

@@ -12,6 +12,7 @@
 
 #include "core/gather_qmm_problem.h"
 #include "cpu/cpu_backend.h"
+#include "core/op_checks.h"
 #include "expertqmm/error.h"
 #ifdef EXPERTQMM_HAVE_CUDA
 #include "cuda/cuda_backend.h"
@@ -19,22 +20,13 @@
 
 namespace expertqmm {
 
+using detail::check_floating;
+using detail::no_cuda_backend;
+
 namespace {
 
 // mlx-lm SwitchGLU sorts the (token, slot) rows by expert when there are at least this many.
 constexpr int64_t kSortThreshold = 64;
-
-#ifndef EXPERTQMM_HAVE_CUDA
-[[noreturn]] void no_cuda_backend(const char* op) {
-  throw Error(op, "the inputs are on cuda but this build of expertqmm has no CUDA backend");
-}
-#endif
-
-void check_floating(const char* op, const char* name, const Tensor& t) {
-  EXPERTQMM_CHECK(t.defined(), op, name, " is undefined");
-  EXPERTQMM_CHECK(is_floating(t.dtype()), op, name, " must be bfloat16, float16 or float32, got ",
-                  t.describe());
-}
 
 void check_on_device(const char* op, const char* name, const Tensor& t, Device device) {
   EXPERTQMM_CHECK(t.device() == device, op, name, " is on ", device_name(t.device()), " but the input is on ",

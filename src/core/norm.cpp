@@ -7,6 +7,7 @@
 #include "core/float16.h"
 #include "core/gather_qmm_problem.h"
 #include "cpu/norm.h"
+#include "core/op_checks.h"
 #include "expertqmm/error.h"
 #include "expertqmm/gemma4.h"
 #ifdef EXPERTQMM_HAVE_CUDA
@@ -15,18 +16,10 @@
 
 namespace expertqmm {
 
+using detail::check_floating;
+using detail::no_cuda_backend;
+
 namespace {
-
-#ifndef EXPERTQMM_HAVE_CUDA
-[[noreturn]] void no_cuda_backend(const char* op) {
-  throw Error(op, "the inputs are on cuda but this build of expertqmm has no CUDA backend");
-}
-#endif
-
-void check_floating(const char* op, const char* name, const Tensor& t) {
-  EXPERTQMM_CHECK(t.defined(), op, name, " is undefined");
-  EXPERTQMM_CHECK(is_floating(t.dtype()), op, name, " must be bfloat16, float16 or float32, got ", t.describe());
-}
 
 void check_same_device(const char* op, const char* a_name, const Tensor& a, const char* b_name, const Tensor& b) {
   EXPERTQMM_CHECK(a.device() == b.device(), op, a_name, " is on ", device_name(a.device()), " but ", b_name,

@@ -9,6 +9,7 @@
 
 #include "core/gather_qmm_problem.h"
 #include "cpu/cpu_backend.h"
+#include "core/op_checks.h"
 #include "expertqmm/error.h"
 #ifdef EXPERTQMM_HAVE_CUDA
 #include "cuda/cuda_backend.h"
@@ -16,19 +17,10 @@
 
 namespace expertqmm {
 
+using detail::check_floating;
+using detail::no_cuda_backend;
+
 namespace {
-
-#ifndef EXPERTQMM_HAVE_CUDA
-[[noreturn]] void no_cuda_backend(const std::string& op) {
-  throw Error(op, "the inputs are on cuda but this build of expertqmm has no CUDA backend");
-}
-#endif
-
-void check_floating(const std::string& op, const char* name, const Tensor& t) {
-  EXPERTQMM_CHECK(t.defined(), op, name, " is undefined");
-  EXPERTQMM_CHECK(is_floating(t.dtype()), op, name, " must be bfloat16, float16 or float32, got ",
-                  t.describe());
-}
 
 void check_index_dtype(const std::string& op, const char* name, const Tensor& t) {
   EXPERTQMM_CHECK(t.defined(), op, name, " is undefined");
