@@ -142,6 +142,7 @@ TEST_F(Cli, BadOptionsAreErrors) {
       {"run --preset tiny --tokens 3 --backend cpu --frobnicate 1", "unknown option --frobnicate"},
       {"bench --preset tiny --product neither", "--product expects fused, separate or both"},
       {"bench --preset tiny --tokens 1,0", "every count must be >= 1"},
+      {"bench --preset tiny --expert-tiles sometimes", "--expert-tiles expects auto, off or both"},
   };
   for (const Case& c : cases) {
     Result r = run_cli(c.args);
@@ -194,6 +195,14 @@ TEST_F(Cli, BenchOnCudaWritesJsonAndExport) {
   const std::string zjson = read_file(dir + "/zipf.json");
   EXPECT_EQ(count_of(zjson, "\"check\": \"PASS\""), 1) << zjson;
   EXPECT_EQ(count_of(zjson, "\"tokens_off_plan\": 0,"), 1) << "the router must follow the Zipf plan: " << zjson;
+
+  // --expert-tiles both: the same layer with the sorted tile route at its default and switched off.
+  Result tiles = run_cli("bench --preset tiny --tokens 64 --expert-tiles both --replays 5 --json " + dir + "/tiles.json");
+  EXPECT_EQ(tiles.exit_code, 0) << tiles.output;
+  const std::string tjson = read_file(dir + "/tiles.json");
+  EXPECT_EQ(count_of(tjson, "\"check\": \"PASS\""), 2) << tjson;
+  EXPECT_EQ(count_of(tjson, "\"expert_tiles\": \"auto\""), 1) << tjson;
+  EXPECT_EQ(count_of(tjson, "\"expert_tiles\": \"off\""), 1) << tjson;
   std::system(("rm -rf '" + dir + "'").c_str());
 }
 
