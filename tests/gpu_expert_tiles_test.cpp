@@ -28,7 +28,8 @@ namespace {
 
 // A 4-bit (or 8-bit) MLX weight [E, N, K] with random codes and plausible bf16 scales/biases,
 // generated directly (the CPU quantizer over 500M values would take minutes), on the host.
-QuantizedWeight random_codes_weight(int64_t E, int64_t N, int64_t K, int bits, int group_size) {
+QuantizedWeight random_codes_weight(int64_t E, int64_t N, int64_t K, int bits, int group_size,
+                                    DType param_dtype = DType::bf16) {
   std::mt19937_64& g = test::rng();
   const int64_t words = K * bits / 32, groups = K / group_size;
   std::vector<uint32_t> w(E * N * words);
@@ -38,15 +39,16 @@ QuantizedWeight random_codes_weight(int64_t E, int64_t N, int64_t K, int bits, i
   const float levels = static_cast<float>((1 << bits) - 1);
   for (size_t i = 0; i < s.size(); ++i) {
     const float scale = (0.01f + 0.002f * nd(g)) * (g() & 1 ? 1.f : -1.f) * 15.f / levels;
-    s[i] = float_to_bf16(scale);
-    b[i] = float_to_bf16(-scale * levels * 0.5f + 0.001f * nd(g));
+    const float bias = -scale * levels * 0.5f + 0.001f * nd(g);
+    s[i] = param_dtype == DType::f16 ? float_to_f16(scale) : float_to_bf16(scale);
+    b[i] = param_dtype == DType::f16 ? float_to_f16(bias) : float_to_bf16(bias);
   }
   QuantizedWeight q;
   q.bits = bits;
   q.group_size = group_size;
   q.w = Tensor::from_host(w.data(), {E, N, words}, DType::u32);
-  q.scales = Tensor::from_host(s.data(), {E, N, groups}, DType::bf16);
-  q.biases = Tensor::from_host(b.data(), {E, N, groups}, DType::bf16);
+  q.scales = Tensor::from_host(s.data(), {E, N, groups}, param_dtype);
+  q.biases = Tensor::from_host(b.data(), {E, N, groups}, param_dtype);
   return q;
 }
 
@@ -61,7 +63,9 @@ std::vector<double> weight_row(const QuantizedWeight& q, int64_t e, int64_t n) {
   for (int64_t k = 0; k < K; ++k) {
     const uint32_t code = (w[k / per_word] >> (q.bits * (k % per_word))) & ((1u << q.bits) - 1u);
     const int64_t gi = k / q.group_size;
-    row[k] = static_cast<double>(bf16_to_float(s[gi])) * code + bf16_to_float(b[gi]);
+    const bool f16 = q.scales.dtype() == DType::f16;
+    const float sv = f16 ? f16_to_float(s[gi]) : bf16_to_float(s[gi]), bv = f16 ? f16_to_float(b[gi]) : bf16_to_float(b[gi]);
+    row[k] = static_cast<double>(sv) * code + bv;
   }
   return row;
 }
@@ -194,6 +198,54 @@ TEST(GpuExpertTiles, OccupancyEdgeCasesSmall) {
     const std::vector<float> tiles = run(c, "expert_tiles");
     EXPECT_LE(sampled_error(c, tiles, 8), 1e-2) << test::seed_note();
     EXPECT_LE(test::rel_error(tiles, run(c, "simt")), 1e-2) << test::seed_note();
+  }
+}
+
+// Both kernels of the route, pinned, on shapes that hit their edges: N not a multiple of the CTA's
+// 128 (wgmma) or 128 (mma.sync) columns, one k tile, group size 128 (one group spans two k tiles),
+// tails of every class, one expert owning every row, empty experts, bf16 and f16. The wgmma kernel
+// must be available on a compute capability 9.0 device (this build carries sm_90a code).
+TEST(GpuExpertTiles, MmaSyncAndWgmmaKernelsMatchOnEdgeShapesSmall) {
+  EXPERTQMM_REQUIRE_GPU();
+  CountersGuard guard;
+  int major = 0, minor = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, 0), cudaSuccess);
+  const bool hopper = major == 9 && minor == 0;
+  struct Shape3 {
+    int64_t E, N, K;
+    int group_size;
+  };
+  const Shape3 shapes[] = {{8, 200, 192, 64}, {16, 136, 256, 128}, {4, 8, 64, 64}, {6, 712, 640, 64}};
+  for (const Shape3& sh : shapes) {
+    const QuantizedWeight q_bf16 = random_codes_weight(sh.E, sh.N, sh.K, 4, sh.group_size);
+    const QuantizedWeight q_f16 = random_codes_weight(sh.E, sh.N, sh.K, 4, sh.group_size, DType::f16);
+    std::vector<std::vector<int32_t>> cases;
+    cases.push_back(std::vector<int32_t>(300, static_cast<int32_t>(sh.E - 1)));  // one expert, 4 full + 44-row tail
+    std::vector<int32_t> tails;
+    for (int e = 0; e < sh.E; ++e) tails.insert(tails.end(), 1 + 13 * e, e);  // 1, 14, 27, 40, 53, ...
+    cases.push_back(tails);
+    std::vector<int32_t> sparse(65, 1);
+    sparse.insert(sparse.end(), 17, static_cast<int32_t>(sh.E - 1));  // the experts between are empty
+    cases.push_back(sparse);
+    for (const auto& ids : cases)
+      for (DType dtype : {DType::bf16, DType::f16}) {
+        const RowsCase c = make_rows_case(dtype == DType::f16 ? q_f16 : q_bf16, ids, dtype);
+        const std::string what = "E " + std::to_string(sh.E) + " N " + std::to_string(sh.N) + " K " +
+                                 std::to_string(sh.K) + " gs " + std::to_string(sh.group_size) + " rows " +
+                                 std::to_string(c.B()) + " " + dtype_name(dtype) + " " + test::seed_note();
+        const std::vector<float> simt = run(c, "simt");
+        const std::vector<float> mma = run(c, "expert_tiles_mma_sync");
+        EXPECT_LE(sampled_error(c, mma, 8), 1e-2) << what;
+        EXPECT_LE(test::rel_error(mma, simt), 1e-2) << what;
+        const bool fits = cuda::supports_expert_tiles_wgmma(c.problem()).ok;
+        EXPECT_EQ(fits, hopper) << what;
+        if (!fits) continue;
+        const std::vector<float> wg = run(c, "expert_tiles_wgmma");
+        EXPECT_LE(sampled_error(c, wg, 8), 1e-2) << what;
+        EXPECT_LE(test::rel_error(wg, simt), 1e-2) << what;
+        EXPECT_LE(test::rel_error(wg, mma), 1e-2) << what;
+      }
   }
 }
 

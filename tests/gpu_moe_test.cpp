@@ -295,7 +295,9 @@ TEST(GpuMoe, MoeLayerIntoCapturedInACudaGraphReplaysTheSameOutput) {
     ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess) << what;
     size_t nodes = 0;
     ASSERT_EQ(cudaGraphGetNodes(graph, nullptr, &nodes), cudaSuccess);
-    EXPECT_GT(nodes, 4u) << what << ": the graph should hold the whole layer";
+    // T=5 (T*k = 40) is served by the three-kernel decode layer (moe_decode.cu), T=64 by the
+    // general path.
+    EXPECT_GE(nodes, 3u) << what << ": the graph should hold the whole layer";
     for (int replay = 0; replay < 2; ++replay) {
       test::poison(replayed);  // the replay, not the capture, must write every element
       ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess) << what;

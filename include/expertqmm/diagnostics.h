@@ -44,4 +44,10 @@ enum class RouteSwitch : uint8_t { automatic, off, on };
 void set_expert_tiles(RouteSwitch s);
 RouteSwitch expert_tiles_setting();
 
+// Forces the decode MoE layer (the whole moe_layer_into in three kernels when T*k is small,
+// src/cuda/moe_decode.cu) on or off for this process (overrides EXPERTQMM_DECODE_LAYER=0|1, read
+// once on first use); `automatic` is on. Its selections are counted under "moe_decode_layer".
+void set_decode_layer(RouteSwitch s);
+RouteSwitch decode_layer_setting();
+
 }  // namespace expertqmm

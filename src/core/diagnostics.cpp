@@ -31,6 +31,16 @@ constexpr int kNoOverride = -1;
 std::atomic<int> g_expert_tiles_override{kNoOverride};
 
 constexpr const char* kExpertTilesEnv = "EXPERTQMM_EXPERT_TILES";
+std::atomic<int> g_decode_layer_override{kNoOverride};
+constexpr const char* kDecodeLayerEnv = "EXPERTQMM_DECODE_LAYER";
+
+RouteSwitch parse_switch_env(const char* variable, const char* setting, const char* value) {
+  if (value == nullptr) return RouteSwitch::automatic;
+  if (std::strcmp(value, "0") == 0) return RouteSwitch::off;
+  if (std::strcmp(value, "1") == 0) return RouteSwitch::on;
+  throw Error(setting, detail::cat(variable, "='", value,
+                                   "' is not valid: use 0 (off), 1 (on) or leave it unset (automatic)"));
+}
 
 bool valid_switch(RouteSwitch s) {
   return s == RouteSwitch::automatic || s == RouteSwitch::off || s == RouteSwitch::on;
@@ -63,6 +73,7 @@ namespace detail {
 const char* primitive_name(Primitive p) {
   switch (p) {
     case Primitive::gather_qmm: return "gather_qmm";
+    case Primitive::moe_decode_layer: return "moe_decode_layer";
     case Primitive::count_: break;
   }
   throw Error("primitive_name", cat("value ", static_cast<int>(p), " is not a Primitive"));
@@ -97,11 +108,11 @@ void set_device_retraction_reader(DeviceRetractionReader read_and_reset) {
 }
 
 RouteSwitch parse_expert_tiles_env(const char* value) {
-  if (value == nullptr) return RouteSwitch::automatic;
-  if (std::strcmp(value, "0") == 0) return RouteSwitch::off;
-  if (std::strcmp(value, "1") == 0) return RouteSwitch::on;
-  throw Error("expert_tiles_setting",
-              cat(kExpertTilesEnv, "='", value, "' is not valid: use 0 (off), 1 (on) or leave it unset (automatic)"));
+  return parse_switch_env(kExpertTilesEnv, "expert_tiles_setting", value);
+}
+
+RouteSwitch parse_decode_layer_env(const char* value) {
+  return parse_switch_env(kDecodeLayerEnv, "decode_layer_setting", value);
 }
 
 }  // namespace detail
@@ -190,6 +201,18 @@ RouteSwitch expert_tiles_setting() {
   // Resolved once; an invalid value throws here and again on every later call (nothing is cached).
   static const RouteSwitch from_env = detail::parse_expert_tiles_env(std::getenv(kExpertTilesEnv));
   const int api = g_expert_tiles_override.load();
+  return api == kNoOverride ? from_env : static_cast<RouteSwitch>(api);
+}
+
+void set_decode_layer(RouteSwitch s) {
+  EXPERTQMM_CHECK(valid_switch(s), "set_decode_layer", "value ", static_cast<int>(s), " is not a RouteSwitch");
+  g_decode_layer_override.store(static_cast<int>(s));
+}
+
+RouteSwitch decode_layer_setting() {
+  // Resolved once, as expert_tiles_setting().
+  static const RouteSwitch from_env = detail::parse_decode_layer_env(std::getenv(kDecodeLayerEnv));
+  const int api = g_decode_layer_override.load();
   return api == kNoOverride ? from_env : static_cast<RouteSwitch>(api);
 }
 

@@ -29,6 +29,9 @@ struct GatherQmmProblem {
   Tensor lhs, rhs;
   bool rhs_is_identity = false;  // rhs[b] == b (no rhs given and no broadcast)
   bool lhs_is_identity = false;  // lhs[b] == b
+  // CUDA expert tile route: a plan already built for rhs on the current stream (one plan serves
+  // every GEMM of an MoE layer; see cuda::build_expert_tile_plan); nullptr: the route builds one.
+  const void* tile_plan = nullptr;
 
   int64_t w_row_words() const { return (transpose ? K : N) * bits / 32; }  // uint32 per w row
   int64_t groups_per_row() const { return (transpose ? K : N) / group_size; }

@@ -7,7 +7,9 @@
 
 namespace expertqmm::detail {
 
-enum class Primitive : uint8_t { gather_qmm, count_ };
+// gather_qmm: the expert tile route vs the generic routes. moe_decode_layer: the three-kernel decode
+// layer vs the general moe_layer_into path (a "hit" is a layer served by the decode kernels).
+enum class Primitive : uint8_t { gather_qmm, moe_decode_layer, count_ };
 constexpr int kPrimitiveCount = static_cast<int>(Primitive::count_);
 const char* primitive_name(Primitive p);
 
@@ -27,5 +29,7 @@ void set_device_retraction_reader(DeviceRetractionReader read_and_reset);
 // Parses a value of EXPERTQMM_EXPERT_TILES: nullptr (unset) -> automatic, "0" -> off, "1" -> on;
 // anything else throws Error naming the variable and the value.
 RouteSwitch parse_expert_tiles_env(const char* value);
+// The same for EXPERTQMM_DECODE_LAYER.
+RouteSwitch parse_decode_layer_env(const char* value);
 
 }  // namespace expertqmm::detail

@@ -4,6 +4,7 @@
 // Two forms (fusion ladder step 1, DESIGN.md): one fused kernel, or act then multiply as two
 // kernels through an intermediate in the activation dtype (what an uncompiled MLX graph does).
 #include "cuda/cuda_backend.h"
+#include "cuda/device/glu.cuh"
 #include "cuda/moe_internal.h"
 
 namespace expertqmm::cuda {
@@ -11,20 +12,7 @@ namespace expertqmm::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr float kSqrt2OverPi = 0.7978845608028654f;  // math.sqrt(2 / math.pi), as mlx nn.gelu_approx
-constexpr float kGeluCubic = 0.044715f;
-
-template <Activation A>
-__device__ __forceinline__ float activate(float g) {
-  if constexpr (A == Activation::geglu) {
-    // 0.5 * g * (1 + tanh(c * (g + 0.044715 * g^3))), evaluated left to right as the CPU does.
-    const float cubic = __fmul_rn(__fmul_rn(__fmul_rn(kGeluCubic, g), g), g);
-    const float t = tanhf(__fmul_rn(kSqrt2OverPi, __fadd_rn(g, cubic)));
-    return __fmul_rn(__fmul_rn(0.5f, g), __fadd_rn(1.0f, t));
-  } else {
-    return __fdiv_rn(g, __fadd_rn(1.0f, expf(-g)));
-  }
-}
+using device::activate;
 
 // VEC consecutive elements, loaded and stored as one access (16 bytes when VEC = kVec16<D>).
 template <DType D, int VEC>

@@ -19,6 +19,7 @@
 #include "core/tile_plan.h"
 #include "cuda/device/tile_gemm.cuh"
 #include "cuda/gather_qmm_routes.h"
+#include "cuda/gather_qmm_wgmma.h"
 #include "cuda/runtime.cuh"
 #include "cuda/tile_plan.cuh"
 
@@ -68,9 +69,11 @@ constexpr int expert_tiles_smem() {
 //   header  the builder's verdict (written by the previous kernel on the stream)
 template <class T, int kBits>
 __global__ void __launch_bounds__(ExpertTiles64::THREADS)
-    expert_tiles_kernel(TileArgs a, const ExpertTile* __restrict__ tiles, const TilePlanHeader* __restrict__ header) {
+    expert_tiles_kernel(TileArgs a, const ExpertTile* __restrict__ tiles, const TilePlanHeader* __restrict__ header,
+                        unsigned long long* retractions) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int sorted = header->sorted;
+  if (!sorted && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) atomicAdd(retractions, 1ull);
   if (sorted) {
     const int tile_count = header->tile_count;
     for (int t = blockIdx.y; t < tile_count; t += gridDim.y) {
@@ -94,6 +97,8 @@ __global__ void __launch_bounds__(ExpertTiles64::THREADS)
     device::tile_gemm_runs<ExpertTiles16, T, kBits>(a, tile, blockIdx.x, smem, tile_expert);
 }
 
+unsigned long long* retraction_counter();
+
 template <class T, int kBits>
 void launch_expert_tiles(const TileArgs& args, const ExpertTile* tiles, const TilePlanHeader* header,
                          int64_t tile_slots) {
@@ -108,7 +113,8 @@ void launch_expert_tiles(const TileArgs& args, const ExpertTile* tiles, const Ti
   // Enough CTAs in y for every plan tile, and for the 16-row tiles of the retracted path.
   const int64_t slots = std::max<int64_t>(tile_slots, (args.rows + 15) / 16);
   const dim3 grid(ceil_div(args.N, ExpertTiles64::BN), static_cast<unsigned>(std::min<int64_t>(slots, 65535)));
-  expert_tiles_kernel<T, kBits><<<grid, ExpertTiles64::THREADS, kSmem, current_stream()>>>(args, tiles, header);
+  expert_tiles_kernel<T, kBits>
+      <<<grid, ExpertTiles64::THREADS, kSmem, current_stream()>>>(args, tiles, header, retraction_counter());
   EXPERTQMM_CUDA_CHECK_LAUNCH("expert_tiles_kernel");
 }
 
@@ -154,29 +160,105 @@ RouteSupport supports_expert_tiles(const detail::GatherQmmProblem& p) {
   return route_ok();
 }
 
-void call_expert_tiles(const detail::GatherQmmProblem& p, void* out, Workspace* ws) {
+namespace {
+
+enum class TileKernel { automatic, mma_sync, wgmma };
+
+// Plan storage: the header, then the tiles (16-byte aligned), in the caller's workspace or a
+// temporary that the stream-ordered caching allocator keeps alive until the kernels have run.
+size_t plan_bytes(const detail::GatherQmmProblem& p) {
+  return 16 + static_cast<size_t>(detail::max_tiles(p.B, static_cast<int>(p.w_batch))) * sizeof(ExpertTile);
+}
+const void* build_plan_into(const detail::GatherQmmProblem& p, void* base) {
+  launch_build_tile_plan(p.rhs.data_as<const int32_t>(), p.B, static_cast<int>(p.w_batch),
+                         reinterpret_cast<ExpertTile*>(static_cast<unsigned char*>(base) + 16),
+                         static_cast<TilePlanHeader*>(base), current_stream(), nullptr);
+  return base;
+}
+
+// Runs `kernel` on p's plan (p.tile_plan, or one built here): the wgmma kernel where
+// wgmma_tiles_fit, else the mma.sync one. Retractions are counted by the GEMM kernels, once per call.
+void run_expert_tiles(const detail::GatherQmmProblem& p, void* out, Workspace* ws, TileKernel kernel) {
+  if (kernel == TileKernel::automatic)
+    kernel = wgmma_tiles_fit(p) && is_aligned(out, 16) ? TileKernel::wgmma : TileKernel::mma_sync;
   const ExpertTilesVariant* variant = nullptr;
   for (const ExpertTilesVariant& v : kExpertTilesVariants)
     if (v.dtype == p.dtype && v.bits == p.bits) variant = &v;
   EXPERTQMM_CHECK(variant != nullptr, "gather_qmm", "expert_tiles has no kernel for ", p.describe());
-  const int E = static_cast<int>(p.w_batch);
-  const int64_t tile_slots = detail::max_tiles(p.B, E);
-  // Plan storage: the header, then the tiles (16-byte aligned), from the caller's workspace or a
-  // temporary that the stream-ordered caching allocator keeps alive until the kernels have run.
-  const size_t bytes = 16 + static_cast<size_t>(tile_slots) * sizeof(ExpertTile);
   Tensor temp;
-  unsigned char* base = nullptr;
-  if (ws) {
-    base = static_cast<unsigned char*>(ws->get(kExpertTilesPlanSlot, bytes));
-  } else {
-    temp = Tensor::empty({static_cast<int64_t>((bytes + 3) / 4)}, DType::i32, Device::cuda);
-    base = static_cast<unsigned char*>(temp.data());
+  const void* plan = p.tile_plan;
+  if (plan == nullptr) {
+    void* base = nullptr;
+    if (ws) {
+      base = ws->get(kExpertTilesPlanSlot, plan_bytes(p));
+    } else {
+      temp = Tensor::empty({static_cast<int64_t>((plan_bytes(p) + 3) / 4)}, DType::i32, Device::cuda);
+      base = temp.data();
+    }
+    plan = build_plan_into(p, base);
   }
-  auto* header = reinterpret_cast<TilePlanHeader*>(base);
-  auto* tiles = reinterpret_cast<ExpertTile*>(base + 16);
-  launch_build_tile_plan(p.rhs.data_as<const int32_t>(), p.B, E, tiles, header, current_stream(),
-                         retraction_counter());
-  variant->launch(make_tile_args(p, out), tiles, header, tile_slots);
+  const auto* header = static_cast<const TilePlanHeader*>(plan);
+  const auto* tiles = reinterpret_cast<const ExpertTile*>(static_cast<const unsigned char*>(plan) + 16);
+  const int64_t tile_slots = detail::max_tiles(p.B, static_cast<int>(p.w_batch));
+  if (kernel == TileKernel::wgmma) {
+    WgmmaTileArgs args;
+    args.tile = make_tile_args(p, out);
+    args.retractions = retraction_counter();
+    args.calls = 1;
+    launch_expert_tiles_wgmma(args, WgmmaForm::plain, p.dtype, tiles, header, tile_slots);
+  } else {
+    variant->launch(make_tile_args(p, out), tiles, header, tile_slots);
+  }
+}
+
+}  // namespace
+
+void call_expert_tiles(const detail::GatherQmmProblem& p, void* out, Workspace* ws) {
+  run_expert_tiles(p, out, ws, TileKernel::automatic);
+}
+
+RouteSupport supports_expert_tiles_wgmma(const detail::GatherQmmProblem& p) {
+  const RouteSupport tiles = supports_expert_tiles(p);
+  if (!tiles.ok) return tiles;
+  return wgmma_tiles_fit(p) ? route_ok() : route_miss(Fallback::quantization);
+}
+void call_expert_tiles_mma_sync(const detail::GatherQmmProblem& p, void* out, Workspace* ws) {
+  run_expert_tiles(p, out, ws, TileKernel::mma_sync);
+}
+void call_expert_tiles_wgmma(const detail::GatherQmmProblem& p, void* out, Workspace* ws) {
+  EXPERTQMM_CHECK(wgmma_tiles_fit(p) && is_aligned(out, 16), "gather_qmm", "expert_tiles_wgmma does not fit ", p.describe());
+  run_expert_tiles(p, out, ws, TileKernel::wgmma);
+}
+
+const void* build_expert_tile_plan(const detail::GatherQmmProblem& p, Workspace& ws) {
+  EXPERTQMM_CHECK(supports_expert_tiles(p).ok, "gather_qmm", "build_expert_tile_plan: the expert tile route does not take ",
+                  p.describe());
+  return build_plan_into(p, ws.get(kExpertTilesPlanSlot, plan_bytes(p)));
+}
+
+bool gate_up_glu_expert_tiles(const detail::GatherQmmProblem& gate, const detail::GatherQmmProblem& up, Activation act,
+                              void* hidden) {
+  const bool same = gate.N == up.N && gate.K == up.K && gate.w_batch == up.w_batch && gate.bits == up.bits &&
+                    gate.group_size == up.group_size && gate.dtype == up.dtype && gate.B == up.B &&
+                    gate.tile_plan != nullptr && gate.tile_plan == up.tile_plan;
+  if (!same || expert_tiles_setting() == RouteSwitch::off || !supports_expert_tiles(gate).ok ||
+      !supports_expert_tiles(up).ok || !wgmma_tiles_fit(gate) || !wgmma_tiles_fit(up) || !is_aligned(hidden, 16))
+    return false;
+  // Two gather_qmm calls served by the tile route.
+  for (int i = 0; i < 2; ++i)
+    detail::record_selection(detail::Primitive::gather_qmm, true, true, true, Fallback::disabled);
+  WgmmaTileArgs args;
+  args.tile = make_tile_args(gate, hidden);
+  args.w_up = static_cast<const uint32_t*>(up.w.data());
+  args.scales_up = static_cast<const uint16_t*>(up.scales.data());
+  args.biases_up = static_cast<const uint16_t*>(up.biases.data());
+  args.retractions = retraction_counter();
+  args.calls = 2;
+  const auto* header = static_cast<const TilePlanHeader*>(gate.tile_plan);
+  const auto* tiles = reinterpret_cast<const ExpertTile*>(static_cast<const unsigned char*>(gate.tile_plan) + 16);
+  launch_expert_tiles_wgmma(args, act == Activation::geglu ? WgmmaForm::geglu : WgmmaForm::swiglu, gate.dtype, tiles,
+                            header, detail::max_tiles(gate.B, static_cast<int>(gate.w_batch)));
+  return true;
 }
 
 }  // namespace expertqmm::cuda

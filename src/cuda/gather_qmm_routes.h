@@ -40,6 +40,15 @@ constexpr int kExpertTilesPlanSlot = 0;
 // The predicate without the on/off setting (the selector applies that).
 RouteSupport supports_expert_tiles(const detail::GatherQmmProblem& p);
 void call_expert_tiles(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
+// Builds the tile plan of p's rhs ids in ws (slot kExpertTilesPlanSlot) on the current stream and
+// returns it for GatherQmmProblem::tile_plan, so that every GEMM of a layer shares one plan.
+// p must satisfy supports_expert_tiles.
+const void* build_expert_tile_plan(const detail::GatherQmmProblem& p, Workspace& ws);
+// The route with its kernel pinned (tests): the sm_80 mma.sync kernel, or the sm_90a wgmma one
+// (supported only where wgmma_tiles_fit; gather_qmm_wgmma.h).
+void call_expert_tiles_mma_sync(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
+RouteSupport supports_expert_tiles_wgmma(const detail::GatherQmmProblem& p);
+void call_expert_tiles_wgmma(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
 
 // --- qmv: decode sizes (gather_qmm_qmv.cu) -------------------------------------------------------
 // Problems with at most this many rows (B * M) go to qmv; the benchmark tunes it.

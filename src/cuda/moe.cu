@@ -9,6 +9,8 @@
 // T = 2048, k = 8, D = 2816) for the price of an index load per row inside the GEMM.
 #include "cuda/cuda_backend.h"
 #include "cuda/gather_qmm.h"
+#include "cuda/gather_qmm_routes.h"
+#include "cuda/gather_qmm_wgmma.h"
 #include "cuda/moe_internal.h"
 
 namespace expertqmm::cuda {
@@ -140,11 +142,12 @@ void weight_params(const QuantizedWeight& q, DType dtype, bool cast, void* scale
   biases = view(biases_dst, b.shape(), dtype);
 }
 
-// One gather_qmm over the n (token, slot) rows with M = 1: row b multiplies x row lhs[b] (lhs null:
-// row b) by expert rhs[b]'s weight. x holds x_rows rows of K values, x_row_stride apart.
-void expert_gemm(const QuantizedWeight& q, const Tensor& scales, const Tensor& biases, DType dtype, void* x,
-                 int64_t x_rows, int64_t x_row_stride, int64_t K, int64_t N, int64_t n, int32_t* lhs, int32_t* rhs,
-                 bool sorted, void* out, Workspace& ws) {
+// The gather_qmm problem over the n (token, slot) rows with M = 1: row b multiplies x row lhs[b]
+// (lhs null: row b) by expert rhs[b]'s weight. x holds x_rows rows of K values, x_row_stride apart.
+// plan: the layer's tile plan for rhs, or null.
+detail::GatherQmmProblem expert_problem(const QuantizedWeight& q, const Tensor& scales, const Tensor& biases,
+                                        DType dtype, void* x, int64_t x_rows, int64_t x_row_stride, int64_t K, int64_t N,
+                                        int64_t n, int32_t* lhs, int32_t* rhs, bool sorted, const void* plan) {
   detail::GatherQmmProblem p;
   p.M = 1;
   p.N = N;
@@ -168,7 +171,16 @@ void expert_gemm(const QuantizedWeight& q, const Tensor& scales, const Tensor& b
   if (lhs) p.lhs = view(lhs, {n}, DType::i32);
   p.rhs_is_identity = false;
   p.rhs = view(rhs, {n}, DType::i32);
-  gather_qmm_into(p, out, &ws);
+  p.tile_plan = plan;
+  return p;
+}
+
+// One tile plan per layer: the gate/up and down GEMMs share the sorted ids, so the plan is built
+// once (on the stream, before the first GEMM) when the expert tile route takes the first GEMM.
+const void* layer_tile_plan(const detail::GatherQmmProblem& first, Workspace& ws) {
+  if (!first.sorted_indices || expert_tiles_setting() == RouteSwitch::off || !supports_expert_tiles(first).ok)
+    return nullptr;
+  return build_expert_tile_plan(first, ws);
 }
 
 // The expert half: y [n, D] in out_dtype holds row b = (token, slot) in sorted order when s.sorted
@@ -206,14 +218,17 @@ ExpertResult run_experts(const ExpertShape& s, const Tensor& x, const int32_t* i
 
   // gate/up (mlx-lm order: up first, then gate) -> product
   void* hidden = sc.at(sc.hidden);
+  const void* plan = nullptr;  // the layer's tile plan, shared by every GEMM below
   void* intermediate = sc.mode == ProductMode::separate ? sc.at(sc.intermediate) : nullptr;
   if (s.fused) {
     Tensor scales, biases;
     weight_params(w.gate_up, s.hidden_dtype, sc.cast_gate_up, sc.at(sc.gu_scales[0]), sc.at(sc.gu_biases[0]), stream,
                   scales, biases);
     void* gate_up = sc.at(sc.gate_up_out);  // [n, 2I]: gate columns [0, I), up columns [I, 2I)
-    expert_gemm(w.gate_up, scales, biases, s.hidden_dtype, x_rows, s.T, x_stride, s.D, 2 * s.I, n, token_of_row, rhs,
-                s.sorted, gate_up, ws);
+    detail::GatherQmmProblem p = expert_problem(w.gate_up, scales, biases, s.hidden_dtype, x_rows, s.T, x_stride, s.D,
+                                                2 * s.I, n, token_of_row, rhs, s.sorted, nullptr);
+    plan = p.tile_plan = layer_tile_plan(p, ws);
+    gather_qmm_into(p, gate_up, &ws);
     const char* up = static_cast<const char*>(gate_up) + bytes_of(s.I, s.hidden_dtype);
     launch_glu_product(w.activation, sc.mode, s.hidden_dtype, gate_up, up, n, s.I, 2 * s.I, hidden,
                        intermediate, stream);
@@ -223,14 +238,21 @@ ExpertResult run_experts(const ExpertShape& s, const Tensor& x, const int32_t* i
                   up_scales, up_biases);
     weight_params(w.gate, s.hidden_dtype, sc.cast_gate_up, sc.at(sc.gu_scales[0]), sc.at(sc.gu_biases[0]), stream,
                   gate_scales, gate_biases);
-    void* up = sc.at(sc.up_out);
-    void* gate = sc.at(sc.gate_out);
-    expert_gemm(w.up, up_scales, up_biases, s.hidden_dtype, x_rows, s.T, x_stride, s.D, s.I, n, token_of_row, rhs,
-                s.sorted, up, ws);
-    expert_gemm(w.gate, gate_scales, gate_biases, s.hidden_dtype, x_rows, s.T, x_stride, s.D, s.I, n, token_of_row,
-                rhs, s.sorted, gate, ws);
-    launch_glu_product(w.activation, sc.mode, s.hidden_dtype, gate, up, n, s.I, s.I, hidden, intermediate,
-                       stream);
+    detail::GatherQmmProblem up_p = expert_problem(w.up, up_scales, up_biases, s.hidden_dtype, x_rows, s.T, x_stride,
+                                                   s.D, s.I, n, token_of_row, rhs, s.sorted, nullptr);
+    detail::GatherQmmProblem gate_p = expert_problem(w.gate, gate_scales, gate_biases, s.hidden_dtype, x_rows, s.T,
+                                                     x_stride, s.D, s.I, n, token_of_row, rhs, s.sorted, nullptr);
+    plan = up_p.tile_plan = gate_p.tile_plan = layer_tile_plan(up_p, ws);
+    // Fused product mode on Hopper: gate, up and the GLU product in one launch, no [n, I] gate/up
+    // intermediates. Otherwise the two GEMMs, then the product kernel(s).
+    if (sc.mode != ProductMode::fused || !gate_up_glu_expert_tiles(gate_p, up_p, w.activation, hidden)) {
+      void* up = sc.at(sc.up_out);
+      void* gate = sc.at(sc.gate_out);
+      gather_qmm_into(up_p, up, &ws);
+      gather_qmm_into(gate_p, gate, &ws);
+      launch_glu_product(w.activation, sc.mode, s.hidden_dtype, gate, up, n, s.I, s.I, hidden, intermediate,
+                         stream);
+    }
   }
 
   // down: row b of hidden (already in row order) times expert rhs[b]
@@ -244,8 +266,9 @@ ExpertResult run_experts(const ExpertShape& s, const Tensor& x, const int32_t* i
                 down_biases);
   ExpertResult r;
   r.y = sc.own_y ? sc.at(sc.y) : y_out;
-  expert_gemm(w.down, down_scales, down_biases, s.out_dtype, down_in, n, s.I, s.I, s.D, n, nullptr, rhs, s.sorted, r.y,
-              ws);
+  gather_qmm_into(expert_problem(w.down, down_scales, down_biases, s.out_dtype, down_in, n, s.I, s.I, s.D, n, nullptr,
+                                 rhs, s.sorted, plan),
+                  r.y, &ws);
   r.inv_order = s.sorted ? sc.i32(sc.inv_order) : nullptr;
   return r;
 }
@@ -311,6 +334,8 @@ void moe_layer_into(Tensor& out, const Tensor& h, const Tensor& x, const MoeWeig
   EXPERTQMM_CHECK(out.is_contiguous() && out.shape() == (Shape{s.T, s.D}), op, "out must be contiguous [", s.T, ", ",
                   s.D, "], got ", out.describe());
   if (s.n == 0 || s.D == 0) return;
+  // Decode sizes: the whole layer in three kernels (moe_decode.cu) when it supports the call.
+  if (use_decode_layer(out, h, x, weights)) return call_decode_layer(out, h, x, weights, ws);
 
   // One arena for the routing outputs and every expert buffer (grow-only: a warmed-up workspace
   // serves any call at the same or a smaller size without allocating).

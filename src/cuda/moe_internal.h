@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "core/float16.h"
+#include "cuda/gather_qmm_routes.h"
 #include "cuda/runtime.cuh"
 #include "expertqmm/moe.h"
 
@@ -128,5 +129,16 @@ void launch_weighted_combine(DType y_dtype, const void* y, int64_t y_rows, const
 // h's dtype (both contiguous device memory owned by the caller); scratch from `ws` (slot
 // kRouterArenaSlot and whatever gather_qmm_into takes). h: [T, H] on the device, rows contiguous.
 void route_into(const Tensor& h, const RouterWeights& router, int32_t* indices, void* weights, Workspace& ws);
+
+// moe_decode.cu: the decode layer, moe_layer_into in three kernels (router with top-k and the
+// expert grouping; gate/up with the GLU product; down with the weighted combine) for at most
+// kDecodeMaxRows (token, slot) rows. supports_decode_layer: the first Fallback class that rules a
+// call out (dtype, quantization, topology, shape, alignment); use_decode_layer also applies
+// EXPERTQMM_DECODE_LAYER / set_decode_layer and records the selection (Primitive::moe_decode_layer);
+// call_decode_layer runs it on the current stream, scratch from ws's kMoeArenaSlot, no host sync.
+constexpr int64_t kDecodeMaxRows = 64;  // T*k; also T <= 8 and k <= 8 (moe_decode.cu)
+RouteSupport supports_decode_layer(const Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& weights);
+bool use_decode_layer(const Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& weights);
+void call_decode_layer(Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& weights, Workspace& ws);
 
 }  // namespace expertqmm::cuda

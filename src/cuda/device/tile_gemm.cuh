@@ -348,16 +348,17 @@ __device__ __forceinline__ void tile_gemm(const TileArgs& a, int expert, int64_t
   __syncthreads();  // row_offset and the stages are rewritten by the next call
 }
 
-// One BM-row tile of problem rows whose expert ids may differ (the generic route's unit of work,
-// also the expert tile route's fallback when its plan is retracted): splits the tile into maximal
-// runs of equal ids (expert of row r = rhs[r / M], or r / M without rhs) and runs tile_gemm once per
-// run over all BM rows, storing only the run's rows. Sorted ids give one run per tile; any order
-// stays correct, only slower. tile_expert: (BM,) int in shared memory. Called by all threads.
-template <class Cfg, class T, int kBits>
-__device__ __forceinline__ void tile_gemm_runs(const TileArgs& a, int64_t tile, int n_block, unsigned char* smem,
-                                               int* tile_expert) {
-  const int64_t row0 = tile * Cfg::BM;
-  const int load_rows = static_cast<int>(min(static_cast<int64_t>(Cfg::BM), a.rows - row0));
+// The generic route's unit of work (also the expert tile routes' fallback when a plan is
+// retracted): the kBM-row tile `tile` of problem rows whose expert ids may differ, split into
+// maximal runs of equal ids (expert of row r = rhs[r / M], or r / M without rhs); calls
+// fn(expert, row0, load_rows, run_begin, run_end) once per run, where the callee computes all
+// load_rows rows of the tile and stores only the run's local rows [run_begin, run_end). Sorted ids
+// give one run per tile; any order stays correct, only slower. tile_expert: (kBM,) int in shared
+// memory. Called by all threads of the CTA.
+template <int kBM, class Fn>
+__device__ __forceinline__ void for_each_expert_run(const TileArgs& a, int64_t tile, int* tile_expert, Fn&& fn) {
+  const int64_t row0 = tile * kBM;
+  const int load_rows = static_cast<int>(min(static_cast<int64_t>(kBM), a.rows - row0));
   if (static_cast<int>(threadIdx.x) < load_rows) {
     const int64_t b = (row0 + threadIdx.x) / a.M;
     tile_expert[threadIdx.x] = a.rhs ? a.rhs[b] : static_cast<int>(b);
@@ -368,10 +369,19 @@ __device__ __forceinline__ void tile_gemm_runs(const TileArgs& a, int64_t tile, 
     const int expert = tile_expert[begin];
     int end = begin + 1;
     while (end < load_rows && tile_expert[end] == expert) ++end;
-    tile_gemm<Cfg, T, kBits>(a, expert, row0, load_rows, begin, end, n_block, smem);
+    fn(expert, row0, load_rows, begin, end);
     begin = end;
   }
   __syncthreads();  // tile_expert is rewritten for the next tile
+}
+
+// for_each_expert_run with tile_gemm as the callee.
+template <class Cfg, class T, int kBits>
+__device__ __forceinline__ void tile_gemm_runs(const TileArgs& a, int64_t tile, int n_block, unsigned char* smem,
+                                               int* tile_expert) {
+  for_each_expert_run<Cfg::BM>(a, tile, tile_expert, [&](int expert, int64_t row0, int load_rows, int begin, int end) {
+    tile_gemm<Cfg, T, kBits>(a, expert, row0, load_rows, begin, end, n_block, smem);
+  });
 }
 
 }  // namespace expertqmm::cuda::device

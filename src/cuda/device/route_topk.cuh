@@ -1,0 +1,105 @@
+// The router's top-k + softmax of one token on one warp (spec gemma4-moe.md 5): shared by
+// router.cu (route_into) and moe_decode.cu (the decode layer's router), so both pick the same
+// experts in the same slot order with the same tie rules:
+//   idx = top_k experts by descending logit, NaN first, ties -> lower expert id
+//   w   = softmax(logits[idx]) * per_expert_scale[idx]   fp32 (sum in slot order)
+#pragma once
+#include <cstdint>
+
+namespace expertqmm::cuda::device {
+
+// A 64-bit key whose unsigned order is the routing order: NaN above every number, then larger
+// logit, then lower expert id. High word: the float made order-preserving as an unsigned integer.
+__device__ __forceinline__ unsigned long long routing_key(float logit, int32_t expert) {
+  uint32_t bits = __float_as_uint(logit);
+  uint32_t ordered;
+  if (isnan(logit)) ordered = 0xffffffffu;
+  else ordered = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+  return (static_cast<unsigned long long>(ordered) << 32) | (0xffffffffu - static_cast<uint32_t>(expert));
+}
+
+// The logit a routing key was made from (exact: the key's high word is a bijection of the float
+// bits, every NaN becoming one NaN).
+__device__ __forceinline__ float key_logit(unsigned long long key) {
+  const uint32_t ordered = static_cast<uint32_t>(key >> 32);
+  return __uint_as_float((ordered & 0x80000000u) ? (ordered & 0x7fffffffu) : ~ordered);
+}
+__device__ __forceinline__ int32_t key_expert(unsigned long long key) {
+  return static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(key & 0xffffffffu));
+}
+
+constexpr int kTopkCachedKeys = 8;  // keys a lane keeps in registers: E <= 256 is read once
+
+// Top-k over one token's E logits, softmax over the k, times per_expert_scale; called by all 32
+// lanes of a warp (warp-uniform arguments).
+//   logit(e)        -> float: the token's logit of expert e (already rounded to the logit dtype)
+//   expert_scale(e) -> float: per_expert_scale[e]
+//   indices         (k,) int32 of this token, best first (written, and re-read for k > 32)
+//   store_weight(slot, w): writes the slot's weight (the caller rounds it to its dtype)
+// Lane l reads experts l, l+32, ... once into keys (the first 8 in registers, the rest re-read per
+// pass). Pass j: each lane finds its largest key strictly below the key picked in pass j-1 (keys
+// are distinct, so the k passes pick k distinct experts in order without marking anything), then
+// a shuffle max gives every lane the warp's. Slots go in blocks of 32: lane l keeps the key of
+// slot 32b + l, writes its index and computes its softmax numerator; the sum is folded in slot
+// order through shuffles (the CPU's order), so the weights are written by all lanes at once.
+// Slots of earlier blocks (k > 32 only) are recomputed from the indices the same lanes wrote.
+template <class Logit, class ExpertScale, class StoreWeight>
+__device__ __forceinline__ void warp_topk_softmax(Logit logit, int64_t E, int k, ExpertScale expert_scale,
+                                                  int32_t* indices, StoreWeight store_weight) {
+  const int lane = threadIdx.x & 31;
+  // 0 is below every key (a key's high word is never 0), so it stands for "no expert".
+  unsigned long long cached[kTopkCachedKeys];
+#pragma unroll
+  for (int c = 0; c < kTopkCachedKeys; ++c) {
+    const int64_t e = lane + 32 * c;
+    cached[c] = e < E ? routing_key(logit(e), static_cast<int32_t>(e)) : 0ull;
+  }
+  unsigned long long bound = ~0ull;
+  bool first = true;
+  float max_logit = 0.0f, sum = 0.0f;
+  unsigned long long mine = 0;  // the key of this lane's slot in the current block
+  for (int block = 0; block * 32 < k; ++block) {
+    const int in_block = min(32, k - block * 32);
+    for (int j = 0; j < in_block; ++j) {
+      unsigned long long best = 0;
+#pragma unroll
+      for (int c = 0; c < kTopkCachedKeys; ++c) {
+        const unsigned long long key = cached[c];
+        if ((first || key < bound) && key > best) best = key;
+      }
+      for (int64_t e = lane + 32 * kTopkCachedKeys; e < E; e += 32) {
+        const unsigned long long key = routing_key(logit(e), static_cast<int32_t>(e));
+        if ((first || key < bound) && key > best) best = key;
+      }
+      for (int off = 16; off > 0; off >>= 1) {
+        const unsigned long long other = __shfl_xor_sync(0xffffffffu, best, off);
+        best = other > best ? other : best;
+      }
+      if (lane == j) mine = best;
+      bound = best;
+      first = false;
+    }
+    // Slot 0 holds the largest logit (a NaN there propagates, as on the CPU).
+    if (block == 0) max_logit = key_logit(__shfl_sync(0xffffffffu, mine, 0));
+    const float p = lane < in_block ? expf(__fsub_rn(key_logit(mine), max_logit)) : 0.0f;
+    for (int j = 0; j < in_block; ++j) sum = __fadd_rn(sum, __shfl_sync(0xffffffffu, p, j));
+    if (lane < in_block) indices[block * 32 + lane] = key_expert(mine);
+  }
+  const int last_block = (k - 1) / 32;
+  for (int block = 0; block <= last_block; ++block) {
+    const int slot = block * 32 + lane;
+    if (slot >= k) break;
+    int32_t e;
+    float p;
+    if (block == last_block) {
+      e = key_expert(mine);
+      p = expf(__fsub_rn(key_logit(mine), max_logit));
+    } else {
+      e = indices[slot];  // written by this lane above
+      p = expf(__fsub_rn(logit(e), max_logit));
+    }
+    store_weight(slot, __fmul_rn(__fdiv_rn(p, sum), expert_scale(e)));
+  }
+}
+
+}  // namespace expertqmm::cuda::device

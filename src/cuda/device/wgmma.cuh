@@ -1,0 +1,201 @@
+// Hopper warpgroup MMA (wgmma, sm_90a only) with the A operand in registers and B in shared memory.
+// Compiled to real instructions only where __CUDA_ARCH_FEAT_SM90_ALL is defined (nvcc
+// -arch=sm_90a); elsewhere every primitive traps, and the host never selects a kernel built on them
+// (cuda/arch.h: wgmma_available()).
+//
+// Layouts (PTX ISA "wgmma", with w = warp % 4 of the warpgroup, g = lane / 4, t = lane % 4):
+//   A (64 x 16, registers) warp w owns rows 16w..16w+15 in the mma.sync m16n8k16 A layout:
+//     a[0] (16w+g, k 2t..2t+1)  a[1] (16w+g+8, 2t..2t+1)  a[2] (16w+g, 2t+8..+9)  a[3] (16w+g+8, 2t+8..+9)
+//   B (16 x N, shared memory, "K-major"): N rows of 64 contiguous k values (128 bytes), the 16-byte
+//     chunk c of row r stored at chunk c ^ (r % 8) (the 128-byte swizzle), 8-row groups 1024 bytes
+//     apart, the tile 1024-byte aligned. Step s of a 64-wide k tile starts 32 * s bytes in.
+//   D (64 x N, fp32 registers) d[4j + 0..1] (16w+g, 8j+2t..+1), d[4j + 2..3] (16w+g+8, 8j+2t..+1).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+namespace expertqmm::cuda::device {
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define EXPERTQMM_WGMMA_ENABLED 1
+#else
+#define EXPERTQMM_WGMMA_ENABLED 0
+#endif
+
+// Shared-memory matrix descriptor of a K-major, 128-byte-swizzled tile starting at `smem`
+// (PTX "matrix-descriptor-format"): start address >> 4 in bits 0-13, leading byte offset (unused
+// for swizzled K-major tiles, 1 by convention) in 16-29, stride byte offset >> 4 (1024: the next
+// 8-row group) in 32-45, base offset 0 (the tile is 1024-byte aligned), swizzle mode 1 (128 B) in 62-63.
+__device__ __forceinline__ uint64_t wgmma_desc_k128(const void* smem) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  uint64_t d = static_cast<uint64_t>((addr & 0x3FFFF) >> 4);
+  d |= static_cast<uint64_t>(1) << 16;
+  d |= static_cast<uint64_t>(1024 >> 4) << 32;
+  d |= static_cast<uint64_t>(1) << 62;
+  return d;
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+#if EXPERTQMM_WGMMA_ENABLED
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#else
+  __trap();
+#endif
+}
+
+__device__ __forceinline__ void wgmma_commit() {
+#if EXPERTQMM_WGMMA_ENABLED
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+// Waits until at most kPending committed wgmma groups of this warpgroup are in flight.
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+#if EXPERTQMM_WGMMA_ENABLED
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+#endif
+}
+
+// Keeps the compiler from moving reads or writes of a register across this point: wgmma reads
+// and writes its registers asynchronously, which the compiler does not know.
+__device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+__device__ __forceinline__ void fence_operand(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
+
+// d (64 x N) += a (64 x 16, registers) * b (16 x N, descriptor), N in {16, 32, 64}, fp32
+// accumulators; T (bf16 or f16) is the type of a and b. Asynchronous: d must not be touched until
+// wgmma_wait has retired the group, and a must not be overwritten before that either.
+template <class T, int N>
+struct WgmmaRS;
+
+template <>
+struct WgmmaRS<__nv_bfloat16, 16> {
+  static __device__ __forceinline__ void run(float (&d)[8], const uint32_t (&a)[4], uint64_t b_desc) {
+#if EXPERTQMM_WGMMA_ENABLED
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, "
+        "{%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
+#else
+    (void)d;
+    (void)a;
+    (void)b_desc;
+    __trap();
+#endif
+  }
+};
+
+template <>
+struct WgmmaRS<__half, 16> {
+  static __device__ __forceinline__ void run(float (&d)[8], const uint32_t (&a)[4], uint64_t b_desc) {
+#if EXPERTQMM_WGMMA_ENABLED
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, "
+        "{%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
+#else
+    (void)d;
+    (void)a;
+    (void)b_desc;
+    __trap();
+#endif
+  }
+};
+
+template <>
+struct WgmmaRS<__nv_bfloat16, 32> {
+  static __device__ __forceinline__ void run(float (&d)[16], const uint32_t (&a)[4], uint64_t b_desc) {
+#if EXPERTQMM_WGMMA_ENABLED
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
+#else
+    (void)d;
+    (void)a;
+    (void)b_desc;
+    __trap();
+#endif
+  }
+};
+
+template <>
+struct WgmmaRS<__half, 32> {
+  static __device__ __forceinline__ void run(float (&d)[16], const uint32_t (&a)[4], uint64_t b_desc) {
+#if EXPERTQMM_WGMMA_ENABLED
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
+#else
+    (void)d;
+    (void)a;
+    (void)b_desc;
+    __trap();
+#endif
+  }
+};
+
+template <>
+struct WgmmaRS<__nv_bfloat16, 64> {
+  static __device__ __forceinline__ void run(float (&d)[32], const uint32_t (&a)[4], uint64_t b_desc) {
+#if EXPERTQMM_WGMMA_ENABLED
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
+#else
+    (void)d;
+    (void)a;
+    (void)b_desc;
+    __trap();
+#endif
+  }
+};
+
+template <>
+struct WgmmaRS<__half, 64> {
+  static __device__ __forceinline__ void run(float (&d)[32], const uint32_t (&a)[4], uint64_t b_desc) {
+#if EXPERTQMM_WGMMA_ENABLED
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc));
+#else
+    (void)d;
+    (void)a;
+    (void)b_desc;
+    __trap();
+#endif
+  }
+};
+
+}  // namespace expertqmm::cuda::device

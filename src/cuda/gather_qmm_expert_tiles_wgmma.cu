@@ -1,0 +1,378 @@
+// expert_tiles on Hopper: the plan tiles of the sorted tile route computed with warpgroup MMA
+// (wgmma, sm_90a), weights as the M operand. The mma.sync kernel (gather_qmm_expert_tiles.cu)
+// spends ~7.4 issue slots per m16n8k16 on dequantization, ldmatrix and mma issue and runs at ~200
+// TFLOP/s; here one wgmma instruction covers a 64 x tokens x 16 block, its B operand (the gathered
+// activations) is read by the tensor cores straight from shared memory, and the dequantized
+// weights go from registers into the A operand, so the only per-element work left on the issue
+// ports is the dequantization itself.
+//
+// out^T = W x^T per tile: the CTA's 128 weight rows are wgmma's M (two warpgroups of 64), the
+// tile's tokens (16, 32 or 64: the plan tile's class) are N, K runs in 64-wide k tiles.
+//
+// Two forms (one kernel template):
+//   plain  out[row, n] = sum_k x[lhs[row], k] * W[expert, n, k], CTA rows n0 .. n0 + 127
+//   glu    hidden[row, c] = act(T(gate)) * T(up) (one rounding), warpgroup 0 the gate rows
+//          c0 .. c0 + 63 and warpgroup 1 the up rows c0 .. c0 + 63 of two weight tensors: the GLU
+//          product in the epilogue, so the [rows, 2I] gate/up output never exists (DESIGN.md
+//          fusion ladder, step 2) and x is read once for both.
+//
+// Requirements (wgmma_tiles_fit, and the caller's 16-byte aligned out): 4-bit codes, group size 64 or 128 (one group per k tile),
+// K % 64 == 0, N % 8 == 0 and a 16-byte aligned out (16-byte epilogue stores), plus everything
+// supports_tile_operands checks.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdlib>
+#include <cstring>
+
+#include "core/tile_plan.h"
+#include "cuda/device/glu.cuh"
+#include "cuda/device/tile_gemm.cuh"
+#include "cuda/device/wgmma.cuh"
+#include "cuda/gather_qmm_routes.h"
+#include "cuda/gather_qmm_wgmma.h"
+#include "cuda/runtime.cuh"
+
+namespace expertqmm::cuda {
+
+namespace {
+
+using detail::ExpertTile;
+using detail::TilePlanHeader;
+using device::TileArgs;
+
+constexpr int kThreads = 256;    // two warpgroups
+constexpr int kCtaRows = 128;    // weight rows per CTA, 64 per warpgroup
+constexpr int kMaxTokens = 64;   // tokens of a full plan tile
+constexpr int kBK = 64;          // k per pipeline stage (one quantization group at group size 64)
+constexpr int kStages = 5;
+constexpr int kWordsPerRow = kBK * 4 / 32;  // 8 packed 4-bit words per weight row per k tile
+
+// Shared memory (bytes from a 1024-byte aligned base):
+//   stages  kStages x { xs (64, 64) T, 128-byte swizzled (wgmma B: chunk c of row r at c ^ (r % 8));
+//                       ws (128, 8) uint32, chunk c of row r at c ^ ((r / 4) % 2) (conflict-free
+//                       16-byte reads of 8 rows);  ss, bs (128,) uint32: the word holding the row's
+//                       group scale / bias (see the parity below) }
+//   rows    (64,) int64 x offset of each tile row, -1 for rows to skip
+// The epilogue reuses the stages as (64, 136) T: a row of 128 outputs padded by 8 so that the
+// four token rows a warp writes at once fall in different banks.
+struct Layout {
+  static constexpr int kXBytes = kMaxTokens * kBK * 2;
+  static constexpr int kWBytes = kCtaRows * kWordsPerRow * 4;
+  static constexpr int kParamBytes = kCtaRows * 4;
+  static constexpr int kStageBytes = kXBytes + kWBytes + 2 * kParamBytes;
+  static constexpr int kRowsOffset = kStages * kStageBytes;
+  static constexpr int kOutStride = kCtaRows + 8;  // elements
+  static constexpr int kBytes = kRowsOffset + kMaxTokens * 8;
+  static constexpr int kAllocBytes = kBytes + 1024;  // room to align the dynamic base
+  static_assert(kStageBytes % 1024 == 0, "every stage's x tile stays 1024-byte aligned for the swizzle");
+  static_assert(kMaxTokens * kOutStride * 2 <= kRowsOffset, "the epilogue staging fits in the stages");
+  static __device__ __forceinline__ int w_chunk(int row, int chunk) { return chunk ^ ((row >> 2) & 1); }
+};
+
+// Computes one tile: rows [row0, row0 + load_rows) (<= kTokens) against `expert` for the CTA's
+// column block, storing local rows [store_begin, store_end). All 256 threads call it with the same
+// arguments; it ends with a barrier.
+//
+// Work split: every thread issues an equal share of each stage's cp.async copies (x: kTokens rows x
+// 8 chunks; weights: 128 rows x 2 chunks, one per thread; scale and bias words: one per thread).
+// Warp w of warpgroup q owns smem weight rows 64q + 16(w % 4) .. +15; lane (g, t) dequantizes rows
+// 64q + 16(w % 4) + g and + 8 (the A fragment rows) from two 16-byte shared loads each per k tile,
+// 16 values per row: 4 wgmma A fragments, one per k16 step. Each warpgroup then issues its 4
+// wgmmas (64 x kTokens x 16 each) and waits for them before the next k tile's barrier, so a stage
+// is free for the copies issued after that barrier.
+template <class T, int kTokens, bool kGlu, Activation kAct>
+__device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, int64_t row0, int load_rows,
+                                           int store_begin, int store_end, int col_block, unsigned char* smem) {
+  const TileArgs& a = p.tile;
+  const int tid = threadIdx.x;
+  if (expert < 0 || expert >= a.E) {
+    if (tid == 0) record_fault(a.faults, kFaultExpertOutOfRange, static_cast<uint32_t>(expert),
+                                       static_cast<uint32_t>(a.E));
+    return;  // uniform: every thread sees the same expert
+  }
+
+  int64_t* row_offset = reinterpret_cast<int64_t*>(smem + Layout::kRowsOffset);
+  if (tid < kTokens) {
+    int64_t offset = -1;
+    if (tid < load_rows) {
+      const int64_t r = row0 + tid;
+      const int64_t xb = a.lhs ? static_cast<int64_t>(a.lhs[r]) : r;  // M == 1: row r is batch r
+      if (xb >= 0 && xb < a.x_batch) offset = xb * a.x_batch_stride;
+      else record_fault(a.faults, kFaultRowOutOfRange, static_cast<uint32_t>(xb),
+                                static_cast<uint32_t>(a.x_batch));
+    }
+    row_offset[tid] = offset;
+  }
+  __syncthreads();
+
+  // Copy sources at k tile 0; a k tile adds kt * 64 elements (x), kt * 8 words (w) or its group.
+  const T* x = static_cast<const T*>(a.x);
+  constexpr int kXChunks = kTokens * 8;
+  constexpr int kXCopies = (kXChunks + kThreads - 1) / kThreads;
+  const T* x_src[kXCopies];
+  bool x_valid[kXCopies];
+#pragma unroll
+  for (int i = 0; i < kXCopies; ++i) {
+    const int c = tid + i * kThreads;
+    const int64_t offset = c < kXChunks ? row_offset[c >> 3] : -1;
+    x_valid[i] = offset >= 0;
+    x_src[i] = x_valid[i] ? x + offset + (c & 7) * 8 : x;
+  }
+  // Smem weight row r (0..127): weight set r / 64 and row n0 + r % 64 (glu), or row n0 + r.
+  auto weight_row = [&](int r) { return kGlu ? col_block * 64 + (r & 63) : col_block * kCtaRows + r; };
+  auto weight_set = [&](int r) { return kGlu && r >= 64 ? 1 : 0; };
+  const int64_t w_expert = static_cast<int64_t>(expert) * a.N * a.words_per_row;
+  const int64_t param_expert = static_cast<int64_t>(expert) * a.N * a.groups_per_row;
+  const int w_row = tid >> 1, w_chunk = tid & 1;
+  const int w_n = weight_row(w_row);
+  const bool w_valid = w_n < a.N;
+  const uint32_t* w_base = weight_set(w_row) ? p.w_up : a.w;
+  const uint32_t* w_src = w_valid ? w_base + w_expert + static_cast<int64_t>(w_n) * a.words_per_row + w_chunk * 4 : a.w;
+  const int param_row = tid & (kCtaRows - 1);
+  const int param_n = weight_row(param_row);
+  const bool param_valid = param_n < a.N;
+  const bool is_bias = tid >= kCtaRows;
+  const uint16_t* param_base = weight_set(param_row) ? (is_bias ? p.biases_up : p.scales_up)
+                                                     : (is_bias ? a.biases : a.scales);
+  const uint16_t* param_src =
+      param_valid ? param_base + param_expert + static_cast<int64_t>(param_n) * a.groups_per_row : a.scales;
+
+  auto stage_base = [&](int stage) { return smem + stage * Layout::kStageBytes; };
+  auto load_stage = [&](int stage, int kt) {
+    unsigned char* base = stage_base(stage);
+    T* xs = reinterpret_cast<T*>(base);
+    uint32_t* ws = reinterpret_cast<uint32_t*>(base + Layout::kXBytes);
+    uint32_t* params = ws + kCtaRows * kWordsPerRow;  // ss (128,) then bs (128,)
+#pragma unroll
+    for (int i = 0; i < kXCopies; ++i) {
+      const int c = tid + i * kThreads;
+      if (kXChunks % kThreads != 0 && c >= kXChunks) break;
+      const int row = c >> 3, chunk = c & 7;
+      device::cp_async_16(xs + row * kBK + ((chunk ^ (row & 7)) << 3), x_src[i] + kt * kBK, x_valid[i]);
+    }
+    device::cp_async_16(ws + w_row * kWordsPerRow + (Layout::w_chunk(w_row, w_chunk) << 2),
+                        w_valid ? w_src + kt * kWordsPerRow : a.w, w_valid);
+    // The group element el sits in the aligned word at el & ~1: el odd -> read both halves; el even
+    // -> its 2 bytes only (the next element may lie past the end of the tensor).
+    const uint16_t* el = param_src + ((kt * kBK) >> a.group_shift);
+    const int odd = static_cast<int>((reinterpret_cast<uintptr_t>(el) >> 1) & 1);
+    if (param_valid) device::cp_async_4(params + tid, el - odd, odd ? 4 : 2);
+    else device::cp_async_4(params + tid, param_src, 0);
+  };
+
+  const int warp = tid >> 5, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int m_lo = (warp >> 2) * 64 + (warp & 3) * 16 + g;  // smem weight rows of this lane
+  const int m_hi = m_lo + 8;
+  using Dequant = device::PackedDequant<T>;
+  const uint32_t selector = Dequant::nibble_selector(t);
+  // Half of the staged scale/bias word holding the group: the row's first element's parity
+  // (4-byte aligned tensors) flipped by the group index's parity.
+  auto row_parity = [&](int r) {
+    const int n = weight_row(r);
+    return n < a.N ? static_cast<int>((param_expert + static_cast<int64_t>(n) * a.groups_per_row) & 1) : 0;
+  };
+  const int parity_lo = row_parity(m_lo), parity_hi = row_parity(m_hi);
+
+  constexpr int kAcc = kTokens / 2;
+  float acc[kAcc];
+#pragma unroll
+  for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
+
+  const int k_tiles = a.K / kBK;
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < k_tiles) load_stage(s, s);
+    device::cp_async_commit();
+  }
+
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    device::cp_async_wait<kStages - 2>();
+    __syncthreads();  // tile kt visible; every warpgroup has retired its wgmmas on tile kt - 1
+    const int next = kt + kStages - 1;
+    if (next < k_tiles) load_stage(next % kStages, next);
+    device::cp_async_commit();
+
+    const unsigned char* base = stage_base(kt % kStages);
+    const uint32_t* ws = reinterpret_cast<const uint32_t*>(base + Layout::kXBytes);
+    const uint32_t* ss = ws + kCtaRows * kWordsPerRow;
+    const uint32_t* bs = ss + kCtaRows;
+    const int tile_parity = ((kt * kBK) >> a.group_shift) & 1;
+    const bool high_lo = (parity_lo ^ tile_parity) != 0, high_hi = (parity_hi ^ tile_parity) != 0;
+    const uint32_t s_lo = device::broadcast_half(ss[m_lo], high_lo), b_lo = device::broadcast_half(bs[m_lo], high_lo);
+    const uint32_t s_hi = device::broadcast_half(ss[m_hi], high_hi), b_hi = device::broadcast_half(bs[m_hi], high_hi);
+    // Row words: word i holds k = 8i .. 8i + 7; chunk 0 = words 0-3, chunk 1 = words 4-7.
+    const uint4 lo0 = *reinterpret_cast<const uint4*>(ws + m_lo * kWordsPerRow + (Layout::w_chunk(m_lo, 0) << 2));
+    const uint4 lo1 = *reinterpret_cast<const uint4*>(ws + m_lo * kWordsPerRow + (Layout::w_chunk(m_lo, 1) << 2));
+    const uint4 hi0 = *reinterpret_cast<const uint4*>(ws + m_hi * kWordsPerRow + (Layout::w_chunk(m_hi, 0) << 2));
+    const uint4 hi1 = *reinterpret_cast<const uint4*>(ws + m_hi * kWordsPerRow + (Layout::w_chunk(m_hi, 1) << 2));
+    const uint32_t lo[8] = {lo0.x, lo0.y, lo0.z, lo0.w, lo1.x, lo1.y, lo1.z, lo1.w};
+    const uint32_t hi[8] = {hi0.x, hi0.y, hi0.z, hi0.w, hi1.x, hi1.y, hi1.z, hi1.w};
+    // k16 step s: k = 16s + 2t, +1 from word 2s and 16s + 8 + 2t, +1 from word 2s + 1.
+    uint32_t afrag[4][4];
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      afrag[s][0] = Dequant::nibbles(lo[2 * s], selector, s_lo, b_lo);
+      afrag[s][1] = Dequant::nibbles(hi[2 * s], selector, s_hi, b_hi);
+      afrag[s][2] = Dequant::nibbles(lo[2 * s + 1], selector, s_lo, b_lo);
+      afrag[s][3] = Dequant::nibbles(hi[2 * s + 1], selector, s_hi, b_hi);
+    }
+    const uint64_t desc = device::wgmma_desc_k128(base);
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) device::fence_operand(acc[i]);
+    device::wgmma_fence();
+#pragma unroll
+    for (int s = 0; s < 4; ++s)  // +32 bytes per k16 step: (32 >> 4) in the address field
+      device::WgmmaRS<T, kTokens>::run(acc, afrag[s], desc + 2 * s);
+    device::wgmma_commit();
+    device::wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) device::fence_operand(acc[i]);
+  }
+  device::cp_async_wait<0>();
+  __syncthreads();  // every stage read: the epilogue reuses them
+
+  // Stage the tile's outputs as T: out_s[token][m], m the smem weight row.
+  T* out_s = reinterpret_cast<T*>(smem);
+#pragma unroll
+  for (int j = 0; j < kTokens / 8; ++j) {
+    const int tok = 8 * j + 2 * t;
+    out_s[tok * Layout::kOutStride + m_lo] = device::Elem<T>::from_float(acc[4 * j + 0]);
+    out_s[(tok + 1) * Layout::kOutStride + m_lo] = device::Elem<T>::from_float(acc[4 * j + 1]);
+    out_s[tok * Layout::kOutStride + m_hi] = device::Elem<T>::from_float(acc[4 * j + 2]);
+    out_s[(tok + 1) * Layout::kOutStride + m_hi] = device::Elem<T>::from_float(acc[4 * j + 3]);
+  }
+  __syncthreads();
+
+  // 16-byte stores of 8 outputs: plain 16 chunks per row (128 columns), glu 8 (64 columns).
+  constexpr int kChunksPerRow = kGlu ? 8 : 16;
+  const int col0 = col_block * (kGlu ? 64 : kCtaRows);
+  T* out = static_cast<T*>(a.out);
+  for (int i = tid; i < kTokens * kChunksPerRow; i += kThreads) {
+    const int tok = i / kChunksPerRow, chunk = i % kChunksPerRow;
+    const int col = col0 + chunk * 8;
+    if (tok < store_begin || tok >= store_end || row_offset[tok] < 0 || col >= a.N) continue;
+    const T* src = out_s + tok * Layout::kOutStride + chunk * 8;
+    uint4 v = *reinterpret_cast<const uint4*>(src);
+    if constexpr (kGlu) {
+      const uint4 u = *reinterpret_cast<const uint4*>(src + 64);
+      const T* gv = reinterpret_cast<const T*>(&v);
+      const T* uv = reinterpret_cast<const T*>(&u);
+      T o[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        o[e] = device::Elem<T>::from_float(device::glu<kAct>(device::Elem<T>::to_float(gv[e]), device::Elem<T>::to_float(uv[e])));
+      v = *reinterpret_cast<const uint4*>(o);
+    }
+    *reinterpret_cast<uint4*>(out + (row0 + tok) * a.N + col) = v;
+  }
+  __syncthreads();  // row offsets and the staging are rewritten by the next tile
+}
+
+// Grid (column blocks, min(tile slots, 65535)), 256 threads, Layout::kAllocBytes of dynamic shared
+// memory. With a valid plan CTA (x, y) runs plan tiles y, y + gridDim.y, ... against column block x
+// with the wgmma width of the tile's class (n16 / n32 / n64). With a retracted plan the same CTAs
+// stride over the 16-row tiles of all rows and run each maximal run of equal ids as one n16 tile
+// (the rhs_tiles algorithm), so any order of ids still gives the right answer.
+template <class T, bool kGlu, Activation kAct>
+__global__ void __launch_bounds__(kThreads, 2)
+    expert_tiles_wgmma_kernel(WgmmaTileArgs p, const ExpertTile* __restrict__ tiles,
+                              const TilePlanHeader* __restrict__ header) {
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  const int sorted = header->sorted;
+  if (!sorted && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && p.retractions)
+    atomicAdd(p.retractions, static_cast<unsigned long long>(p.calls));
+  if (sorted) {
+    const int tile_count = header->tile_count;
+    for (int i = blockIdx.y; i < tile_count; i += gridDim.y) {
+      const ExpertTile tile = tiles[i];
+      if (tile.bm == 64)
+        wgmma_tile<T, 64, kGlu, kAct>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
+      else if (tile.bm == 32)
+        wgmma_tile<T, 32, kGlu, kAct>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
+      else
+        wgmma_tile<T, 16, kGlu, kAct>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
+    }
+    return;
+  }
+  __shared__ int tile_expert[16];
+  const int64_t row_tiles = (p.tile.rows + 15) / 16;
+  for (int64_t tile = blockIdx.y; tile < row_tiles; tile += gridDim.y)
+    device::for_each_expert_run<16>(p.tile, tile, tile_expert, [&](int expert, int64_t row0, int load_rows, int begin,
+                                                                   int end) {
+      wgmma_tile<T, 16, kGlu, kAct>(p, expert, row0, load_rows, begin, end, blockIdx.x, smem);
+    });
+}
+
+template <class T, bool kGlu, Activation kAct>
+void launch_variant(const WgmmaTileArgs& p, const ExpertTile* tiles, const TilePlanHeader* header,
+                    int64_t tile_slots) {
+  static const bool smem_configured = [] {
+    EXPERTQMM_CUDA_CHECK(cudaFuncSetAttribute(expert_tiles_wgmma_kernel<T, kGlu, kAct>,
+                                              cudaFuncAttributeMaxDynamicSharedMemorySize, Layout::kAllocBytes));
+    return true;
+  }();
+  (void)smem_configured;
+  const int64_t slots = std::max<int64_t>(tile_slots, (p.tile.rows + 15) / 16);
+  const int cols_per_cta = kGlu ? 64 : kCtaRows;
+  const dim3 grid(static_cast<unsigned>(ceil_div(p.tile.N, cols_per_cta)),
+                  static_cast<unsigned>(std::min<int64_t>(slots, 65535)));
+  expert_tiles_wgmma_kernel<T, kGlu, kAct>
+      <<<grid, kThreads, Layout::kAllocBytes, current_stream()>>>(p, tiles, header);
+  EXPERTQMM_CUDA_CHECK_LAUNCH("expert_tiles_wgmma_kernel");
+}
+
+// The instantiations, as data: activation dtype x form.
+struct WgmmaVariant {
+  DType dtype;
+  WgmmaForm form;
+  void (*launch)(const WgmmaTileArgs&, const ExpertTile*, const TilePlanHeader*, int64_t);
+};
+const WgmmaVariant kVariants[] = {
+    {DType::bf16, WgmmaForm::plain, launch_variant<__nv_bfloat16, false, Activation::geglu>},
+    {DType::bf16, WgmmaForm::geglu, launch_variant<__nv_bfloat16, true, Activation::geglu>},
+    {DType::bf16, WgmmaForm::swiglu, launch_variant<__nv_bfloat16, true, Activation::swiglu>},
+    {DType::f16, WgmmaForm::plain, launch_variant<__half, false, Activation::geglu>},
+    {DType::f16, WgmmaForm::geglu, launch_variant<__half, true, Activation::geglu>},
+    {DType::f16, WgmmaForm::swiglu, launch_variant<__half, true, Activation::swiglu>},
+};
+
+}  // namespace
+
+bool wgmma_available() {
+#if defined(EXPERTQMM_HAVE_SM90A)
+  static const bool available = [] {
+    const char* env = std::getenv("EXPERTQMM_WGMMA");
+    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    int device = 0, major = 0, minor = 0;
+    EXPERTQMM_CUDA_CHECK(cudaGetDevice(&device));
+    EXPERTQMM_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    EXPERTQMM_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    return major == 9 && minor == 0;  // sm_90a code runs on compute capability 9.0 only
+  }();
+  return available;
+#else
+  return false;
+#endif
+}
+
+bool wgmma_tiles_fit(const detail::GatherQmmProblem& p) {
+  return wgmma_available() && (p.dtype == DType::bf16 || p.dtype == DType::f16) && p.bits == 4 &&
+         (p.group_size == 64 || p.group_size == 128) && p.M == 1 && p.K % kBK == 0 && p.N % 8 == 0 &&
+         supports_tile_operands(p).ok;
+}
+
+void launch_expert_tiles_wgmma(const WgmmaTileArgs& p, WgmmaForm form, DType dtype, const ExpertTile* tiles,
+                               const TilePlanHeader* header, int64_t tile_slots) {
+  for (const WgmmaVariant& v : kVariants)
+    if (v.dtype == dtype && v.form == form) {
+      v.launch(p, tiles, header, tile_slots);
+      return;
+    }
+  throw Error("gather_qmm", detail::cat("expert_tiles_wgmma has no kernel for dtype=", dtype_name(dtype), " form=",
+                                        static_cast<int>(form)));
+}
+
+}  // namespace expertqmm::cuda

@@ -1,0 +1,48 @@
+// The Hopper (sm_90a, wgmma) kernels of the expert tile route (gather_qmm_expert_tiles_wgmma.cu):
+// the plain GEMM and the gate/up GEMM with the GLU product in its epilogue. Internal.
+#pragma once
+#include <cstdint>
+
+#include "core/gather_qmm_problem.h"
+#include "core/tile_plan.h"
+#include "cuda/device/tile_gemm.cuh"
+#include "expertqmm/ops.h"
+
+namespace expertqmm::cuda {
+
+enum class WgmmaForm : uint8_t { plain, geglu, swiglu };
+
+// The problem as the kernel reads it. plain: tile describes the one GEMM. geglu / swiglu: tile
+// holds the gate weights and the output (hidden, [rows, N], N = the expert width), *_up the up
+// weights of the same shape and layout.
+struct WgmmaTileArgs {
+  device::TileArgs tile;
+  const uint32_t* w_up = nullptr;
+  const uint16_t* scales_up = nullptr;
+  const uint16_t* biases_up = nullptr;
+  unsigned long long* retractions = nullptr;  // += calls when the plan turns out retracted
+  int calls = 1;                              // gather_qmm calls this launch serves (glu: 2)
+};
+
+// True when this build carries sm_90a code and the current device is compute capability 9.0
+// (queried once; EXPERTQMM_WGMMA=0 in the environment turns the kernels off, for comparison).
+bool wgmma_available();
+
+// Whether the wgmma kernels take p: wgmma_available(), bf16/f16, 4-bit, group size 64 or 128,
+// M == 1, K % 64 == 0, N % 8 == 0 and supports_tile_operands(p). The output must also be 16-byte
+// aligned (the epilogue's stores): the caller checks its pointer.
+bool wgmma_tiles_fit(const detail::GatherQmmProblem& p);
+
+// Runs the plan (built by launch_build_tile_plan on the same stream) in the given form.
+void launch_expert_tiles_wgmma(const WgmmaTileArgs& p, WgmmaForm form, DType dtype, const detail::ExpertTile* tiles,
+                               const detail::TilePlanHeader* header, int64_t tile_slots);
+
+// The gate/up GEMMs of a SwitchGLU layer and the GLU product in one wgmma launch:
+// hidden[r] = T(act(T(x[lhs[r]] gate[rhs[r]]^T)) * T(x[lhs[r]] up[rhs[r]]^T)) (fused product mode).
+// gate and up must share shapes, dtype, quantization and one prebuilt tile_plan; hidden is
+// (B, N) contiguous. Counts two gather_qmm hits. Returns false, launching and counting nothing,
+// when the route is switched off or the problems do not fit the wgmma kernel.
+bool gate_up_glu_expert_tiles(const detail::GatherQmmProblem& gate, const detail::GatherQmmProblem& up, Activation act,
+                              void* hidden);
+
+}  // namespace expertqmm::cuda
