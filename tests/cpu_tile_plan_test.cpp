@@ -30,7 +30,8 @@ std::vector<int32_t> ids_from_counts(const std::vector<int64_t>& counts) {
 
 // Checks a built plan against the ids with counts computed here, independently of the builder and of
 // tile_plan_violation: per-row coverage, per-expert tile counts, the class of every tile (full tiles
-// of 64 rows are bm 64; a tail of r = c % 64 rows is bm 16 for r <= 16, 32 for r <= 32, else 64).
+// of 128 rows are bm 128; a tail of r = c % 128 rows is bm 16 for r <= 16, 32 for r <= 32, 64 for
+// r <= 64, else 128).
 void expect_valid_plan(const TilePlan& plan, const std::vector<int32_t>& ids, int E, const std::string& what) {
   SCOPED_TRACE(what);
   const int64_t n = static_cast<int64_t>(ids.size());
@@ -38,14 +39,14 @@ void expect_valid_plan(const TilePlan& plan, const std::vector<int32_t>& ids, in
   ASSERT_EQ(detail::tile_plan_violation(plan.tiles.data(), plan.tiles.size(), ids.data(), n, E), "");
   std::vector<int64_t> count(E, 0);
   for (int32_t id : ids) ++count[id];
-  std::vector<int64_t> tiles_of(E, 0), bm16_of(E, 0), bm32_of(E, 0), bm64_of(E, 0), rows_of(E, 0);
+  std::vector<int64_t> tiles_of(E, 0), bm16_of(E, 0), bm32_of(E, 0), bm64_of(E, 0), bm128_of(E, 0), rows_of(E, 0);
   std::vector<int> covered(n, 0);
   for (const ExpertTile& t : plan.tiles) {
     ASSERT_GE(t.expert, 0);
     ASSERT_LT(t.expert, E);
     ASSERT_GE(t.rows, 1);
-    ASSERT_LE(t.rows, 64);
-    ASSERT_TRUE(t.bm == 16 || t.bm == 32 || t.bm == 64) << "bm " << t.bm;
+    ASSERT_LE(t.rows, 128);
+    ASSERT_TRUE(t.bm == 16 || t.bm == 32 || t.bm == 64 || t.bm == 128) << "bm " << t.bm;
     ASSERT_LE(t.rows, t.bm);
     if (t.bm > 16) {
       ASSERT_GT(t.rows, t.bm / 2) << "a tile of " << t.rows << " rows belongs to a smaller class than bm " << t.bm;
@@ -54,6 +55,7 @@ void expect_valid_plan(const TilePlan& plan, const std::vector<int32_t>& ids, in
     bm16_of[t.expert] += t.bm == 16;
     bm32_of[t.expert] += t.bm == 32;
     bm64_of[t.expert] += t.bm == 64;
+    bm128_of[t.expert] += t.bm == 128;
     rows_of[t.expert] += t.rows;
     for (int64_t r = t.row_begin; r < t.row_begin + t.rows; ++r) {
       ASSERT_EQ(ids[r], t.expert) << "row " << r;
@@ -63,11 +65,12 @@ void expect_valid_plan(const TilePlan& plan, const std::vector<int32_t>& ids, in
   for (int64_t r = 0; r < n; ++r) ASSERT_EQ(covered[r], 1) << "row " << r;
   for (int e = 0; e < E; ++e) {
     ASSERT_EQ(rows_of[e], count[e]) << "expert " << e;
-    ASSERT_EQ(tiles_of[e], count[e] / 64 + (count[e] % 64 != 0)) << "expert " << e;
-    const int64_t tail = count[e] % 64;
+    ASSERT_EQ(tiles_of[e], count[e] / 128 + (count[e] % 128 != 0)) << "expert " << e;
+    const int64_t tail = count[e] % 128;
     ASSERT_EQ(bm16_of[e], (tail > 0 && tail <= 16) ? 1 : 0) << "expert " << e;
     ASSERT_EQ(bm32_of[e], (tail > 16 && tail <= 32) ? 1 : 0) << "expert " << e;
-    ASSERT_EQ(bm64_of[e], count[e] / 64 + (tail > 32 ? 1 : 0)) << "expert " << e;
+    ASSERT_EQ(bm64_of[e], (tail > 32 && tail <= 64) ? 1 : 0) << "expert " << e;
+    ASSERT_EQ(bm128_of[e], count[e] / 128 + (tail > 64 ? 1 : 0)) << "expert " << e;
   }
   for (size_t i = 1; i < plan.tiles.size(); ++i) {
     const ExpertTile& a = plan.tiles[i - 1];
@@ -90,21 +93,21 @@ std::string str(const std::vector<int32_t>& v) {
 }  // namespace
 
 TEST(TilePlan, TileClassRule) {
-  for (int32_t rows = 1; rows <= 64; ++rows)
-    EXPECT_EQ(detail::tile_bm_for_rows(rows), rows <= 16 ? 16 : rows <= 32 ? 32 : 64) << "rows " << rows;
+  for (int32_t rows = 1; rows <= 128; ++rows)
+    EXPECT_EQ(detail::tile_bm_for_rows(rows), rows <= 16 ? 16 : rows <= 32 ? 32 : rows <= 64 ? 64 : 128)
+        << "rows " << rows;
   EXPECT_EQ(detail::tile_bm_for_rows(0), 0);
-  EXPECT_EQ(detail::tile_bm_for_rows(65), 0);
+  EXPECT_EQ(detail::tile_bm_for_rows(129), 0);
   EXPECT_EQ(detail::tile_bm_for_rows(-1), 0);
-  EXPECT_EQ(detail::kTileRowsFull, 64);
+  EXPECT_EQ(detail::kTileRowsFull, 128);
 }
 
 TEST(TilePlan, HandWrittenPlan) {
   const std::vector<int32_t> ids = ids_from_counts({0, 33, 16, 17, 0, 64, 1, 129, 96, 112});
   const TilePlan plan = detail::build_tile_plan(ids.data(), ids.size(), 10);
   const std::vector<ExpertTile> expected = {
-      {1, 0, 33, 64},    {2, 33, 16, 16},   {3, 49, 17, 32},  {5, 66, 64, 64},   {6, 130, 1, 16},
-      {7, 131, 64, 64},  {7, 195, 64, 64},  {7, 259, 1, 16},  {8, 260, 64, 64},  {8, 324, 32, 32},
-      {9, 356, 64, 64},  {9, 420, 48, 64}};
+      {1, 0, 33, 64},     {2, 33, 16, 16},  {3, 49, 17, 32},    {5, 66, 64, 64},   {6, 130, 1, 16},
+      {7, 131, 128, 128}, {7, 259, 1, 16},  {8, 260, 96, 128},  {9, 356, 112, 128}};
   ASSERT_EQ(ids.size(), 468u);
   ASSERT_EQ(plan.tiles.size(), expected.size());
   for (size_t i = 0; i < expected.size(); ++i) EXPECT_TRUE(plan.tiles[i] == expected[i]) << "tile " << i;
@@ -205,12 +208,12 @@ TEST(TilePlan, EmptyInputAndEmptyExperts) {
 TEST(TilePlan, OneExpertOwnsEveryRow) {
   std::vector<int32_t> ids(16384 + 20, 77);
   const TilePlan plan = detail::build_tile_plan(ids.data(), ids.size(), 128);
-  ASSERT_EQ(plan.tiles.size(), 257u);
+  ASSERT_EQ(plan.tiles.size(), 129u);
   EXPECT_TRUE(plan.tiles.back() == (ExpertTile{77, 16384, 20, 32}));
   expect_valid_plan(plan, ids, 128, "one expert");
   ids.resize(16384 + 40, 77);
   const TilePlan wide_tail = detail::build_tile_plan(ids.data(), ids.size(), 128);
-  ASSERT_EQ(wide_tail.tiles.size(), 257u);
+  ASSERT_EQ(wide_tail.tiles.size(), 129u);
   EXPECT_TRUE(wide_tail.tiles.back() == (ExpertTile{77, 16384, 40, 64}));
   expect_valid_plan(wide_tail, ids, 128, "one expert, 40-row tail");
 }
@@ -219,7 +222,7 @@ TEST(TilePlan, SingleExpert) {
   for (int64_t n : {1, 16, 17, 32, 33, 48, 49, 63, 64, 65, 96, 97, 128, 129, 1000}) {
     const std::vector<int32_t> ids(n, 0);
     const TilePlan plan = detail::build_tile_plan(ids.data(), n, 1);
-    EXPECT_EQ(static_cast<int64_t>(plan.tiles.size()), (n + 63) / 64);
+    EXPECT_EQ(static_cast<int64_t>(plan.tiles.size()), (n + 127) / 128);
     expect_valid_plan(plan, ids, 1, "E=1 n=" + std::to_string(n));
   }
 }
@@ -272,31 +275,31 @@ TEST(TilePlan, LimitsThrow) {
   expect_error([&] { detail::max_tiles(-5, 4); }, "n=-5");
   expect_error([&] { detail::max_tiles(10, 5000); }, "E=5000");
   EXPECT_NO_THROW(detail::build_tile_plan(ids.data(), 2, 4096));
-  EXPECT_EQ(detail::max_tiles(INT32_MAX, 4096), INT32_MAX / 64 + 4096);
-  EXPECT_EQ(detail::max_tiles(16384, 128), 256 + 128);
+  EXPECT_EQ(detail::max_tiles(INT32_MAX, 4096), INT32_MAX / 128 + 4096);
+  EXPECT_EQ(detail::max_tiles(16384, 128), 128 + 128);
   EXPECT_EQ(detail::max_tiles(3, 128), 3);
   EXPECT_EQ(detail::max_tiles(0, 1), 0);
 }
 
 TEST(TilePlan, MaxTilesIsReached) {
-  // Two experts of one row each: 2 tiles == floor(2/64) + min(2, 2).
+  // Two experts of one row each: 2 tiles == floor(2/128) + min(2, 2).
   const std::vector<int32_t> ids = {0, 1};
   EXPECT_EQ(static_cast<int64_t>(detail::build_tile_plan(ids.data(), 2, 2).tiles.size()), detail::max_tiles(2, 2));
-  // With full tiles too: three experts of 65 rows, 6 tiles == floor(195/64) + min(195, 3).
-  const std::vector<int32_t> full = ids_from_counts({65, 65, 65});
+  // With full tiles too: three experts of 129 rows, 6 tiles == floor(387/128) + min(387, 3).
+  const std::vector<int32_t> full = ids_from_counts({129, 129, 129});
   EXPECT_EQ(static_cast<int64_t>(detail::build_tile_plan(full.data(), full.size(), 3).tiles.size()),
             detail::max_tiles(full.size(), 3));
   EXPECT_EQ(detail::max_tiles(full.size(), 3), 6);
 }
 
 TEST(TilePlan, CheckerRejectsCorruptedPlans) {
-  // Tiles: {0,0,64,64} {0,64,36,64} {2,100,17,32} {3,117,16,16} {4,133,64,64} {5,197,40,64}.
-  const std::vector<int32_t> ids = ids_from_counts({100, 0, 17, 16, 64, 40});
+  // Tiles: {0,0,128,128} {0,128,100,128} {2,228,17,32} {3,245,16,16} {4,261,64,64} {5,325,40,64}.
+  const std::vector<int32_t> ids = ids_from_counts({228, 0, 17, 16, 64, 40});
   const int E = 6;
   const std::vector<ExpertTile> good = detail::build_tile_plan(ids.data(), ids.size(), E).tiles;
   ASSERT_EQ(good.size(), 6u);
-  ASSERT_TRUE(good[1] == (ExpertTile{0, 64, 36, 64}));
-  ASSERT_TRUE(good[5] == (ExpertTile{5, 197, 40, 64}));
+  ASSERT_TRUE(good[1] == (ExpertTile{0, 128, 100, 128}));
+  ASSERT_TRUE(good[5] == (ExpertTile{5, 325, 40, 64}));
   ASSERT_EQ(detail::tile_plan_violation(good.data(), good.size(), ids.data(), ids.size(), E), "");
   const std::vector<std::pair<std::string, std::function<void(std::vector<ExpertTile>&)>>> mutations = {
       {"drop first", [](auto& t) { t.erase(t.begin()); }},
@@ -307,8 +310,8 @@ TEST(TilePlan, CheckerRejectsCorruptedPlans) {
       {"bm 32 tail as 64", [](auto& t) { t[2].bm = 64; }},
       {"bm 64 tail as 32", [](auto& t) { t[5].bm = 32; }},
       {"bm of a full tile", [](auto& t) { t[0].bm = 32; }},
-      {"rows over 64", [](auto& t) {
-         t[0].rows = 100;
+      {"rows over 128", [](auto& t) {
+         t[0].rows = 228;
          t.erase(t.begin() + 1);
        }},
       {"rows too many", [](auto& t) { t[1].rows += 1; }},
@@ -322,8 +325,12 @@ TEST(TilePlan, CheckerRejectsCorruptedPlans) {
          t.insert(t.begin() + 1, ExpertTile{0, 32, 32, 32});
        }},
       {"tail split 32+8", [](auto& t) {
-         t[5] = ExpertTile{5, 197, 32, 32};
-         t.push_back(ExpertTile{5, 229, 8, 16});
+         t[5] = ExpertTile{5, 325, 32, 32};
+         t.push_back(ExpertTile{5, 357, 8, 16});
+       }},
+      {"the old 64-row plan", [](auto& t) {
+         t[0] = ExpertTile{0, 0, 64, 64};
+         t.insert(t.begin() + 1, ExpertTile{0, 64, 64, 64});
        }},
       {"the old 32-row plan", [](auto& t) {
          t[0] = ExpertTile{0, 0, 32, 32};

@@ -228,12 +228,12 @@ const std::vector<int64_t> kTokens = {1, 2, 3, 7, 8};
 
 TEST(GpuMoeDecode, GemmaGeometryBf16FourBit) {
   EXPERTQMM_REQUIRE_GPU();
-  check_geometry({2816, 704, 128, 8, 4, 64, 8, false, Activation::geglu, DType::bf16}, kTokens);
+  check_geometry({2816, 704, 16, 8, 4, 64, 8, false, Activation::geglu, DType::bf16}, kTokens);
 }
 
 TEST(GpuMoeDecode, GemmaGeometryF16FourBitFusedGateUp) {
   EXPERTQMM_REQUIRE_GPU();
-  check_geometry({2816, 704, 128, 8, 4, 64, 8, true, Activation::geglu, DType::f16}, kTokens);
+  check_geometry({2816, 704, 16, 8, 4, 64, 8, true, Activation::geglu, DType::f16}, kTokens);
 }
 
 TEST(GpuMoeDecode, SmallOddGeometries) {
@@ -275,7 +275,7 @@ TEST(GpuMoeDecode, CapturedInACudaGraphAsThreeKernels) {
   EXPERTQMM_REQUIRE_GPU();
 #ifdef EXPERTQMM_HAVE_CUDA
   DecodeSwitchGuard on(RouteSwitch::on);
-  const Geometry g{2816, 704, 128, 8, 4, 64, 8, false, Activation::geglu, DType::bf16};
+  const Geometry g{2816, 704, 16, 8, 4, 64, 8, false, Activation::geglu, DType::bf16};
   const Layer l = make_layer(g);
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);

@@ -27,4 +27,13 @@ enum class ProductMode : uint8_t { fused, separate };
 void set_product_mode(ProductMode mode);
 ProductMode product_mode();
 
+// Deterministic mode: the same output bits on every run. Off (the default, or
+// EXPERTQMM_DETERMINISTIC=0), the CUDA MoE layer may add each expert's down output into its
+// token's fp32 output row with atomics inside the down GEMM (no [T*k, H] buffer, no combine pass),
+// so the order of the k additions varies between runs. On (EXPERTQMM_DETERMINISTIC=1), it writes
+// the down outputs and sums them in slot order in a separate kernel. The CPU backend is always
+// deterministic.
+void set_deterministic(bool on);
+bool deterministic();
+
 }  // namespace expertqmm

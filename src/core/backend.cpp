@@ -1,14 +1,24 @@
 #include "expertqmm/backend.h"
 
 #include <atomic>
+#include <cstdlib>
+#include <cstring>
 
 #include "core/device_memory.h"
+#include "expertqmm/error.h"
 
 namespace expertqmm {
 
 namespace {
 std::atomic<void*> g_stream{nullptr};
 std::atomic<ProductMode> g_product_mode{ProductMode::fused};
+bool deterministic_from_env() {
+  const char* v = std::getenv("EXPERTQMM_DETERMINISTIC");
+  if (v == nullptr || std::strcmp(v, "0") == 0) return false;
+  if (std::strcmp(v, "1") == 0) return true;
+  throw Error("EXPERTQMM_DETERMINISTIC", detail::cat("expected 0 or 1, got '", v, "'"));
+}
+std::atomic<int> g_deterministic{-1};  // -1: not set through the API; the environment decides
 }  // namespace
 
 bool cuda_built() {
@@ -27,5 +37,12 @@ void* cuda_stream() { return g_stream.load(); }
 void cuda_check() { detail::device_check(); }
 void set_product_mode(ProductMode mode) { g_product_mode.store(mode); }
 ProductMode product_mode() { return g_product_mode.load(); }
+void set_deterministic(bool on) { g_deterministic.store(on ? 1 : 0); }
+bool deterministic() {
+  const int v = g_deterministic.load();
+  if (v >= 0) return v == 1;
+  static const bool from_env = deterministic_from_env();  // throws once on a bad value
+  return from_env;
+}
 
 }  // namespace expertqmm

@@ -82,7 +82,7 @@ std::string tile_plan_violation(const ExpertTile* tiles, int64_t tile_count, con
     if (tile.row_begin + static_cast<int64_t>(tile.rows) > n) return at + cat("runs past n=", n);
     for (int64_t r = tile.row_begin; r < tile.row_begin + tile.rows; ++r)
       if (ids[r] != tile.expert) return at + cat("row ", r, " has id ", ids[r]);
-    // A short tile must end its expert's rows: otherwise the expert got more tiles than ceil(c/64).
+    // A short tile must end its expert's rows: otherwise the expert got more tiles than ceil(c/kTileRowsFull).
     const int64_t end = tile.row_begin + tile.rows;
     if (tile.rows < kTileRowsFull && end < n && ids[end] == tile.expert)
       return at + cat("short tile but row ", end, " is the same expert");

@@ -19,13 +19,13 @@ struct TileClass {
   int32_t bm;        // the GEMM's row-tile height
   int32_t max_rows;  // largest tile of this class (== bm: a tile never pads past its own class)
 };
-constexpr int kTileClassCount = 3;
+constexpr int kTileClassCount = 4;
 // The table as a constexpr function rather than an array: device code may call constexpr
 // functions (--expt-relaxed-constexpr) but may not read a host array at run time (it traps).
 constexpr TileClass tile_class(int c) {
-  return c == 0 ? TileClass{16, 16} : c == 1 ? TileClass{32, 32} : TileClass{64, 64};
+  return c == 0 ? TileClass{16, 16} : c == 1 ? TileClass{32, 32} : c == 2 ? TileClass{64, 64} : TileClass{128, 128};
 }
-constexpr int kTileRowsFull = tile_class(kTileClassCount - 1).max_rows;  // rows of a full tile (64)
+constexpr int kTileRowsFull = tile_class(kTileClassCount - 1).max_rows;  // rows of a full tile (128)
 constexpr bool tile_classes_well_formed() {
   for (int c = 0; c < kTileClassCount; ++c) {
     if (tile_class(c).max_rows < 1 || tile_class(c).max_rows > tile_class(c).bm) return false;
@@ -48,11 +48,11 @@ constexpr int32_t tile_bm_for_rows(int32_t rows) {
 }
 static_assert(tile_bm_for_rows(1) == 16 && tile_bm_for_rows(16) == 16 && tile_bm_for_rows(17) == 32 &&
                   tile_bm_for_rows(32) == 32 && tile_bm_for_rows(33) == 64 && tile_bm_for_rows(64) == 64 &&
-                  tile_bm_for_rows(65) == 0,
+                  tile_bm_for_rows(65) == 128 && tile_bm_for_rows(128) == 128 && tile_bm_for_rows(129) == 0,
               "the class rule of docs/design.md (Tile plan)");
 
 // One tile: rows [row_begin, row_begin + rows) of the sorted rows, all routed to `expert`.
-// rows is in [1, 64]; bm (the GEMM's row-tile class) is tile_bm_for_rows(rows): 16, 32 or 64.
+// rows is in [1, 128]; bm (the GEMM's row-tile class) is tile_bm_for_rows(rows): 16, 32, 64 or 128.
 struct ExpertTile {
   int32_t expert;
   int32_t row_begin;
@@ -74,9 +74,9 @@ struct TilePlanHeader {
 };
 
 // Upper bound on the tile count of any valid plan of n rows over E experts (sizes tile buffers):
-// floor(n/64) + min(n, E). Proof: an expert with c > 0 rows has floor(c/64) full tiles plus at most
-// one tail, and none when c == 0. Summing over experts, sum floor(c_e/64) <= floor(sum c_e / 64) =
-// floor(n/64) (a sum of floors never exceeds the floor of the sum), and the tails number at most
+// floor(n/F) + min(n, E), F = kTileRowsFull. Proof: an expert with c > 0 rows has floor(c/F) full
+// tiles plus at most one tail, and none when c == 0. Summing over experts, sum floor(c_e/F) <=
+// floor(sum c_e / F) = floor(n/F) (a sum of floors never exceeds the floor of the sum), and the tails number at most
 // the count of experts with rows, which is <= E and <= n. Reached when every expert with rows has
 // a tail (e.g. n <= E rows over distinct experts: n tiles).
 // Throws Error("tile_plan", ...) when n or E is outside the limits.
@@ -99,8 +99,8 @@ struct TilePlan {
 TilePlan build_tile_plan(const int32_t* ids, int64_t n, int E);
 
 // Checks a non-retracted plan against ids from first principles (not through the builder): every row
-// covered once and in order, each tile one expert matching ids, rows in [1, 64], bm ==
-// tile_bm_for_rows(rows), only an expert's last tile short of 64 rows, at most max_tiles(n, E) tiles. Returns "" when
+// covered once and in order, each tile one expert matching ids, rows in [1, kTileRowsFull], bm ==
+// tile_bm_for_rows(rows), only an expert's last tile short of kTileRowsFull rows, at most max_tiles(n, E) tiles. Returns "" when
 // the plan is valid, else a description of the first violation.
 std::string tile_plan_violation(const ExpertTile* tiles, int64_t tile_count, const int32_t* ids, int64_t n,
                                 int E);

@@ -78,9 +78,14 @@ __global__ void __launch_bounds__(ExpertTiles64::THREADS)
     const int tile_count = header->tile_count;
     for (int t = blockIdx.y; t < tile_count; t += gridDim.y) {
       const ExpertTile tile = tiles[t];
-      if (tile.bm == ExpertTiles64::BM)
-        device::tile_gemm<ExpertTiles64, T, kBits>(a, tile.expert, tile.row_begin, tile.rows, 0, tile.rows,
-                                                   blockIdx.x, smem);
+      if (tile.bm >= ExpertTiles64::BM) {
+        // A 128-row tile (the wgmma kernel's full width) runs as two 64-row halves.
+        for (int half = 0; half < tile.rows; half += ExpertTiles64::BM) {
+          const int rows = min(ExpertTiles64::BM, tile.rows - half);
+          device::tile_gemm<ExpertTiles64, T, kBits>(a, tile.expert, tile.row_begin + half, rows, 0, rows, blockIdx.x,
+                                                     smem);
+        }
+      }
       else if (tile.bm == ExpertTiles32::BM)
         device::tile_gemm<ExpertTiles32, T, kBits>(a, tile.expert, tile.row_begin, tile.rows, 0, tile.rows,
                                                    blockIdx.x, smem);
@@ -236,13 +241,17 @@ const void* build_expert_tile_plan(const detail::GatherQmmProblem& p, Workspace&
   return build_plan_into(p, ws.get(kExpertTilesPlanSlot, plan_bytes(p)));
 }
 
+bool gate_up_glu_fits(const detail::GatherQmmProblem& gate, const detail::GatherQmmProblem& up) {
+  const bool same = gate.N == up.N && gate.K == up.K && gate.w_batch == up.w_batch && gate.bits == up.bits &&
+                    gate.group_size == up.group_size && gate.dtype == up.dtype && gate.B == up.B;
+  return same && expert_tiles_setting() != RouteSwitch::off && supports_expert_tiles(gate).ok &&
+         supports_expert_tiles(up).ok && wgmma_tiles_fit(gate) && wgmma_tiles_fit(up);
+}
+
 bool gate_up_glu_expert_tiles(const detail::GatherQmmProblem& gate, const detail::GatherQmmProblem& up, Activation act,
                               void* hidden) {
-  const bool same = gate.N == up.N && gate.K == up.K && gate.w_batch == up.w_batch && gate.bits == up.bits &&
-                    gate.group_size == up.group_size && gate.dtype == up.dtype && gate.B == up.B &&
-                    gate.tile_plan != nullptr && gate.tile_plan == up.tile_plan;
-  if (!same || expert_tiles_setting() == RouteSwitch::off || !supports_expert_tiles(gate).ok ||
-      !supports_expert_tiles(up).ok || !wgmma_tiles_fit(gate) || !wgmma_tiles_fit(up) || !is_aligned(hidden, 16))
+  if (!gate_up_glu_fits(gate, up) || gate.tile_plan == nullptr || gate.tile_plan != up.tile_plan ||
+      !is_aligned(hidden, 16))
     return false;
   // Two gather_qmm calls served by the tile route.
   for (int i = 0; i < 2; ++i)
@@ -258,6 +267,29 @@ bool gate_up_glu_expert_tiles(const detail::GatherQmmProblem& gate, const detail
   const auto* tiles = reinterpret_cast<const ExpertTile*>(static_cast<const unsigned char*>(gate.tile_plan) + 16);
   launch_expert_tiles_wgmma(args, act == Activation::geglu ? WgmmaForm::geglu : WgmmaForm::swiglu, gate.dtype, tiles,
                             header, detail::max_tiles(gate.B, static_cast<int>(gate.w_batch)));
+  return true;
+}
+
+bool down_combine_fits(const detail::GatherQmmProblem& down) {
+  return expert_tiles_setting() != RouteSwitch::off && supports_expert_tiles(down).ok && wgmma_tiles_fit(down);
+}
+
+bool down_combine_expert_tiles(const detail::GatherQmmProblem& down, const int32_t* slot_of_row, const void* weights,
+                               int top_k, float* acc) {
+  if (!down_combine_fits(down) || down.tile_plan == nullptr || !is_aligned(acc, 16)) return false;
+  detail::record_selection(detail::Primitive::gather_qmm, true, true, true, Fallback::disabled);
+  WgmmaTileArgs args;
+  args.tile = make_tile_args(down, nullptr);
+  args.combine_slot = slot_of_row;
+  args.combine_weight = static_cast<const uint16_t*>(weights);
+  args.combine_out = acc;
+  args.top_k = top_k;
+  args.retractions = retraction_counter();
+  args.calls = 1;
+  const auto* header = static_cast<const TilePlanHeader*>(down.tile_plan);
+  const auto* tiles = reinterpret_cast<const ExpertTile*>(static_cast<const unsigned char*>(down.tile_plan) + 16);
+  launch_expert_tiles_wgmma(args, WgmmaForm::combine, down.dtype, tiles, header,
+                            detail::max_tiles(down.B, static_cast<int>(down.w_batch)));
   return true;
 }
 

@@ -7,10 +7,12 @@
 // ports is the dequantization itself.
 //
 // out^T = W x^T per tile: the CTA's 128 weight rows are wgmma's M (two warpgroups of 64), the
-// tile's tokens (16, 32 or 64: the plan tile's class) are N, K runs in 64-wide k tiles.
+// tile's tokens (16, 32, 64 or 128: the plan tile's class) are N, K runs in 64-wide k tiles.
 //
 // Two forms (one kernel template):
 //   plain  out[row, n] = sum_k x[lhs[row], k] * W[expert, n, k], CTA rows n0 .. n0 + 127
+//   combine  the plain GEMM whose epilogue adds weight * T(y) of each row into its token's fp32
+//          output row (the MoE layer's weighted combine; atomics, so the summation order varies)
 //   glu    hidden[row, c] = act(T(gate)) * T(up) (one rounding), warpgroup 0 the gate rows
 //          c0 .. c0 + 63 and warpgroup 1 the up rows c0 .. c0 + 63 of two weight tensors: the GLU
 //          product in the epilogue, so the [rows, 2I] gate/up output never exists (DESIGN.md
@@ -43,20 +45,22 @@ using device::TileArgs;
 
 constexpr int kThreads = 256;    // two warpgroups
 constexpr int kCtaRows = 128;    // weight rows per CTA, 64 per warpgroup
-constexpr int kMaxTokens = 64;   // tokens of a full plan tile
 constexpr int kBK = 64;          // k per pipeline stage (one quantization group at group size 64)
-constexpr int kStages = 5;
 constexpr int kWordsPerRow = kBK * 4 / 32;  // 8 packed 4-bit words per weight row per k tile
 
 // Shared memory (bytes from a 1024-byte aligned base):
-//   stages  kStages x { xs (64, 64) T, 128-byte swizzled (wgmma B: chunk c of row r at c ^ (r % 8));
+//   stages  kStages x { xs (128, 64) T, 128-byte swizzled (wgmma B: chunk c of row r at c ^ (r % 8));
 //                       ws (128, 8) uint32, chunk c of row r at c ^ ((r / 4) % 2) (conflict-free
 //                       16-byte reads of 8 rows);  ss, bs (128,) uint32: the word holding the row's
 //                       group scale / bias (see the parity below) }
-//   rows    (64,) int64 x offset of each tile row, -1 for rows to skip
-// The epilogue reuses the stages as (64, 136) T: a row of 128 outputs padded by 8 so that the
+//   rows    (128,) int64 x offset of each tile row, -1 for rows to skip
+// The epilogue reuses the stages as (128, 136) T: a row of 128 outputs padded by 8 so that the
 // four token rows a warp writes at once fall in different banks.
+// Five stages in both widths (n128: 5 x 21 KB, 2 CTAs per SM). Eight stages for the n64 kernels
+// and a prefetch distance of kStages - 1 were measured slower (bench/NOTES.md, step 6).
+template <int kMaxTokens>
 struct Layout {
+  static constexpr int kStages = 5;
   static constexpr int kXBytes = kMaxTokens * kBK * 2;
   static constexpr int kWBytes = kCtaRows * kWordsPerRow * 4;
   static constexpr int kParamBytes = kCtaRows * 4;
@@ -65,6 +69,7 @@ struct Layout {
   static constexpr int kOutStride = kCtaRows + 8;  // elements
   static constexpr int kBytes = kRowsOffset + kMaxTokens * 8;
   static constexpr int kAllocBytes = kBytes + 1024;  // room to align the dynamic base
+  static_assert(kMaxTokens == 64 || kMaxTokens == 128, "the widest wgmma of a kernel: n64 or n128");
   static_assert(kStageBytes % 1024 == 0, "every stage's x tile stays 1024-byte aligned for the swizzle");
   static_assert(kMaxTokens * kOutStride * 2 <= kRowsOffset, "the epilogue staging fits in the stages");
   static __device__ __forceinline__ int w_chunk(int row, int chunk) { return chunk ^ ((row >> 2) & 1); }
@@ -78,12 +83,13 @@ struct Layout {
 // 8 chunks; weights: 128 rows x 2 chunks, one per thread; scale and bias words: one per thread).
 // Warp w of warpgroup q owns smem weight rows 64q + 16(w % 4) .. +15; lane (g, t) dequantizes rows
 // 64q + 16(w % 4) + g and + 8 (the A fragment rows) from two 16-byte shared loads each per k tile,
-// 16 values per row: 4 wgmma A fragments, one per k16 step. Each warpgroup then issues its 4
-// wgmmas (64 x kTokens x 16 each) and waits for them before the next k tile's barrier, so a stage
-// is free for the copies issued after that barrier.
-template <class T, int kTokens, bool kGlu, Activation kAct>
+// 16 values per row: 4 wgmma A fragments, one per k16 step, each dequantized just before its
+// wgmma (64 x kTokens x 16) is issued while the previous three steps still run.
+template <class T, int kTokens, WgmmaForm kForm, class L>
 __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, int64_t row0, int load_rows,
                                            int store_begin, int store_end, int col_block, unsigned char* smem) {
+  constexpr bool kGlu = is_glu(kForm);
+  constexpr Activation kAct = kForm == WgmmaForm::swiglu ? Activation::swiglu : Activation::geglu;
   const TileArgs& a = p.tile;
   const int tid = threadIdx.x;
   if (expert < 0 || expert >= a.E) {
@@ -92,7 +98,7 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
     return;  // uniform: every thread sees the same expert
   }
 
-  int64_t* row_offset = reinterpret_cast<int64_t*>(smem + Layout::kRowsOffset);
+  int64_t* row_offset = reinterpret_cast<int64_t*>(smem + L::kRowsOffset);
   if (tid < kTokens) {
     int64_t offset = -1;
     if (tid < load_rows) {
@@ -138,11 +144,11 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
   const uint16_t* param_src =
       param_valid ? param_base + param_expert + static_cast<int64_t>(param_n) * a.groups_per_row : a.scales;
 
-  auto stage_base = [&](int stage) { return smem + stage * Layout::kStageBytes; };
+  auto stage_base = [&](int stage) { return smem + stage * L::kStageBytes; };
   auto load_stage = [&](int stage, int kt) {
     unsigned char* base = stage_base(stage);
     T* xs = reinterpret_cast<T*>(base);
-    uint32_t* ws = reinterpret_cast<uint32_t*>(base + Layout::kXBytes);
+    uint32_t* ws = reinterpret_cast<uint32_t*>(base + L::kXBytes);
     uint32_t* params = ws + kCtaRows * kWordsPerRow;  // ss (128,) then bs (128,)
 #pragma unroll
     for (int i = 0; i < kXCopies; ++i) {
@@ -151,7 +157,7 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
       const int row = c >> 3, chunk = c & 7;
       device::cp_async_16(xs + row * kBK + ((chunk ^ (row & 7)) << 3), x_src[i] + kt * kBK, x_valid[i]);
     }
-    device::cp_async_16(ws + w_row * kWordsPerRow + (Layout::w_chunk(w_row, w_chunk) << 2),
+    device::cp_async_16(ws + w_row * kWordsPerRow + (L::w_chunk(w_row, w_chunk) << 2),
                         w_valid ? w_src + kt * kWordsPerRow : a.w, w_valid);
     // The group element el sits in the aligned word at el & ~1: el odd -> read both halves; el even
     // -> its 2 bytes only (the next element may lie past the end of the tensor).
@@ -180,22 +186,27 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
 
+  // Pipeline: k tiles kt+1 .. kt+kPrefetch are in flight in cp.async while tile kt is computed.
+  // The four wgmmas of a tile are one commit group, waited for at the end of the tile. Keeping a
+  // group in flight across tiles (wait_group 1 with two A buffers, or one group per k16 step
+  // with wait_group 3) made ptxas serialize every wgmma (C7514; SASS: a wait after each HGMMA).
+  constexpr int kPrefetch = L::kStages - 2;
   const int k_tiles = a.K / kBK;
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
+  for (int s = 0; s < kPrefetch; ++s) {
     if (s < k_tiles) load_stage(s, s);
     device::cp_async_commit();
   }
 
   for (int kt = 0; kt < k_tiles; ++kt) {
-    device::cp_async_wait<kStages - 2>();
+    device::cp_async_wait<kPrefetch - 1>();
     __syncthreads();  // tile kt visible; every warpgroup has retired its wgmmas on tile kt - 1
-    const int next = kt + kStages - 1;
-    if (next < k_tiles) load_stage(next % kStages, next);
+    const int next = kt + kPrefetch;
+    if (next < k_tiles) load_stage(next % L::kStages, next);
     device::cp_async_commit();
 
-    const unsigned char* base = stage_base(kt % kStages);
-    const uint32_t* ws = reinterpret_cast<const uint32_t*>(base + Layout::kXBytes);
+    const unsigned char* base = stage_base(kt % L::kStages);
+    const uint32_t* ws = reinterpret_cast<const uint32_t*>(base + L::kXBytes);
     const uint32_t* ss = ws + kCtaRows * kWordsPerRow;
     const uint32_t* bs = ss + kCtaRows;
     const int tile_parity = ((kt * kBK) >> a.group_shift) & 1;
@@ -203,14 +214,13 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
     const uint32_t s_lo = device::broadcast_half(ss[m_lo], high_lo), b_lo = device::broadcast_half(bs[m_lo], high_lo);
     const uint32_t s_hi = device::broadcast_half(ss[m_hi], high_hi), b_hi = device::broadcast_half(bs[m_hi], high_hi);
     // Row words: word i holds k = 8i .. 8i + 7; chunk 0 = words 0-3, chunk 1 = words 4-7.
-    const uint4 lo0 = *reinterpret_cast<const uint4*>(ws + m_lo * kWordsPerRow + (Layout::w_chunk(m_lo, 0) << 2));
-    const uint4 lo1 = *reinterpret_cast<const uint4*>(ws + m_lo * kWordsPerRow + (Layout::w_chunk(m_lo, 1) << 2));
-    const uint4 hi0 = *reinterpret_cast<const uint4*>(ws + m_hi * kWordsPerRow + (Layout::w_chunk(m_hi, 0) << 2));
-    const uint4 hi1 = *reinterpret_cast<const uint4*>(ws + m_hi * kWordsPerRow + (Layout::w_chunk(m_hi, 1) << 2));
+    const uint4 lo0 = *reinterpret_cast<const uint4*>(ws + m_lo * kWordsPerRow + (L::w_chunk(m_lo, 0) << 2));
+    const uint4 lo1 = *reinterpret_cast<const uint4*>(ws + m_lo * kWordsPerRow + (L::w_chunk(m_lo, 1) << 2));
+    const uint4 hi0 = *reinterpret_cast<const uint4*>(ws + m_hi * kWordsPerRow + (L::w_chunk(m_hi, 0) << 2));
+    const uint4 hi1 = *reinterpret_cast<const uint4*>(ws + m_hi * kWordsPerRow + (L::w_chunk(m_hi, 1) << 2));
     const uint32_t lo[8] = {lo0.x, lo0.y, lo0.z, lo0.w, lo1.x, lo1.y, lo1.z, lo1.w};
     const uint32_t hi[8] = {hi0.x, hi0.y, hi0.z, hi0.w, hi1.x, hi1.y, hi1.z, hi1.w};
-    // k16 step s: k = 16s + 2t, +1 from word 2s and 16s + 8 + 2t, +1 from word 2s + 1.
-    uint32_t afrag[4][4];
+    uint32_t afrag[4][4];  // k16 step s: k = 16s + 2t, +1 from word 2s and 16s + 8 + 2t, +1 from word 2s + 1
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       afrag[s][0] = Dequant::nibbles(lo[2 * s], selector, s_lo, b_lo);
@@ -223,13 +233,18 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
     for (int i = 0; i < kAcc; ++i) device::fence_operand(acc[i]);
     device::wgmma_fence();
 #pragma unroll
-    for (int s = 0; s < 4; ++s)  // +32 bytes per k16 step: (32 >> 4) in the address field
+    for (int s = 0; s < 4; ++s)  // +32 bytes per k16 step: 2 in the descriptor's address field
       device::WgmmaRS<T, kTokens>::run(acc, afrag[s], desc + 2 * s);
     device::wgmma_commit();
+    // Retire this tile's wgmmas before the next tile's barrier: the stage they read is reloaded
+    // kPrefetch tiles later, and their A registers are rewritten by the next tile.
     device::wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) device::fence_operand(acc[i]);
   }
+  device::wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < kAcc; ++i) device::fence_operand(acc[i]);
   device::cp_async_wait<0>();
   __syncthreads();  // every stage read: the epilogue reuses them
 
@@ -238,14 +253,17 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
 #pragma unroll
   for (int j = 0; j < kTokens / 8; ++j) {
     const int tok = 8 * j + 2 * t;
-    out_s[tok * Layout::kOutStride + m_lo] = device::Elem<T>::from_float(acc[4 * j + 0]);
-    out_s[(tok + 1) * Layout::kOutStride + m_lo] = device::Elem<T>::from_float(acc[4 * j + 1]);
-    out_s[tok * Layout::kOutStride + m_hi] = device::Elem<T>::from_float(acc[4 * j + 2]);
-    out_s[(tok + 1) * Layout::kOutStride + m_hi] = device::Elem<T>::from_float(acc[4 * j + 3]);
+    out_s[tok * L::kOutStride + m_lo] = device::Elem<T>::from_float(acc[4 * j + 0]);
+    out_s[(tok + 1) * L::kOutStride + m_lo] = device::Elem<T>::from_float(acc[4 * j + 1]);
+    out_s[tok * L::kOutStride + m_hi] = device::Elem<T>::from_float(acc[4 * j + 2]);
+    out_s[(tok + 1) * L::kOutStride + m_hi] = device::Elem<T>::from_float(acc[4 * j + 3]);
   }
   __syncthreads();
 
   // 16-byte stores of 8 outputs: plain 16 chunks per row (128 columns), glu 8 (64 columns).
+  // combine: out is the fp32 (tokens, N) accumulator; sorted row r is flat slot s = slot[r] of
+  // token s / top_k and adds weight[s] * y (y rounded to T first, as the down GEMM's output is)
+  // with vector atomics, in whatever order the tiles of the token's k experts finish.
   constexpr int kChunksPerRow = kGlu ? 8 : 16;
   const int col0 = col_block * (kGlu ? 64 : kCtaRows);
   T* out = static_cast<T*>(a.out);
@@ -253,8 +271,19 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
     const int tok = i / kChunksPerRow, chunk = i % kChunksPerRow;
     const int col = col0 + chunk * 8;
     if (tok < store_begin || tok >= store_end || row_offset[tok] < 0 || col >= a.N) continue;
-    const T* src = out_s + tok * Layout::kOutStride + chunk * 8;
+    const T* src = out_s + tok * L::kOutStride + chunk * 8;
     uint4 v = *reinterpret_cast<const uint4*>(src);
+    if constexpr (kForm == WgmmaForm::combine) {
+      const int32_t slot = p.combine_slot[row0 + tok];
+      const float w = device::Elem<T>::to_float(reinterpret_cast<const T*>(p.combine_weight)[slot]);
+      const T* yv = reinterpret_cast<const T*>(&v);
+      float4* dst = reinterpret_cast<float4*>(p.combine_out + static_cast<int64_t>(slot / p.top_k) * a.N + col);
+      atomicAdd(dst, make_float4(__fmul_rn(w, device::Elem<T>::to_float(yv[0])), __fmul_rn(w, device::Elem<T>::to_float(yv[1])),
+                                 __fmul_rn(w, device::Elem<T>::to_float(yv[2])), __fmul_rn(w, device::Elem<T>::to_float(yv[3]))));
+      atomicAdd(dst + 1, make_float4(__fmul_rn(w, device::Elem<T>::to_float(yv[4])), __fmul_rn(w, device::Elem<T>::to_float(yv[5])),
+                                     __fmul_rn(w, device::Elem<T>::to_float(yv[6])), __fmul_rn(w, device::Elem<T>::to_float(yv[7]))));
+      continue;
+    }
     if constexpr (kGlu) {
       const uint4 u = *reinterpret_cast<const uint4*>(src + 64);
       const T* gv = reinterpret_cast<const T*>(&v);
@@ -270,17 +299,21 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
   __syncthreads();  // row offsets and the staging are rewritten by the next tile
 }
 
-// Grid (column blocks, min(tile slots, 65535)), 256 threads, Layout::kAllocBytes of dynamic shared
+// Grid (column blocks, min(tile slots, 65535)), 256 threads, L::kAllocBytes of dynamic shared
 // memory. With a valid plan CTA (x, y) runs plan tiles y, y + gridDim.y, ... against column block x
-// with the wgmma width of the tile's class (n16 / n32 / n64). With a retracted plan the same CTAs
+// with the wgmma width of the tile's class (n16 / n32 / n64 / n128). With a retracted plan the same CTAs
 // stride over the 16-row tiles of all rows and run each maximal run of equal ids as one n16 tile
 // (the rhs_tiles algorithm), so any order of ids still gives the right answer.
-template <class T, bool kGlu, Activation kAct>
+template <class T, WgmmaForm kForm, int kMaxTokens>
 __global__ void __launch_bounds__(kThreads, 2)
     expert_tiles_wgmma_kernel(WgmmaTileArgs p, const ExpertTile* __restrict__ tiles,
                               const TilePlanHeader* __restrict__ header) {
+  using L = Layout<kMaxTokens>;
   extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  // 1024-byte aligned for the swizzle; indexing smem_raw keeps the pointer in the shared window
+  // (integer-cast pointers compile to generic loads).
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  unsigned char* smem = smem_raw + ((1024u - (raw & 1023u)) & 1023u);
   const int sorted = header->sorted;
   if (!sorted && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && p.retractions)
     atomicAdd(p.retractions, static_cast<unsigned long long>(p.calls));
@@ -288,12 +321,19 @@ __global__ void __launch_bounds__(kThreads, 2)
     const int tile_count = header->tile_count;
     for (int i = blockIdx.y; i < tile_count; i += gridDim.y) {
       const ExpertTile tile = tiles[i];
-      if (tile.bm == 64)
-        wgmma_tile<T, 64, kGlu, kAct>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
-      else if (tile.bm == 32)
-        wgmma_tile<T, 32, kGlu, kAct>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
-      else
-        wgmma_tile<T, 16, kGlu, kAct>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
+      if (kMaxTokens >= 128 && tile.bm == 128) {
+        wgmma_tile<T, (kMaxTokens >= 128 ? 128 : 64), kForm, L>(p, tile.expert, tile.row_begin, tile.rows, 0,
+                                                                       tile.rows, blockIdx.x, smem);
+      } else if (tile.bm >= 64) {  // a 128-row tile in the n64 kernel runs as two halves
+        for (int half = 0; half < tile.rows; half += 64) {
+          const int rows = min(64, tile.rows - half);
+          wgmma_tile<T, 64, kForm, L>(p, tile.expert, tile.row_begin + half, rows, 0, rows, blockIdx.x, smem);
+        }
+      } else if (tile.bm == 32) {
+        wgmma_tile<T, 32, kForm, L>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
+      } else {
+        wgmma_tile<T, 16, kForm, L>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
+      }
     }
     return;
   }
@@ -302,42 +342,60 @@ __global__ void __launch_bounds__(kThreads, 2)
   for (int64_t tile = blockIdx.y; tile < row_tiles; tile += gridDim.y)
     device::for_each_expert_run<16>(p.tile, tile, tile_expert, [&](int expert, int64_t row0, int load_rows, int begin,
                                                                    int end) {
-      wgmma_tile<T, 16, kGlu, kAct>(p, expert, row0, load_rows, begin, end, blockIdx.x, smem);
+      wgmma_tile<T, 16, kForm, L>(p, expert, row0, load_rows, begin, end, blockIdx.x, smem);
     });
 }
 
-template <class T, bool kGlu, Activation kAct>
+template <class T, WgmmaForm kForm, int kMaxTokens>
 void launch_variant(const WgmmaTileArgs& p, const ExpertTile* tiles, const TilePlanHeader* header,
                     int64_t tile_slots) {
+  constexpr int kSmem = Layout<kMaxTokens>::kAllocBytes;
   static const bool smem_configured = [] {
-    EXPERTQMM_CUDA_CHECK(cudaFuncSetAttribute(expert_tiles_wgmma_kernel<T, kGlu, kAct>,
-                                              cudaFuncAttributeMaxDynamicSharedMemorySize, Layout::kAllocBytes));
+    EXPERTQMM_CUDA_CHECK(cudaFuncSetAttribute(expert_tiles_wgmma_kernel<T, kForm, kMaxTokens>,
+                                              cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
     return true;
   }();
   (void)smem_configured;
   const int64_t slots = std::max<int64_t>(tile_slots, (p.tile.rows + 15) / 16);
+  constexpr bool kGlu = is_glu(kForm);
   const int cols_per_cta = kGlu ? 64 : kCtaRows;
   const dim3 grid(static_cast<unsigned>(ceil_div(p.tile.N, cols_per_cta)),
                   static_cast<unsigned>(std::min<int64_t>(slots, 65535)));
-  expert_tiles_wgmma_kernel<T, kGlu, kAct>
-      <<<grid, kThreads, Layout::kAllocBytes, current_stream()>>>(p, tiles, header);
+  expert_tiles_wgmma_kernel<T, kForm, kMaxTokens><<<grid, kThreads, kSmem, current_stream()>>>(p, tiles, header);
   EXPERTQMM_CUDA_CHECK_LAUNCH("expert_tiles_wgmma_kernel");
 }
 
-// The instantiations, as data: activation dtype x form.
+// The instantiations, as data: activation dtype x form x widest wgmma. The n64 kernels (up to 64
+// tokens per wgmma; 128-row tiles run as two halves) hold less shared memory per CTA and win where
+// experts get few rows; see kNarrowRowsPerExpert.
 struct WgmmaVariant {
   DType dtype;
   WgmmaForm form;
+  int max_tokens;
   void (*launch)(const WgmmaTileArgs&, const ExpertTile*, const TilePlanHeader*, int64_t);
 };
 const WgmmaVariant kVariants[] = {
-    {DType::bf16, WgmmaForm::plain, launch_variant<__nv_bfloat16, false, Activation::geglu>},
-    {DType::bf16, WgmmaForm::geglu, launch_variant<__nv_bfloat16, true, Activation::geglu>},
-    {DType::bf16, WgmmaForm::swiglu, launch_variant<__nv_bfloat16, true, Activation::swiglu>},
-    {DType::f16, WgmmaForm::plain, launch_variant<__half, false, Activation::geglu>},
-    {DType::f16, WgmmaForm::geglu, launch_variant<__half, true, Activation::geglu>},
-    {DType::f16, WgmmaForm::swiglu, launch_variant<__half, true, Activation::swiglu>},
+    {DType::bf16, WgmmaForm::plain, 128, launch_variant<__nv_bfloat16, WgmmaForm::plain, 128>},
+    {DType::bf16, WgmmaForm::geglu, 128, launch_variant<__nv_bfloat16, WgmmaForm::geglu, 128>},
+    {DType::bf16, WgmmaForm::swiglu, 128, launch_variant<__nv_bfloat16, WgmmaForm::swiglu, 128>},
+    {DType::bf16, WgmmaForm::combine, 128, launch_variant<__nv_bfloat16, WgmmaForm::combine, 128>},
+    {DType::f16, WgmmaForm::plain, 128, launch_variant<__half, WgmmaForm::plain, 128>},
+    {DType::f16, WgmmaForm::geglu, 128, launch_variant<__half, WgmmaForm::geglu, 128>},
+    {DType::f16, WgmmaForm::swiglu, 128, launch_variant<__half, WgmmaForm::swiglu, 128>},
+    {DType::f16, WgmmaForm::combine, 128, launch_variant<__half, WgmmaForm::combine, 128>},
+    {DType::bf16, WgmmaForm::plain, 64, launch_variant<__nv_bfloat16, WgmmaForm::plain, 64>},
+    {DType::bf16, WgmmaForm::geglu, 64, launch_variant<__nv_bfloat16, WgmmaForm::geglu, 64>},
+    {DType::bf16, WgmmaForm::swiglu, 64, launch_variant<__nv_bfloat16, WgmmaForm::swiglu, 64>},
+    {DType::bf16, WgmmaForm::combine, 64, launch_variant<__nv_bfloat16, WgmmaForm::combine, 64>},
+    {DType::f16, WgmmaForm::plain, 64, launch_variant<__half, WgmmaForm::plain, 64>},
+    {DType::f16, WgmmaForm::geglu, 64, launch_variant<__half, WgmmaForm::geglu, 64>},
+    {DType::f16, WgmmaForm::swiglu, 64, launch_variant<__half, WgmmaForm::swiglu, 64>},
+    {DType::f16, WgmmaForm::combine, 64, launch_variant<__half, WgmmaForm::combine, 64>},
 };
+
+// Mean rows per expert at or below which the n64 kernels run (measured, bench/NOTES.md: n64 wins
+// at 4 and 32 rows per expert, n128 at 64 and 128).
+constexpr int64_t kNarrowRowsPerExpert = 32;
 
 }  // namespace
 
@@ -366,8 +424,9 @@ bool wgmma_tiles_fit(const detail::GatherQmmProblem& p) {
 
 void launch_expert_tiles_wgmma(const WgmmaTileArgs& p, WgmmaForm form, DType dtype, const ExpertTile* tiles,
                                const TilePlanHeader* header, int64_t tile_slots) {
+  const int max_tokens = p.tile.rows <= kNarrowRowsPerExpert * p.tile.E ? 64 : 128;
   for (const WgmmaVariant& v : kVariants)
-    if (v.dtype == dtype && v.form == form) {
+    if (v.dtype == dtype && v.form == form && v.max_tokens == max_tokens) {
       v.launch(p, tiles, header, tile_slots);
       return;
     }

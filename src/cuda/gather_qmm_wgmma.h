@@ -10,7 +10,8 @@
 
 namespace expertqmm::cuda {
 
-enum class WgmmaForm : uint8_t { plain, geglu, swiglu };
+enum class WgmmaForm : uint8_t { plain, geglu, swiglu, combine };
+constexpr bool is_glu(WgmmaForm f) { return f == WgmmaForm::geglu || f == WgmmaForm::swiglu; }
 
 // The problem as the kernel reads it. plain: tile describes the one GEMM. geglu / swiglu: tile
 // holds the gate weights and the output (hidden, [rows, N], N = the expert width), *_up the up
@@ -20,6 +21,12 @@ struct WgmmaTileArgs {
   const uint32_t* w_up = nullptr;
   const uint16_t* scales_up = nullptr;
   const uint16_t* biases_up = nullptr;
+  // combine only: slot[r] the flat (token, slot) index of sorted row r, weight (tokens * top_k,)
+  // raw T bits, out (tokens, N) fp32, zeroed by the caller.
+  const int32_t* combine_slot = nullptr;
+  const uint16_t* combine_weight = nullptr;
+  float* combine_out = nullptr;
+  int top_k = 1;
   unsigned long long* retractions = nullptr;  // += calls when the plan turns out retracted
   int calls = 1;                              // gather_qmm calls this launch serves (glu: 2)
 };
@@ -42,7 +49,19 @@ void launch_expert_tiles_wgmma(const WgmmaTileArgs& p, WgmmaForm form, DType dty
 // gate and up must share shapes, dtype, quantization and one prebuilt tile_plan; hidden is
 // (B, N) contiguous. Counts two gather_qmm hits. Returns false, launching and counting nothing,
 // when the route is switched off or the problems do not fit the wgmma kernel.
+// The shape, dtype, quantization and switch checks of gate_up_glu_expert_tiles, without the plan
+// and output pointers: callers plan their scratch with it.
+bool gate_up_glu_fits(const detail::GatherQmmProblem& gate, const detail::GatherQmmProblem& up);
 bool gate_up_glu_expert_tiles(const detail::GatherQmmProblem& gate, const detail::GatherQmmProblem& up, Activation act,
                               void* hidden);
+
+// The down GEMM of an MoE layer with the weighted combine in its epilogue:
+// acc[t, :] += w[s] * T(hidden[r] down[rhs[r]]^T) for sorted row r of flat slot s = slot_of_row[r],
+// t = s / top_k. acc: (T, N) fp32, zeroed by the caller; weights: (T * top_k,) in down.dtype.
+// Needs down.tile_plan. Counts one gather_qmm hit. Returns false (nothing launched or counted)
+// when down_combine_fits is false.
+bool down_combine_fits(const detail::GatherQmmProblem& down);
+bool down_combine_expert_tiles(const detail::GatherQmmProblem& down, const int32_t* slot_of_row, const void* weights,
+                               int top_k, float* acc);
 
 }  // namespace expertqmm::cuda

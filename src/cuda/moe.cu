@@ -69,6 +69,12 @@ struct ExpertScratch {
   size_t y = 0;
   size_t gu_scales[2] = {0, 0}, gu_biases[2] = {0, 0}, down_scales = 0, down_biases = 0;
   bool cast_x = false, cast_gate_up = false, cast_hidden = false, cast_down = false, own_y = true;
+  bool glu_fused = false;  // gate, up and the product in one launch (no gate_out / up_out)
+  // moe_layer_into only: the down GEMM adds w * y into an fp32 (T, D) accumulator (no y buffer);
+  // route_weights (T * k,) in out_dtype is set by the caller before run_experts.
+  bool fused_combine = false;
+  float* combine_acc_ptr = nullptr;  // (T, D) fp32
+  const void* route_weights = nullptr;
   ProductMode mode = ProductMode::fused;  // read once per call: the plan and the launches agree
   void* base = nullptr;
 
@@ -77,50 +83,6 @@ struct ExpertScratch {
 };
 
 size_t bytes_of(int64_t count, DType t) { return static_cast<size_t>(count) * dtype_size(t); }
-
-// Reserves everything the expert half needs. own_y = false: the caller provides y's memory.
-void plan_expert_scratch(const ExpertShape& s, const SwitchGLUWeights& w, bool ids_unsigned, bool own_y,
-                         ArenaLayout& layout, ExpertScratch& sc) {
-  const int64_t n = s.n;
-  sc.token_of_row = layout.reserve(bytes_of(n, DType::i32));
-  if (s.sorted) {
-    sc.sorted_ids = layout.reserve(bytes_of(n, DType::i32));
-    sc.order = layout.reserve(bytes_of(n, DType::i32));
-    sc.positions = layout.reserve(bytes_of(n, DType::i32));
-    sc.inv_order = layout.reserve(bytes_of(n, DType::i32));
-    sc.sort_temp_bytes = sort_temp_bytes(n, ids_unsigned);
-    sc.sort_temp = layout.reserve(sc.sort_temp_bytes);
-  }
-  sc.cast_x = s.x_dtype != s.hidden_dtype;
-  if (sc.cast_x) sc.x_cast = layout.reserve(bytes_of(s.T * s.D, s.hidden_dtype));
-  sc.cast_gate_up = s.gate_up_scales_dtype != s.hidden_dtype;
-  if (sc.cast_gate_up) {
-    const QuantizedWeight* parts[2] = {s.fused ? &w.gate_up : &w.gate, s.fused ? nullptr : &w.up};
-    for (int i = 0; i < 2; ++i) {
-      if (!parts[i]) continue;
-      sc.gu_scales[i] = layout.reserve(bytes_of(parts[i]->scales.numel(), s.hidden_dtype));
-      sc.gu_biases[i] = layout.reserve(bytes_of(parts[i]->biases.numel(), s.hidden_dtype));
-    }
-  }
-  if (s.fused) {
-    sc.gate_up_out = layout.reserve(bytes_of(n * 2 * s.I, s.hidden_dtype));
-  } else {
-    sc.gate_out = layout.reserve(bytes_of(n * s.I, s.hidden_dtype));
-    sc.up_out = layout.reserve(bytes_of(n * s.I, s.hidden_dtype));
-  }
-  sc.mode = product_mode();
-  if (sc.mode == ProductMode::separate) sc.intermediate = layout.reserve(bytes_of(n * s.I, s.hidden_dtype));
-  sc.hidden = layout.reserve(bytes_of(n * s.I, s.hidden_dtype));
-  sc.cast_hidden = s.hidden_dtype != s.out_dtype;
-  if (sc.cast_hidden) sc.hidden_cast = layout.reserve(bytes_of(n * s.I, s.out_dtype));
-  sc.cast_down = s.down_scales_dtype != s.out_dtype;
-  if (sc.cast_down) {
-    sc.down_scales = layout.reserve(bytes_of(w.down.scales.numel(), s.out_dtype));
-    sc.down_biases = layout.reserve(bytes_of(w.down.biases.numel(), s.out_dtype));
-  }
-  sc.own_y = own_y;
-  if (own_y) sc.y = layout.reserve(bytes_of(n * s.D, s.out_dtype));
-}
 
 // A device view of workspace memory.
 Tensor view(void* p, const Shape& shape, DType dtype, const Shape& strides = {}) {
@@ -181,6 +143,86 @@ const void* layer_tile_plan(const detail::GatherQmmProblem& first, Workspace& ws
   if (!first.sorted_indices || expert_tiles_setting() == RouteSwitch::off || !supports_expert_tiles(first).ok)
     return nullptr;
   return build_expert_tile_plan(first, ws);
+}
+
+// Whether run_experts will compute gate, up and the GLU product in one wgmma launch
+// (gate_up_glu_expert_tiles), decided while planning so that the [n, I] gate and up buffers are
+// not reserved then. Mirrors that function's checks on problems built from the real x and
+// weights; the index pointers are placeholders (the checks never read them).
+bool glu_fusion_applies(const ExpertShape& s, const SwitchGLUWeights& w, const Tensor& x, const ExpertScratch& sc) {
+  if (!s.sorted || s.fused || sc.mode != ProductMode::fused || sc.cast_x || sc.cast_gate_up) return false;
+  auto* placeholder = const_cast<int32_t*>(static_cast<const int32_t*>(x.data()));
+  const int64_t x_stride = s.D > 1 ? x.stride(0) : s.D;
+  const detail::GatherQmmProblem gate = expert_problem(w.gate, w.gate.scales.contiguous(), w.gate.biases.contiguous(),
+                                                       s.hidden_dtype, x.data(), s.T, x_stride, s.D, s.I, s.n,
+                                                       placeholder, placeholder, true, nullptr);
+  const detail::GatherQmmProblem up = expert_problem(w.up, w.up.scales.contiguous(), w.up.biases.contiguous(),
+                                                     s.hidden_dtype, x.data(), s.T, x_stride, s.D, s.I, s.n,
+                                                     placeholder, placeholder, true, nullptr);
+  return gate_up_glu_fits(gate, up);
+}
+
+// Reserves everything the expert half needs. own_y = false: the caller provides y's memory.
+// Whether the down GEMM can carry the weighted combine (down_combine_expert_tiles): not in
+// deterministic mode, sorted rows, no dtype casts on the way, route weights in the output dtype
+// (checked by the caller). The down problem's x is the hidden buffer in this arena; the placeholder
+// stands for it (256-byte aligned, as every arena piece; the checks read only pointer alignment).
+bool combine_fusion_applies(const ExpertShape& s, const SwitchGLUWeights& w, const ExpertScratch& sc) {
+  if (deterministic() || !s.sorted || sc.cast_hidden || sc.cast_down || s.out_dtype != s.hidden_dtype) return false;
+  void* arena_placeholder = reinterpret_cast<void*>(uintptr_t{ArenaLayout::kAlign});
+  auto* ids_placeholder = static_cast<int32_t*>(arena_placeholder);
+  const detail::GatherQmmProblem down =
+      expert_problem(w.down, w.down.scales.contiguous(), w.down.biases.contiguous(), s.out_dtype, arena_placeholder,
+                     s.n, s.I, s.I, s.D, s.n, nullptr, ids_placeholder, true, nullptr);
+  return down_combine_fits(down);
+}
+
+// x: the layer input (its pointer and strides decide whether the fused gate/up/GLU kernel applies).
+void plan_expert_scratch(const ExpertShape& s, const SwitchGLUWeights& w, const Tensor& x, bool ids_unsigned,
+                         bool own_y, bool try_fused_combine, ArenaLayout& layout, ExpertScratch& sc) {
+  const int64_t n = s.n;
+  sc.token_of_row = layout.reserve(bytes_of(n, DType::i32));
+  if (s.sorted) {
+    sc.sorted_ids = layout.reserve(bytes_of(n, DType::i32));
+    sc.order = layout.reserve(bytes_of(n, DType::i32));
+    sc.positions = layout.reserve(bytes_of(n, DType::i32));
+    sc.inv_order = layout.reserve(bytes_of(n, DType::i32));
+    sc.sort_temp_bytes = sort_temp_bytes(n, ids_unsigned);
+    sc.sort_temp = layout.reserve(sc.sort_temp_bytes);
+  }
+  sc.cast_x = s.x_dtype != s.hidden_dtype;
+  if (sc.cast_x) sc.x_cast = layout.reserve(bytes_of(s.T * s.D, s.hidden_dtype));
+  sc.cast_gate_up = s.gate_up_scales_dtype != s.hidden_dtype;
+  if (sc.cast_gate_up) {
+    const QuantizedWeight* parts[2] = {s.fused ? &w.gate_up : &w.gate, s.fused ? nullptr : &w.up};
+    for (int i = 0; i < 2; ++i) {
+      if (!parts[i]) continue;
+      sc.gu_scales[i] = layout.reserve(bytes_of(parts[i]->scales.numel(), s.hidden_dtype));
+      sc.gu_biases[i] = layout.reserve(bytes_of(parts[i]->biases.numel(), s.hidden_dtype));
+    }
+  }
+  sc.mode = product_mode();
+  sc.glu_fused = glu_fusion_applies(s, w, x, sc);
+  if (s.fused) {
+    sc.gate_up_out = layout.reserve(bytes_of(n * 2 * s.I, s.hidden_dtype));
+  } else if (!sc.glu_fused) {  // the fused kernel never materializes gate and up
+    sc.gate_out = layout.reserve(bytes_of(n * s.I, s.hidden_dtype));
+    sc.up_out = layout.reserve(bytes_of(n * s.I, s.hidden_dtype));
+  }
+  if (sc.mode == ProductMode::separate) sc.intermediate = layout.reserve(bytes_of(n * s.I, s.hidden_dtype));
+  sc.hidden = layout.reserve(bytes_of(n * s.I, s.hidden_dtype));
+  sc.cast_hidden = s.hidden_dtype != s.out_dtype;
+  if (sc.cast_hidden) sc.hidden_cast = layout.reserve(bytes_of(n * s.I, s.out_dtype));
+  sc.cast_down = s.down_scales_dtype != s.out_dtype;
+  if (sc.cast_down) {
+    sc.down_scales = layout.reserve(bytes_of(w.down.scales.numel(), s.out_dtype));
+    sc.down_biases = layout.reserve(bytes_of(w.down.biases.numel(), s.out_dtype));
+  }
+  sc.fused_combine = try_fused_combine && combine_fusion_applies(s, w, sc);
+  sc.own_y = own_y && !sc.fused_combine;
+  if (sc.own_y) sc.y = layout.reserve(bytes_of(n * s.D, s.out_dtype));
+  // The fused combine's fp32 accumulator is not in this arena: the caller puts it in the router's
+  // slot, whose contents are dead once the routing is written (sc.combine_acc_ptr).
 }
 
 // The expert half: y [n, D] in out_dtype holds row b = (token, slot) in sorted order when s.sorted
@@ -244,8 +286,11 @@ ExpertResult run_experts(const ExpertShape& s, const Tensor& x, const int32_t* i
                                                      x_stride, s.D, s.I, n, token_of_row, rhs, s.sorted, nullptr);
     plan = up_p.tile_plan = gate_p.tile_plan = layer_tile_plan(up_p, ws);
     // Fused product mode on Hopper: gate, up and the GLU product in one launch, no [n, I] gate/up
-    // intermediates. Otherwise the two GEMMs, then the product kernel(s).
-    if (sc.mode != ProductMode::fused || !gate_up_glu_expert_tiles(gate_p, up_p, w.activation, hidden)) {
+    // intermediates (decided when planning). Otherwise the two GEMMs, then the product kernel(s).
+    if (sc.glu_fused) {
+      EXPERTQMM_CHECK(gate_up_glu_expert_tiles(gate_p, up_p, w.activation, hidden), "switch_glu",
+                      "the fused gate/up/GLU kernel was planned but does not take ", gate_p.describe());
+    } else {
       void* up = sc.at(sc.up_out);
       void* gate = sc.at(sc.gate_out);
       gather_qmm_into(up_p, up, &ws);
@@ -265,10 +310,20 @@ ExpertResult run_experts(const ExpertShape& s, const Tensor& x, const int32_t* i
   weight_params(w.down, s.out_dtype, sc.cast_down, sc.at(sc.down_scales), sc.at(sc.down_biases), stream, down_scales,
                 down_biases);
   ExpertResult r;
+  const detail::GatherQmmProblem down =
+      expert_problem(w.down, down_scales, down_biases, s.out_dtype, down_in, n, s.I, s.I, s.D, n, nullptr, rhs, s.sorted,
+                     plan);
+  if (sc.fused_combine) {
+    // acc[t] = sum over the token's slots of w * y, added inside the down GEMM.
+    float* acc = sc.combine_acc_ptr;
+    EXPERTQMM_CUDA_CHECK(cudaMemsetAsync(acc, 0, bytes_of(s.T * s.D, DType::f32), stream));
+    EXPERTQMM_CHECK(down_combine_expert_tiles(down, sc.i32(sc.order), sc.route_weights, static_cast<int>(s.k), acc),
+                    "moe_layer_into", "the down GEMM with the combine was planned but does not take ",
+                    down.describe());
+    return r;
+  }
   r.y = sc.own_y ? sc.at(sc.y) : y_out;
-  gather_qmm_into(expert_problem(w.down, down_scales, down_biases, s.out_dtype, down_in, n, s.I, s.I, s.D, n, nullptr,
-                                 rhs, s.sorted, plan),
-                  r.y, &ws);
+  gather_qmm_into(down, r.y, &ws);
   r.inv_order = s.sorted ? sc.i32(sc.inv_order) : nullptr;
   return r;
 }
@@ -311,7 +366,7 @@ Tensor switch_glu(const Tensor& x, const Tensor& indices, const SwitchGLUWeights
   ArenaLayout layout;
   ExpertScratch sc;
   // Unsorted rows are already in (token, slot) order: the down GEMM writes straight into out.
-  plan_expert_scratch(s, weights, ids_unsigned, /*own_y=*/s.sorted, layout, sc);
+  plan_expert_scratch(s, weights, xc, ids_unsigned, /*own_y=*/s.sorted, /*try_fused_combine=*/false, layout, sc);
   sc.base = ws.get(kMoeArenaSlot, layout.bytes());
   const ExpertResult r = run_experts(s, xc, flat_ids(ids), ids_unsigned, weights, sc, out.data(), ws);
   if (s.sorted) {
@@ -343,13 +398,21 @@ void moe_layer_into(Tensor& out, const Tensor& h, const Tensor& x, const MoeWeig
   const size_t indices_off = layout.reserve(bytes_of(s.n, DType::i32));
   const size_t weights_off = layout.reserve(bytes_of(s.n, h.dtype()));
   ExpertScratch sc;
-  plan_expert_scratch(s, weights.experts, /*ids_unsigned=*/false, /*own_y=*/true, layout, sc);
+  plan_expert_scratch(s, weights.experts, x, /*ids_unsigned=*/false, /*own_y=*/true,
+                      /*try_fused_combine=*/h.dtype() == s.out_dtype, layout, sc);
   sc.base = ws.get(kMoeArenaSlot, layout.bytes());
   int32_t* route_indices = sc.i32(indices_off);
   void* route_weights = sc.at(weights_off);
+  sc.route_weights = route_weights;
+  if (sc.fused_combine)  // before route_into, which then reuses the (larger) slot for its scratch
+    sc.combine_acc_ptr = static_cast<float*>(ws.get(kRouterArenaSlot, bytes_of(s.T * s.D, DType::f32)));
 
   route_into(h, weights.router, route_indices, route_weights, ws);
   const ExpertResult r = run_experts(s, x, route_indices, /*ids_unsigned=*/false, weights.experts, sc, nullptr, ws);
+  if (sc.fused_combine) {  // the down GEMM summed into the fp32 accumulator: one rounding to out
+    launch_cast(DType::f32, sc.combine_acc_ptr, out.dtype(), out.data(), s.T * s.D, current_stream());
+    return;
+  }
   // Combine in token order, reading the down output in sorted order through inv_order.
   launch_weighted_combine(s.out_dtype, r.y, s.n, r.inv_order, h.dtype(), route_weights, out.dtype(), out.data(), s.T,
                           s.k, s.D, current_stream());

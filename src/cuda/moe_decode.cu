@@ -171,48 +171,102 @@ struct RouterArgs {
   DecodePlan* plan;    // out
 };
 
-constexpr int kRouterChunks = 6;  // 16-byte weight chunks a lane loads before any math
+constexpr int kRouterThreads = 256;
+constexpr int kRouterWarps = kRouterThreads / 32;
+constexpr int kRouterChunks = 2;      // 16-byte weight chunks per thread per batch (c = tid + 256 i)
+constexpr int kRouterUnits = 12;      // 16-byte h units per thread per staging batch
+constexpr int kRouterScaleUnits = 2;  // norm-weight units (8 values) per thread per staging batch
+constexpr int kRouterCachedScales = kRouterThreads;  // per_expert_scale prefetched for e < 256
 
-// Work split: grid ceil(E / 8) CTAs of 256 threads; warp w of CTA c owns expert 8c + w and computes
-// its logit for all T tokens. Order, for latency: each lane first issues the loads of its chunks
-// (lane l: chunks l, l+32, ... of the expert's row, 16 bytes each, with their scales and biases:
-// the whole 8-bit Gemma row of 2816 values is 176 chunks, so one batch of 6 per lane); then all
-// 256 threads recompute the RMS norm of the T rows of h (thread i: units of 8 values i, i+256, ...,
-// one 16-byte load each, squares summed in index order, shuffles then shared memory across warps),
-// writing r rounded to D into shared memory, staged (T, staged_floats(H)) floats; then each lane
-// dots its chunks with every token's r and the warp reduces by shuffles. Each CTA then bumps a
-// device counter (after __threadfence); the CTA that finishes last does the top-k (one warp per
-// token, device::warp_topk_softmax), writes indices and weights, resets the counter, and builds the
-// DecodePlan: thread b < n counts the rows with a smaller expert id and the earlier rows with the
-// same id, which is row b's place in the stably sorted order; first rows of an expert name groups.
+// 8 norm-weight values of unit u as float (bf16/f16: one 16-byte load, f32: two).
+struct ScaleUnit {
+  uint4 lo, hi;
+};
+__device__ __forceinline__ void load_scale_unit(const void* p, DType dt, int u, ScaleUnit& s) {
+  if (dt == DType::f32) {
+    const uint4* q = static_cast<const uint4*>(p) + 2 * u;
+    s.lo = __ldg(q);
+    s.hi = __ldg(q + 1);
+  } else {
+    s.lo = __ldg(static_cast<const uint4*>(p) + u);
+    s.hi = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+__device__ __forceinline__ void scale_unit_floats(const ScaleUnit& s, DType dt, float (&v)[8]) {
+  if (dt == DType::f32) {
+    const float* f0 = reinterpret_cast<const float*>(&s.lo);
+    const float* f1 = reinterpret_cast<const float*>(&s.hi);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[i] = f0[i];
+      v[4 + i] = f1[i];
+    }
+  } else {
+    const uint16_t* e = reinterpret_cast<const uint16_t*>(&s.lo);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = dt == DType::bf16 ? bf16_to_float(e[i]) : f16_to_float(e[i]);
+  }
+}
+
+// Work split: grid E CTAs (one per expert: 128 for Gemma, one wave on 132 SMs), 256 threads.
+// Thread i owns the weight chunks i, i + 256, ... (16 bytes each) of its CTA's expert row: the
+// 8-bit Gemma row of 2816 values is 176 chunks, so threads 0..175 hold one chunk each and the
+// whole 383 KB projection is requested by the first instructions of all 128 CTAs at once (~3 KB
+// per SM: one DRAM round trip, not bandwidth). Order, for latency:
+//   1. the chunk loads (with their scale and bias), and per_expert_scale[tid] (for the top-k);
+//   2. the RMS-norm inputs, issued as one batch: norm weight units (8 values, 16 B) u = tid,
+//      tid + 256, and h units (flat index t*U + u, U = H/8) tid + 256 j, j < 12 (T=8: 2816 units,
+//      11 per thread: one batch); h is written to shared memory as raw floats, scale * root_size
+//      likewise, and each thread sums the squares of its units per token (registers, index order);
+//   3. sums of squares: shuffles, then warp 0..T-1 partials summed in warp order -> inv_rms[t];
+//   4. per chunk and token, r = D(h * inv_rms * (scale * root_size)) computed in registers from
+//      shared memory (route_into's formula; no staged r, no extra barrier), its 8-value unit sums
+//      in index order, and the qmv dot (word_dot); acc[t] += s * dot + b * sum(x);
+//   5. shuffles, then the 8 warps' partials in warp order -> logits[t, e], rounded to D.
+// Each CTA then bumps a device counter (after __threadfence); the CTA that finishes last does the
+// top-k (warp t = token t, device::warp_topk_softmax, indices into shared memory, per_expert_scale
+// from the prefetched copy), writes indices and weights, resets the counter, and builds the
+// DecodePlan from the shared indices: thread b < n counts the rows with a smaller expert id and the
+// earlier rows with the same id, which is row b's place in the stably sorted order; first rows of
+// an expert name groups.
+// Occupancy (ptxas, sm_90a): 119-121 registers, no spills; 1 CTA (8 warps) per SM is all it needs:
+// grid E = 128 <= 132 SMs, one wave. Dynamic shared memory (T + 1) * 3168 floats at H = 2816:
+// 25 KB at T=1, 114 KB at T=8. In flight per SM: the expert row (2.8 KB + 88 B of scales/biases)
+// beside the norm inputs (norm weight 5.6 KB + h 5.6 KB per token: ~14 KB at T=1, ~53 KB at T=8,
+// L2 hits after the first CTA) in one round trip; then the counter atomic, one L2 read of the
+// logits and the top-k in the last CTA (T=8: the 8 tokens on the 8 warps at once).
 template <DType D, int kProj>
-__global__ void __launch_bounds__(kThreads) decode_router_kernel(RouterArgs a) {
+__global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArgs a) {
   using S = typename Elem<D>::storage;
   constexpr bool kQuant = kProj != 0;
   constexpr int kVals = kQuant ? 128 / kProj : 8;  // values per 16-byte chunk
-  extern __shared__ __align__(16) float smem[];    // (T, staged_floats(H)) floats
-  __shared__ float red[kWarps][kDecodeMaxTokens];
+  constexpr int kUnitsPerChunk = kVals / 8;
+  extern __shared__ __align__(16) float smem[];    // scale*root_size row, then T raw h rows (padded)
+  __shared__ float red[kRouterWarps][kDecodeMaxTokens];
   __shared__ float inv_rms[kDecodeMaxTokens];
+  __shared__ float pes_s[kRouterCachedScales];
   __shared__ int is_last;
   __shared__ int32_t ids[kDecodeMaxRows];
   __shared__ int first_of_expert[kDecodeMaxRows];
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int e = blockIdx.x * kWarps + warp;
-  const bool live = e < a.E;  // warp-uniform
+  const int e = blockIdx.x;
   const int Q = a.H / kVals;
-  const int row_floats = staged_floats(a.H);
-  const uint4* wrow = static_cast<const uint4*>(a.proj) + static_cast<int64_t>(live ? e : 0) * Q;
-  const uint16_t* srow = kQuant ? a.proj_scales + static_cast<int64_t>(live ? e : 0) * a.groups_per_row : nullptr;
-  const uint16_t* brow = kQuant ? a.proj_biases + static_cast<int64_t>(live ? e : 0) * a.groups_per_row : nullptr;
+  const int row_floats = round_up4(padded(a.H));
+  float* sr = smem;                // (H) padded: scale * root_size
+  float* hs = smem + row_floats;   // (T, H) padded: raw h
+  const uint4* wrow = static_cast<const uint4*>(a.proj) + static_cast<int64_t>(e) * Q;
+  const uint16_t* srow = kQuant ? a.proj_scales + static_cast<int64_t>(e) * a.groups_per_row : nullptr;
+  const uint16_t* brow = kQuant ? a.proj_biases + static_cast<int64_t>(e) * a.groups_per_row : nullptr;
 
+  // 1. Weight loads first.
   uint4 wv[kRouterChunks];
   float ws[kRouterChunks], wb[kRouterChunks];
   auto load_batch = [&](int c0) {
 #pragma unroll
     for (int i = 0; i < kRouterChunks; ++i) {
-      const int c = c0 + 32 * i;
-      if (live && c < Q) {
+      const int c = c0 + kRouterThreads * i;
+      if (c < Q) {
         wv[i] = __ldg(wrow + c);
         if constexpr (kQuant) {
           const int g = (c * kVals) >> a.group_shift;
@@ -226,26 +280,68 @@ __global__ void __launch_bounds__(kThreads) decode_router_kernel(RouterArgs a) {
       }
     }
   };
-  load_batch(lane);
+  load_batch(tid);
+  const float pes_mine = tid < a.E ? load_any(a.per_expert_scale, a.pes_dtype, tid) : 0.f;
 
-  // RMS norm, pass 1: h into shared memory (raw values), sums of squares.
+  // 2. Norm inputs, batched: the norm weight's units and h's units, all loads before any use.
   const int U = a.H / 8;
+  const int TU = a.T * U;
   float sq[kDecodeMaxTokens];
 #pragma unroll
-  for (int t = 0; t < kDecodeMaxTokens; ++t) {
-    sq[t] = 0.f;
-    if (t >= a.T) continue;
-    float* row = smem + t * row_floats;
-    for (int u = tid; u < U; u += kThreads) {
-      float v[8];
-      load8<D>(a.h + t * a.h_stride + 8 * u, v);
+  for (int t = 0; t < kDecodeMaxTokens; ++t) sq[t] = 0.f;
+  for (int base = 0, sbase = 0; base < TU || sbase < U;
+       base += kRouterThreads * kRouterUnits, sbase += kRouterThreads * kRouterScaleUnits) {
+    ScaleUnit su[kRouterScaleUnits];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) sq[t] = __fadd_rn(sq[t], __fmul_rn(v[i], v[i]));
-      float4* dst = reinterpret_cast<float4*>(row + padded(8 * u));
-      dst[0] = make_float4(v[0], v[1], v[2], v[3]);
-      dst[1] = make_float4(v[4], v[5], v[6], v[7]);
+    for (int j = 0; j < kRouterScaleUnits; ++j) {
+      const int u = sbase + tid + kRouterThreads * j;
+      if (u < U) load_scale_unit(a.scale, a.scale_dtype, u, su[j]);
+    }
+    uint4 hv[kRouterUnits];
+#pragma unroll
+    for (int j = 0; j < kRouterUnits; ++j) {
+      const int idx = base + tid + kRouterThreads * j;
+      if (idx < TU) {
+        const int t = idx / U, u = idx - t * U;
+        hv[j] = *reinterpret_cast<const uint4*>(a.h + t * a.h_stride + 8 * u);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kRouterScaleUnits; ++j) {
+      const int u = sbase + tid + kRouterThreads * j;
+      if (u < U) {
+        float v[8];
+        scale_unit_floats(su[j], a.scale_dtype, v);
+        float4* dst = reinterpret_cast<float4*>(sr + padded(8 * u));
+        dst[0] = make_float4(__fmul_rn(v[0], a.root_size), __fmul_rn(v[1], a.root_size),
+                             __fmul_rn(v[2], a.root_size), __fmul_rn(v[3], a.root_size));
+        dst[1] = make_float4(__fmul_rn(v[4], a.root_size), __fmul_rn(v[5], a.root_size),
+                             __fmul_rn(v[6], a.root_size), __fmul_rn(v[7], a.root_size));
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kRouterUnits; ++j) {
+      const int idx = base + tid + kRouterThreads * j;
+      if (idx < TU) {
+        const int t = idx / U, u = idx - t * U;
+        const S* hvals = reinterpret_cast<const S*>(&hv[j]);
+        float v[8];
+        float s = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          v[i] = Elem<D>::load(hvals[i]);
+          s = __fadd_rn(s, __fmul_rn(v[i], v[i]));
+        }
+#pragma unroll
+        for (int tt = 0; tt < kDecodeMaxTokens; ++tt)
+          if (tt == t) sq[tt] = __fadd_rn(sq[tt], s);
+        float4* dst = reinterpret_cast<float4*>(hs + t * row_floats + padded(8 * u));
+        dst[0] = make_float4(v[0], v[1], v[2], v[3]);
+        dst[1] = make_float4(v[4], v[5], v[6], v[7]);
+      }
     }
   }
+  // 3. inv_rms per token.
 #pragma unroll
   for (int t = 0; t < kDecodeMaxTokens; ++t) {
     for (int off = 16; off > 0; off >>= 1) sq[t] = __fadd_rn(sq[t], __shfl_xor_sync(0xffffffffu, sq[t], off));
@@ -254,66 +350,77 @@ __global__ void __launch_bounds__(kThreads) decode_router_kernel(RouterArgs a) {
   __syncthreads();
   if (tid < a.T) {
     float total = 0.f;
-    for (int w = 0; w < kWarps; ++w) total = __fadd_rn(total, red[w][tid]);
+    for (int w = 0; w < kRouterWarps; ++w) total = __fadd_rn(total, red[w][tid]);
     inv_rms[tid] = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(total, static_cast<float>(a.H)), a.eps)));
   }
-  __syncthreads();
-  // Pass 2: r = D(h * inv_rms * (scale * root_size)) staged in place (route_into's formula).
-  for (int t = 0; t < a.T; ++t) {
-    float* row = smem + t * row_floats;
-    const float inv = inv_rms[t];
-    for (int u = tid; u < U; u += kThreads) {
-      const float* src = row + padded(8 * u);
-      float v[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i)
-        v[i] = round_to<D>(
-            __fmul_rn(__fmul_rn(src[i], inv), __fmul_rn(load_any(a.scale, a.scale_dtype, 8 * u + i), a.root_size)));
-      stage_unit<kProj == 4>(row, a.H, u, v);
-    }
-  }
+  if (tid < kRouterCachedScales) pes_s[tid] = pes_mine;
   __syncthreads();
 
-  // Logits of the warp's expert for every token.
+  // 4. The expert's logit for every token: r computed per chunk from shared memory.
   float acc[kDecodeMaxTokens];
 #pragma unroll
   for (int t = 0; t < kDecodeMaxTokens; ++t) acc[t] = 0.f;
-  for (int c0 = lane;;) {
+  for (int c0 = tid;;) {
 #pragma unroll
     for (int i = 0; i < kRouterChunks; ++i) {
-      const int c = c0 + 32 * i;
+      const int c = c0 + kRouterThreads * i;
       if (c >= Q) break;
 #pragma unroll
       for (int t = 0; t < kDecodeMaxTokens; ++t) {
         if (t >= a.T) break;
-        const float* row = smem + t * row_floats;
-        const float* xc = row + padded(c * kVals);
-        if constexpr (kQuant) {
-          float dot = 0.f;
+        const float inv = inv_rms[t];
+        const float* hrow = hs + t * row_floats;
+        float dot = 0.f, sx = 0.f;
 #pragma unroll
-          for (int wi = 0; wi < 4; ++wi) {
-            float xv[32 / kProj];
-            word_x<kProj>(xc, wi, xv);
-            dot = word_dot<kProj>(word_of(wv[i], wi), xv, dot);
+        for (int q = 0; q < kUnitsPerChunk; ++q) {
+          const int i0 = padded(c * kVals + 8 * q);  // 8 values inside one 32-block
+          const float4 h0 = *reinterpret_cast<const float4*>(hrow + i0);
+          const float4 h1 = *reinterpret_cast<const float4*>(hrow + i0 + 4);
+          const float4 s0 = *reinterpret_cast<const float4*>(sr + i0);
+          const float4 s1 = *reinterpret_cast<const float4*>(sr + i0 + 4);
+          const float hv8[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+          const float sv8[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
+          float x[8];
+          float usum = 0.f;
+#pragma unroll
+          for (int v = 0; v < 8; ++v) {
+            x[v] = round_to<D>(__fmul_rn(__fmul_rn(hv8[v], inv), sv8[v]));
+            usum += x[v];
           }
-          acc[t] += ws[i] * dot + wb[i] * chunk_sum(row, a.H, c, kVals);
-        } else {
-          const S* pv = reinterpret_cast<const S*>(&wv[i]);
-          float dot = 0.f;
+          sx += usum;
+          if constexpr (kProj == 4) {
 #pragma unroll
-          for (int j = 0; j < 8; ++j) dot += xc[j] * Elem<D>::load(pv[j]);
-          acc[t] += dot;
+            for (int v = 0; v < 8; ++v) x[v] *= 1.0f / static_cast<float>(1 << (4 * (v & 3)));
+            dot = word_dot<4>(word_of(wv[i], q), x, dot);
+          } else if constexpr (kProj == 8) {
+            dot = word_dot<8>(word_of(wv[i], 2 * q), x, dot);
+            dot = word_dot<8>(word_of(wv[i], 2 * q + 1), x + 4, dot);
+          } else {
+            const S* pv = reinterpret_cast<const S*>(&wv[i]);
+#pragma unroll
+            for (int v = 0; v < 8; ++v) dot += x[v] * Elem<D>::load(pv[v]);
+          }
         }
+        if constexpr (kQuant) acc[t] += ws[i] * dot + wb[i] * sx;
+        else acc[t] += dot;
       }
     }
-    c0 += 32 * kRouterChunks;
-    if (c0 - lane >= Q) break;  // warp-uniform
+    c0 += kRouterThreads * kRouterChunks;
+    if (c0 - tid >= Q) break;  // CTA-uniform
     load_batch(c0);
   }
+  // 5. Reduce: lanes, then warps in order.
+  __syncthreads();  // red[] is reused
 #pragma unroll
   for (int t = 0; t < kDecodeMaxTokens; ++t) {
     for (int off = 16; off > 0; off >>= 1) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], off);
-    if (live && lane == 0 && t < a.T) a.logits[t * a.E + e] = round_to<D>(acc[t]);
+    if (lane == 0) red[warp][t] = acc[t];
+  }
+  __syncthreads();
+  if (tid < a.T) {
+    float total = 0.f;
+    for (int w = 0; w < kRouterWarps; ++w) total += red[w][tid];
+    a.logits[tid * a.E + e] = round_to<D>(total);
   }
 
   // The last CTA to finish routes.
@@ -324,23 +431,23 @@ __global__ void __launch_bounds__(kThreads) decode_router_kernel(RouterArgs a) {
   if (!is_last) return;
   __threadfence();
   if (tid == 0) atomicExch(a.counter, 0u);  // ready for the next call (graph replays)
-  for (int t = warp; t < a.T; t += kWarps) {
+  for (int t = warp; t < a.T; t += kRouterWarps) {
     const float* lrow = a.logits + t * a.E;
     uint16_t* wrow_out = a.weights + t * a.k;
-    device::warp_topk_softmax([&](int64_t x) { return __ldcg(lrow + x); }, a.E, a.k,
-                              [&](int64_t x) { return load_any(a.per_expert_scale, a.pes_dtype, x); },
-                              a.indices + t * a.k, [&](int slot, float w) { wrow_out[slot] = Elem<D>::store(w); });
+    device::warp_topk_softmax(
+        [&](int64_t x) { return __ldcg(lrow + x); }, a.E, a.k,
+        [&](int64_t x) { return x < kRouterCachedScales ? pes_s[x] : load_any(a.per_expert_scale, a.pes_dtype, x); },
+        ids + t * a.k, [&](int slot, float w) { wrow_out[slot] = Elem<D>::store(w); });
   }
   __syncthreads();
 
   // The plan: rows grouped by expert (stable counting sort over n <= 64 rows).
   const int n = a.T * a.k;
-  if (tid < n) ids[tid] = a.indices[tid];
-  __syncthreads();
   int32_t mine = -1;
   int less = 0, before = 0, same = 0;
   if (tid < n) {
     mine = ids[tid];
+    a.indices[tid] = mine;
     for (int b = 0; b < n; ++b) {
       const int32_t other = ids[b];
       less += other < mine;
@@ -387,20 +494,32 @@ struct GateUpArgs {
   uint32_t* faults;
 };
 
-constexpr int kGuCols = kWarps;       // output columns per CTA: one per warp (its gate row and up row)
-constexpr int kGuWeightRows = 2;      // weight rows per warp: gate, up
-constexpr int kGuRowsPerPass = 4;     // activation rows staged at once (at most)
-constexpr int kGuChunks = 3;          // 16-byte chunks per weight row a lane loads at once
+constexpr int kGuWarpCols = 2;                 // output columns per warp
+constexpr int kGuWeightRows = 2 * kGuWarpCols;  // weight rows per warp: gate, up of each column
+constexpr int kGuCols = kWarps * kGuWarpCols;  // output columns per CTA
+constexpr int kGuRowsPerPass = 2;              // activation rows staged at once (at most)
+constexpr int kGuChunks = 3;                   // 16-byte chunks per weight row a lane loads at once
+constexpr int kGuStageUnits = 2;               // 16-byte x units per thread per staging batch
 
-// Work split: grid (ceil(I / 8), min(n, E)), 256 threads, up to 3 CTAs per SM. CTA (x, g) takes
-// expert group g of the plan (CTAs past the plan's group count exit at once) and output columns
-// [8x, 8x + 8): warp w owns column 8x + w, i.e. two weight rows (its gate row and its up row), and
-// lane l takes chunks l, l+32, l+64 of both (6 x 16 bytes in flight per lane, issued before the
-// activations are staged: Gemma's 4-bit row of 2816 values is 88 chunks, one batch). So every
-// weight byte of an expert's column block is read once per layer, however many tokens chose it.
-// The group's rows are staged rows_per_pass at a time (x row of token row / k, staged_floats(H)
-// floats each); each chunk's words are dotted with each staged row (x read once per row for both
-// weight rows), lanes reduce by shuffles and lane 0 writes hidden[row, col] = D(act(D(gate)) * D(up)).
+// Work split: grid (ceil(I / 16), min(n, E)), 256 threads, 2 CTAs per SM (__launch_bounds__(256,
+// 2): <= 128 registers). CTA (x, g) takes expert group g of the plan (CTAs past the plan's group
+// count exit at once) and output columns [16x, 16x + 16): warp w owns columns 16x + 2w and
+// 16x + 2w + 1, i.e. four weight rows (gate and up of each), and lane l takes chunks l, l+32, l+64
+// of all four: 12 x 16 bytes issued right after the plan's expert id, before anything else (Gemma's
+// 4-bit row of 2816 values is 88 chunks, so the whole column block is one batch: 192 B per lane,
+// 48 KB per CTA, 96 KB per SM in flight; 8-bit rows take two batches). Only then the group's
+// token ids are read and the x rows staged (rows_per_pass at a time, staged_floats(H) floats each;
+// a thread's 16-byte x loads go out two at a time: a whole 2816-value row per batch). Each chunk's words are dotted with
+// each staged row (x read once from shared memory for the four weight rows), lanes reduce by
+// shuffles, and lane 0 writes hidden[row, col] = D(act(D(gate)) * D(up)). Every weight byte of an
+// expert's column block is read once per layer, however many tokens chose it; a one-batch block
+// stays in registers across passes; the staged rows are dotted one at a time (a runtime loop: two
+// rows interleaved cost ~40 more registers and spilled).
+// Occupancy (ptxas, sm_90a): 124-126 registers, no spills: 2 CTAs (16 warps) per SM, dynamic shared
+// memory staged_floats(2816) * 4 = 14 KB per staged row (T=1: 14 KB, T>=2: 28 KB). Gemma, 4-bit:
+// T=1: 44 x 8 = 352 CTAs on 264 slots (1.33 waves; the first wave holds 13 MB of the 17.8 MB in
+// flight), 88 KB in flight per SM (11 of a lane's 12 slots live); T=8: 44 x ~47 live groups = ~2070
+// CTAs (~7.8 waves, the 64 - groups extra rows of the grid exit at once), the same 88 KB per SM.
 template <DType D, int kBits, Activation A>
 __global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_kernel(GateUpArgs a) {
   constexpr int kVals = 128 / kBits;  // values per chunk
@@ -408,7 +527,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_kernel(GateUpA
   const DecodePlan& plan = *a.plan;
   const int g = blockIdx.y;
   if (g >= plan.groups) return;  // uniform
-  const int e = plan.expert[g], begin = plan.begin[g], count = plan.count[g];
+  const int e = plan.expert[g];
   if (e < 0 || e >= a.E) {
     if (threadIdx.x == 0 && blockIdx.x == 0)
       record_fault(a.faults, kFaultExpertOutOfRange, static_cast<uint32_t>(e), static_cast<uint32_t>(a.E));
@@ -417,17 +536,21 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_kernel(GateUpA
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int Q = a.H / kVals;
   const int row_floats = staged_floats(a.H);
-  const int col = blockIdx.x * kGuCols + warp;
-  const bool valid = col < a.I;  // warp-uniform
-  // Row indices (into w in chunks of Q, into scales/biases in groups) of the gate and up rows.
-  const int64_t wr[kGuWeightRows] = {valid ? e * a.gate_rows_per_expert + a.gate_row0 + col : 0,
-                                     valid ? e * a.up_rows_per_expert + a.up_row0 + col : 0};
-  const uint4* wbase[kGuWeightRows] = {reinterpret_cast<const uint4*>(a.gate_w), reinterpret_cast<const uint4*>(a.up_w)};
-  const uint16_t* sbase[kGuWeightRows] = {a.gate_s, a.up_s};
-  const uint16_t* bbase[kGuWeightRows] = {a.gate_b, a.up_b};
+  const int col0 = blockIdx.x * kGuCols + warp * kGuWarpCols;
+  // Row indices (into w in chunks of Q, into scales/biases in groups) of the warp's weight rows:
+  // r = 2j: gate of column col0 + j, r = 2j + 1: its up. Columns past I read nothing.
+  int64_t wr[kGuWeightRows];
+  bool valid[kGuWarpCols];
+#pragma unroll
+  for (int j = 0; j < kGuWarpCols; ++j) {
+    valid[j] = col0 + j < a.I;
+    wr[2 * j] = valid[j] ? e * a.gate_rows_per_expert + a.gate_row0 + col0 + j : 0;
+    wr[2 * j + 1] = valid[j] ? e * a.up_rows_per_expert + a.up_row0 + col0 + j : 0;
+  }
 
+  // Codes, and each chunk's raw scale (low half) and bias (high half) in one register.
   uint4 wv[kGuChunks][kGuWeightRows];
-  float ws[kGuChunks][kGuWeightRows], wb[kGuChunks][kGuWeightRows];
+  uint32_t wsb[kGuChunks][kGuWeightRows];
   auto load_batch = [&](int c0) {
 #pragma unroll
     for (int i = 0; i < kGuChunks; ++i) {
@@ -435,86 +558,110 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_kernel(GateUpA
       const int grp = (c * kVals) >> a.group_shift;
 #pragma unroll
       for (int r = 0; r < kGuWeightRows; ++r) {
-        if (valid && c < Q) {
-          wv[i][r] = __ldg(wbase[r] + wr[r] * Q + c);
-          ws[i][r] = raw_param<D>(__ldg(sbase[r] + wr[r] * a.groups_per_row + grp));
-          wb[i][r] = raw_param<D>(__ldg(bbase[r] + wr[r] * a.groups_per_row + grp));
+        const bool gate = (r & 1) == 0;
+        if (valid[r >> 1] && c < Q) {
+          const uint4* wbase = reinterpret_cast<const uint4*>(gate ? a.gate_w : a.up_w);
+          const uint16_t* sbase = gate ? a.gate_s : a.up_s;
+          const uint16_t* bbase = gate ? a.gate_b : a.up_b;
+          wv[i][r] = __ldg(wbase + wr[r] * Q + c);
+          wsb[i][r] = __byte_perm(__ldg(sbase + wr[r] * a.groups_per_row + grp),
+                                  __ldg(bbase + wr[r] * a.groups_per_row + grp), 0x5410u);
         } else {
           wv[i][r] = make_uint4(0u, 0u, 0u, 0u);
-          ws[i][r] = 0.f;
-          wb[i][r] = 0.f;
+          wsb[i][r] = 0u;  // scale and bias +0
         }
       }
     }
   };
   load_batch(lane);
-  bool loaded = true;
+  const bool one_batch = Q <= 32 * kGuChunks;  // the whole row is in registers: keep it across passes
+  const int begin = plan.begin[g], count = plan.count[g];
 
   const int U = a.H / 8;
   const int per_pass = a.rows_per_pass;
   for (int pass = 0; pass * per_pass < count; ++pass) {
     const int rows = min(per_pass, count - pass * per_pass);
+    const int row0 = begin + pass * per_pass;
+    int64_t token[kGuRowsPerPass];
+#pragma unroll
+    for (int r = 0; r < kGuRowsPerPass; ++r) token[r] = r < rows ? plan.row[row0 + r] / a.k : 0;
     if (pass > 0) __syncthreads();  // every warp is done with the previous pass's rows
-    for (int r = 0; r < rows; ++r) {
-      const int64_t token = plan.row[begin + pass * per_pass + r] / a.k;
-      float* row = smem + r * row_floats;
-      for (int u = tid; u < U; u += kThreads) {
-        float v[8];
-        load8<D>(a.x + token * a.x_stride + 8 * u, v);
-        stage_unit<kBits == 4>(row, a.H, u, v);
+    const int RU = rows * U;
+    for (int base = 0; base < RU; base += kThreads * kGuStageUnits) {
+      uint4 xv[kGuStageUnits];
+#pragma unroll
+      for (int j = 0; j < kGuStageUnits; ++j) {
+        const int idx = base + tid + kThreads * j;
+        if (idx < RU) {
+          const int r = idx / U, u = idx - r * U;
+          int64_t tok = token[0];
+#pragma unroll
+          for (int rr = 1; rr < kGuRowsPerPass; ++rr)
+            if (r == rr) tok = token[rr];
+          xv[j] = *reinterpret_cast<const uint4*>(a.x + tok * a.x_stride + 8 * u);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kGuStageUnits; ++j) {
+        const int idx = base + tid + kThreads * j;
+        if (idx < RU) {
+          const int r = idx / U, u = idx - r * U;
+          const typename Elem<D>::storage* ev = reinterpret_cast<const typename Elem<D>::storage*>(&xv[j]);
+          float v[8];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) v[i] = Elem<D>::load(ev[i]);
+          stage_unit<kBits == 4>(smem + r * row_floats, a.H, u, v);
+        }
       }
     }
     __syncthreads();
 
-    float acc[kGuRowsPerPass][kGuWeightRows];
+    // One staged row at a time (a runtime loop: the rows' math interleaved would need more registers).
+#pragma unroll 1
+    for (int r = 0; r < rows; ++r) {
+      const float* row = smem + r * row_floats;
+      float acc[kGuWeightRows];
 #pragma unroll
-    for (int r = 0; r < kGuRowsPerPass; ++r)
+      for (int j = 0; j < kGuWeightRows; ++j) acc[j] = 0.f;
+      for (int c0 = lane;;) {
+        if (!one_batch && !(pass == 0 && r == 0 && c0 == lane)) load_batch(c0);
 #pragma unroll
-      for (int j = 0; j < kGuWeightRows; ++j) acc[r][j] = 0.f;
-    for (int c0 = lane;;) {
-      if (!loaded) load_batch(c0);
-      loaded = false;
-#pragma unroll
-      for (int i = 0; i < kGuChunks; ++i) {
-        const int c = c0 + 32 * i;
-        if (c >= Q) break;
-#pragma unroll
-        for (int r = 0; r < kGuRowsPerPass; ++r) {
-          if (r >= rows) break;
-          const float* row = smem + r * row_floats;
+        for (int i = 0; i < kGuChunks; ++i) {
+          const int c = c0 + 32 * i;
+          if (c >= Q) break;
           const float* xc = row + padded(c * kVals);
           float dot[kGuWeightRows];
 #pragma unroll
           for (int j = 0; j < kGuWeightRows; ++j) dot[j] = 0.f;
 #pragma unroll
           for (int wi = 0; wi < 4; ++wi) {
-            float xv[32 / kBits];
-            word_x<kBits>(xc, wi, xv);
+            float xw[32 / kBits];
+            word_x<kBits>(xc, wi, xw);
 #pragma unroll
-            for (int j = 0; j < kGuWeightRows; ++j) dot[j] = word_dot<kBits>(word_of(wv[i][j], wi), xv, dot[j]);
+            for (int j = 0; j < kGuWeightRows; ++j) dot[j] = word_dot<kBits>(word_of(wv[i][j], wi), xw, dot[j]);
           }
           const float sx = chunk_sum(row, a.H, c, kVals);
 #pragma unroll
-          for (int j = 0; j < kGuWeightRows; ++j) acc[r][j] += ws[i][j] * dot[j] + wb[i][j] * sx;
+          for (int j = 0; j < kGuWeightRows; ++j)
+            acc[j] += raw_param<D>(static_cast<uint16_t>(wsb[i][j])) * dot[j] +
+                      raw_param<D>(static_cast<uint16_t>(wsb[i][j] >> 16)) * sx;
         }
+        c0 += 32 * kGuChunks;
+        if (c0 - lane >= Q) break;  // warp-uniform
       }
-      c0 += 32 * kGuChunks;
-      if (c0 - lane >= Q) break;  // warp-uniform
-    }
-#pragma unroll
-    for (int r = 0; r < kGuRowsPerPass; ++r)
 #pragma unroll
       for (int j = 0; j < kGuWeightRows; ++j)
 #pragma unroll
-        for (int off = 16; off > 0; off >>= 1) acc[r][j] += __shfl_xor_sync(0xffffffffu, acc[r][j], off);
-    if (lane == 0 && valid) {
+        for (int off = 16; off > 0; off >>= 1) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], off);
+      if (lane == 0) {
+        const int64_t out_row = plan.row[row0 + r];
 #pragma unroll
-      for (int r = 0; r < kGuRowsPerPass; ++r) {
-        if (r >= rows) break;
-        const int64_t out_row = plan.row[begin + pass * per_pass + r];
-        const float gate = round_to<D>(acc[r][0]);
-        const float up = round_to<D>(acc[r][1]);
-        a.hidden[out_row * a.I + col] = Elem<D>::store(device::glu<A>(gate, up));
+        for (int j = 0; j < kGuWarpCols; ++j) {
+          if (!valid[j]) continue;
+          const float gate = round_to<D>(acc[2 * j]);
+          const float up = round_to<D>(acc[2 * j + 1]);
+          a.hidden[out_row * a.I + col0 + j] = Elem<D>::store(device::glu<A>(gate, up));
+        }
       }
     }
   }
@@ -535,18 +682,32 @@ struct DownArgs {
   uint32_t* faults;
 };
 
-constexpr int kDnCols = 8;    // output columns per CTA
-constexpr int kDnChunks = 1;  // 16-byte chunks per weight row a lane loads at once
+constexpr int kDnLanesPerRow = 8;                      // lanes sharing one weight row (split K)
+constexpr int kDnRowSets = 32 / kDnLanesPerRow;        // weight rows a warp works on at once (4)
+constexpr int kDnColSets = 3;                          // rows per lane group: columns q, q+4, q+8
+constexpr int kDnCols = kDnRowSets * kDnColSets;       // output columns per CTA (12)
+constexpr int kDnChunks = 3;                           // chunks per weight row a lane loads at once
+constexpr int kDnStageUnits = 3;                       // 16-byte hidden units per lane per batch
 
-// Work split: grid (T, ceil(H / 8)), 256 threads, up to 3 CTAs per SM; tokens vary fastest, so the CTAs reading one
-// expert's column block for different tokens run close together (L2 reuse). CTA (t, y) computes
-// out[t, 8y .. 8y+8): warp j < k takes slot j (row t*k + j, expert indices[t*k + j]) and the 8
-// columns' down rows of that expert: lane l loads chunk l (and l + 32, ... in later batches) of
-// each of the 8 rows (8 x 16 bytes in flight: Gemma's 4-bit row of 704 values is 22 chunks), then
-// stages its slot's hidden row (staged_floats(I) floats, its own region of shared memory), dots and
-// reduces by shuffles into partial[j][c]. After one barrier, thread c < 8 sums
-// w[t, j] * partial[j][c] over j in slot order in fp32 and rounds once (launch_weighted_combine's
-// arithmetic). A slot whose expert id is out of range is recorded as a fault and skipped.
+// Work split: grid (T, ceil(H / 12)), 256 threads, 2 CTAs per SM (<= 128 registers). Tokens vary
+// fastest, so the CTAs reading one expert's column block for different tokens run close together
+// (L2 reuse). CTA (t, y) computes out[t, 12y .. 12y+12): warp j < k takes slot j (row t*k + j,
+// expert indices[t*k + j]); its lanes form 4 groups of 8: group q owns columns 12y + q, q + 4,
+// q + 8 (three down rows of the slot's expert) and lane s of the group takes chunks s, s+8, s+16 of
+// each (Gemma's 4-bit row of 704 values is 22 chunks: 22 of a group's 24 chunk slots are used,
+// where 32 lanes per row used 22 of 32). That is 9 x 16 bytes per lane, issued right after the
+// expert id (the hidden row's loads go out beside the id, as they do not depend on it): 36 KB per
+// CTA, 72 KB per SM, and at T=1 the 235 CTAs are one wave holding nearly all 8.9 MB in flight.
+// Then the warp stages its slot's hidden row (staged_floats(I) floats, its own region of shared
+// memory), dots, and reduces within each 8-lane group by shuffles into partial[j][c]. After one
+// barrier, thread c < 12 sums w[t, j] * partial[j][c] over j in slot order in fp32 and rounds once
+// (launch_weighted_combine's arithmetic). A slot whose expert id is out of range is recorded as a
+// fault and skipped.
+// Occupancy (ptxas, sm_90a): 121-122 registers, no spills: 2 CTAs (16 warps) per SM, dynamic shared
+// memory k * staged_floats(704) * 4 = 28 KB (Gemma, k = 8). T=1: 235 CTAs <= 264 slots (one wave),
+// 33 KB in flight per CTA (22 of 24 chunk slots live), 8.4 of the 8.9 MB requested at once, 66 KB
+// per busy SM; T=8: 1880 CTAs (~7.1 waves), 66 KB per SM, ~71 MB requested of which ~52 MB are
+// distinct expert rows (tokens adjacent in the grid share them through L2).
 template <DType D, int kBits>
 __global__ void __launch_bounds__(kThreads, 2) decode_down_combine_kernel(DownArgs a) {
   constexpr int kVals = 128 / kBits;
@@ -556,79 +717,112 @@ __global__ void __launch_bounds__(kThreads, 2) decode_down_combine_kernel(DownAr
   __shared__ int slot_ok[kWarps];
   const int t = blockIdx.x;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int q = lane / kDnLanesPerRow, sub = lane % kDnLanesPerRow;
   const int col0 = blockIdx.y * kDnCols;
   if (warp < a.k) {
     const int64_t b = static_cast<int64_t>(t) * a.k + warp;
     const int e = a.indices[b];
+    const float wj = Elem<D>::load(a.weights[b]);
+    const int U = a.I / 8;
+    // The hidden row's first units: independent of the expert id, so they load beside it.
+    uint4 hv[kDnStageUnits];
+#pragma unroll
+    for (int j = 0; j < kDnStageUnits; ++j) {
+      const int u = lane + 32 * j;
+      if (u < U) hv[j] = *reinterpret_cast<const uint4*>(a.hidden + b * a.I + 8 * u);
+    }
     const bool ok = e >= 0 && e < a.E;
     const int Q = a.I / kVals;
-    // Row (e, col0 + c) of w (chunks of Q) and of scales/biases (groups) is wr0 + c.
-    const int64_t wr0 = ok ? static_cast<int64_t>(e) * a.H + col0 : 0;
+    // Row m of the lane's group: column col0 + q + 4m, row (e, column) of w / scales / biases.
+    int64_t wr[kDnColSets];
+    bool live[kDnColSets];
+#pragma unroll
+    for (int m = 0; m < kDnColSets; ++m) {
+      const int col = col0 + q + kDnRowSets * m;
+      live[m] = ok && col < a.H;
+      wr[m] = live[m] ? static_cast<int64_t>(e) * a.H + col : 0;
+    }
     const uint4* wbase = reinterpret_cast<const uint4*>(a.w);
-    uint4 wv[kDnChunks][kDnCols];
-    float ws[kDnChunks][kDnCols], wb[kDnChunks][kDnCols];
+    uint4 wv[kDnChunks][kDnColSets];
+    float ws[kDnChunks][kDnColSets], wb[kDnChunks][kDnColSets];
     auto load_batch = [&](int c0) {
 #pragma unroll
       for (int i = 0; i < kDnChunks; ++i) {
-        const int c = c0 + 32 * i;
+        const int c = c0 + kDnLanesPerRow * i;
         const int grp = (c * kVals) >> a.group_shift;
 #pragma unroll
-        for (int r = 0; r < kDnCols; ++r) {
-          if (ok && col0 + r < a.H && c < Q) {
-            wv[i][r] = __ldg(wbase + (wr0 + r) * Q + c);
-            ws[i][r] = raw_param<D>(__ldg(a.s + (wr0 + r) * a.groups_per_row + grp));
-            wb[i][r] = raw_param<D>(__ldg(a.b + (wr0 + r) * a.groups_per_row + grp));
+        for (int m = 0; m < kDnColSets; ++m) {
+          if (live[m] && c < Q) {
+            wv[i][m] = __ldg(wbase + wr[m] * Q + c);
+            ws[i][m] = raw_param<D>(__ldg(a.s + wr[m] * a.groups_per_row + grp));
+            wb[i][m] = raw_param<D>(__ldg(a.b + wr[m] * a.groups_per_row + grp));
           } else {
-            wv[i][r] = make_uint4(0u, 0u, 0u, 0u);
-            ws[i][r] = 0.f;
-            wb[i][r] = 0.f;
+            wv[i][m] = make_uint4(0u, 0u, 0u, 0u);
+            ws[i][m] = 0.f;
+            wb[i][m] = 0.f;
           }
         }
       }
     };
-    load_batch(lane);
-    const float wj = Elem<D>::load(a.weights[b]);
+    load_batch(sub);
     float* row = smem + warp * staged_floats(a.I);
-    for (int u = lane; u < a.I / 8; u += 32) {
-      float v[8];
-      load8<D>(a.hidden + b * a.I + 8 * u, v);
-      stage_unit<kBits == 4>(row, a.I, u, v);
+    for (int ubase = 0; ubase < U; ubase += 32 * kDnStageUnits) {
+      if (ubase > 0) {
+#pragma unroll
+        for (int j = 0; j < kDnStageUnits; ++j) {
+          const int u = ubase + lane + 32 * j;
+          if (u < U) hv[j] = *reinterpret_cast<const uint4*>(a.hidden + b * a.I + 8 * u);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kDnStageUnits; ++j) {
+        const int u = ubase + lane + 32 * j;
+        if (u < U) {
+          const typename Elem<D>::storage* ev = reinterpret_cast<const typename Elem<D>::storage*>(&hv[j]);
+          float v[8];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) v[i] = Elem<D>::load(ev[i]);
+          stage_unit<kBits == 4>(row, a.I, u, v);
+        }
+      }
     }
     __syncwarp();
-    float acc[kDnCols];
+    float acc[kDnColSets];
 #pragma unroll
-    for (int c = 0; c < kDnCols; ++c) acc[c] = 0.f;
-    for (int c0 = lane;;) {
+    for (int m = 0; m < kDnColSets; ++m) acc[m] = 0.f;
+    for (int c0 = sub;;) {
 #pragma unroll
       for (int i = 0; i < kDnChunks; ++i) {
-        const int c = c0 + 32 * i;
+        const int c = c0 + kDnLanesPerRow * i;
         if (c >= Q) break;
         const float* xc = row + padded(c * kVals);
-        float dot[kDnCols];
+        float dot[kDnColSets];
 #pragma unroll
-        for (int j = 0; j < kDnCols; ++j) dot[j] = 0.f;
+        for (int m = 0; m < kDnColSets; ++m) dot[m] = 0.f;
 #pragma unroll
         for (int wi = 0; wi < 4; ++wi) {
           float xv[32 / kBits];
           word_x<kBits>(xc, wi, xv);
 #pragma unroll
-          for (int j = 0; j < kDnCols; ++j) dot[j] = word_dot<kBits>(word_of(wv[i][j], wi), xv, dot[j]);
+          for (int m = 0; m < kDnColSets; ++m) dot[m] = word_dot<kBits>(word_of(wv[i][m], wi), xv, dot[m]);
         }
         const float sx = chunk_sum(row, a.I, c, kVals);
 #pragma unroll
-        for (int j = 0; j < kDnCols; ++j) acc[j] += ws[i][j] * dot[j] + wb[i][j] * sx;
+        for (int m = 0; m < kDnColSets; ++m) acc[m] += ws[i][m] * dot[m] + wb[i][m] * sx;
       }
-      c0 += 32 * kDnChunks;
-      if (c0 - lane >= Q) break;  // warp-uniform
+      c0 += kDnLanesPerRow * kDnChunks;
+      if (c0 - sub >= Q) break;  // warp-uniform
       load_batch(c0);
     }
 #pragma unroll
-    for (int c = 0; c < kDnCols; ++c)
+    for (int m = 0; m < kDnColSets; ++m)
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) acc[c] += __shfl_xor_sync(0xffffffffu, acc[c], off);
+      for (int off = kDnLanesPerRow / 2; off > 0; off >>= 1) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], off);
+    if (sub == 0) {
+#pragma unroll
+      for (int m = 0; m < kDnColSets; ++m) partial[warp][q + kDnRowSets * m] = acc[m];
+    }
     if (lane == 0) {
-#pragma unroll
-      for (int c = 0; c < kDnCols; ++c) partial[warp][c] = acc[c];
       slot_weight[warp] = wj;
       slot_ok[warp] = ok;
       if (!ok) record_fault(a.faults, kFaultExpertOutOfRange, static_cast<uint32_t>(e), static_cast<uint32_t>(a.E));
@@ -664,7 +858,9 @@ unsigned* decode_counter(const Workspace& ws) {
   return pool + it->second;
 }
 
-size_t router_smem(int64_t T, int64_t H) { return static_cast<size_t>(T * staged_floats(static_cast<int>(H))) * 4; }
+size_t router_smem(int64_t T, int64_t H) {
+  return static_cast<size_t>((T + 1) * round_up4(padded(static_cast<int>(H)))) * 4;  // scale row + T h rows
+}
 int gate_up_rows_per_pass(int64_t T) { return static_cast<int>(std::min<int64_t>(kGuRowsPerPass, T)); }
 size_t gate_up_smem(int64_t T, int64_t H) {
   return static_cast<size_t>(gate_up_rows_per_pass(T) * staged_floats(static_cast<int>(H))) * 4;
@@ -746,6 +942,7 @@ RouteSupport supports_decode_layer(const Tensor& out, const Tensor& h, const Ten
   // Router.
   if (!rt.scale.defined() || !is_floating(rt.scale.dtype()) || rt.scale.numel() != H || !rt.scale.is_contiguous())
     return route_miss(Fallback::dtype);
+  if (!is_aligned(rt.scale.data(), 16)) return route_miss(Fallback::alignment);  // read in 16-byte units
   if (!rt.per_expert_scale.defined() || !is_floating(rt.per_expert_scale.dtype()) ||
       rt.per_expert_scale.numel() != E || !rt.per_expert_scale.is_contiguous())
     return route_miss(Fallback::dtype);
@@ -865,7 +1062,7 @@ void call_decode_layer(Tensor& out, const Tensor& h, const Tensor& x, const MoeW
   da.faults = ga.faults;
 
   const size_t smem1 = router_smem(T, H), smem2 = gate_up_smem(T, H), smem3 = down_smem(k, I);
-  const dim3 grid1(ceil_div(E, kWarps));
+  const dim3 grid1(static_cast<unsigned>(E));
   const dim3 grid2(ceil_div(I, kGuCols), static_cast<unsigned>(std::min(n, E)));
   const dim3 grid3(static_cast<unsigned>(T), ceil_div(H, kDnCols));
   const int proj_kind = quantized ? rt.proj.bits : 0;
@@ -877,7 +1074,7 @@ void call_decode_layer(Tensor& out, const Tensor& h, const Tensor& x, const MoeW
     // 1. router
     auto router = [&](auto kernel) {
       allow_smem(reinterpret_cast<const void*>(kernel));
-      kernel<<<grid1, kThreads, smem1, stream>>>(ra);
+      kernel<<<grid1, kRouterThreads, smem1, stream>>>(ra);
       EXPERTQMM_CUDA_CHECK_LAUNCH(decode_router_kernel);
     };
     if (proj_kind == 0) router(decode_router_kernel<DT, 0>);

@@ -43,22 +43,24 @@ void check_plan(const std::vector<int32_t>& ids, int E) {
     fail("valid plan has a wrong header");
   const std::string violation = tile_plan_violation(plan.tiles.data(), plan.tiles.size(), ids.data(), n, E);
   if (!violation.empty()) fail("invalid plan:", violation);
-  // Independent of the checker: an expert with c rows has c / 64 full tiles of bm 64, then for the
-  // tail r = c % 64 one tile of bm 16 (r <= 16), 32 (r <= 32) or 64, and every tile has <= bm rows.
-  std::vector<int64_t> rows(E, 0), tiles(E, 0), bm16(E, 0), bm32(E, 0), bm64(E, 0);
+  // Independent of the checker: an expert with c rows has c / 128 full tiles of bm 128, then for
+  // the tail r = c % 128 one tile of bm 16 (r <= 16), 32 (r <= 32), 64 (r <= 64) or 128, and every
+  // tile has <= bm rows.
+  std::vector<int64_t> rows(E, 0), tiles(E, 0), bm16(E, 0), bm32(E, 0), bm64(E, 0), bm128(E, 0);
   for (int32_t id : ids) ++rows[id];
   for (const ExpertTile& t : plan.tiles) {
-    if (t.rows < 1 || t.rows > 64 || t.rows > t.bm) fail("tile rows outside [1, min(64, bm)]");
+    if (t.rows < 1 || t.rows > 128 || t.rows > t.bm) fail("tile rows outside [1, min(128, bm)]");
     ++tiles[t.expert];
     bm16[t.expert] += t.bm == 16;
     bm32[t.expert] += t.bm == 32;
     bm64[t.expert] += t.bm == 64;
+    bm128[t.expert] += t.bm == 128;
   }
   for (int e = 0; e < E; ++e) {
-    const int64_t tail = rows[e] % 64;
-    if (tiles[e] != (rows[e] + 63) / 64) fail("wrong tile count for expert", std::to_string(e));
+    const int64_t tail = rows[e] % 128;
+    if (tiles[e] != (rows[e] + 127) / 128) fail("wrong tile count for expert", std::to_string(e));
     if (bm16[e] != (tail > 0 && tail <= 16) || bm32[e] != (tail > 16 && tail <= 32) ||
-        bm64[e] != rows[e] / 64 + (tail > 32))
+        bm64[e] != (tail > 32 && tail <= 64) || bm128[e] != rows[e] / 128 + (tail > 64))
       fail("wrong tile classes for expert", std::to_string(e));
   }
   if (static_cast<int64_t>(plan.tiles.size()) > max_tiles(n, E)) fail("more tiles than max_tiles");

@@ -317,6 +317,7 @@ struct Graphs {
 struct Measurement {
   Stats us;
   NodeCounts nodes;
+  size_t workspace_bytes = 0;  // scratch the layer holds beyond weights, input and output
   std::vector<RouteCounters> counters;
 };
 
@@ -356,6 +357,7 @@ Measurement time_layer(Tensor& out, const Tensor& h, const std::vector<MoeWeight
   }
   Measurement m;
   count_nodes(g.graphs[0], m.nodes);
+  m.workspace_bytes = ws.bytes_held();
 
   const int n_copies = int(copies.size());
   for (int r = 0; r < 2 * n_copies; ++r) EXPERTQMM_CUDA_CHECK(cudaGraphLaunch(g.execs[r % n_copies], stream));
@@ -577,8 +579,8 @@ int run_bench(int argc, char** argv) {
                 T * long(k), experts_hit, p.experts, flops / 1e9, bytes / 1e6, floor_us);
     if (o.routing == "zipf")
       std::printf("  routing follows the Zipf plan on %" PRId64 "/%ld tokens\n", T - off_plan, T);
-    std::printf("  %-16s %10s %9s %9s %8s %8s %10s %10s %7s %10s\n", "product", "median us", "p10", "p90", "TFLOP/s",
-                "GB/s", "floor us", "time/floor", "kernels", "rel error");
+    std::printf("  %-16s %10s %9s %9s %8s %8s %10s %10s %7s %10s %8s\n", "product", "median us", "p10", "p90", "TFLOP/s",
+                "GB/s", "floor us", "time/floor", "kernels", "rel error", "extra MB");
 
     Tensor out = Tensor::empty({T, H}, DType::bf16, Device::cuda);
     Tensor exported_out;
@@ -601,9 +603,9 @@ int run_bench(int argc, char** argv) {
       const std::string label = tiles == RouteSwitch::automatic
                                     ? std::string(product_name(mode))
                                     : std::string(product_name(mode)) + "/tiles-" + tiles_name(tiles);
-      std::printf("  %-16s %10.1f %9.1f %9.1f %8.1f %8.0f %10.1f %10.2f %7d %10.2e%s\n", label.c_str(),
+      std::printf("  %-16s %10.1f %9.1f %9.1f %8.1f %8.0f %10.1f %10.2f %7d %10.2e %8.1f%s\n", label.c_str(),
                   m.us.median, m.us.p10, m.us.p90, flops / sec / 1e12, bytes / sec / 1e9, floor_us,
-                  m.us.median / floor_us, m.nodes.kernels, err, pass ? "" : "  FAIL");
+                  m.us.median / floor_us, m.nodes.kernels, err, m.workspace_bytes / 1e6, pass ? "" : "  FAIL");
       std::printf("    route counters (%s; host calls: %d warm-up + %d captured):\n%s", label.c_str(),
                   kWeightCopies, kWeightCopies, diagnostics::format(m.counters).c_str());
       if (tiles == o.tile_settings.front()) medians.push_back(m.us.median);
@@ -617,6 +619,7 @@ int run_bench(int argc, char** argv) {
                 << ", \"floor_us\": " << json_number(floor_us)
                 << ", \"time_over_floor\": " << json_number(m.us.median / floor_us)
                 << ", \"kernel_nodes\": " << m.nodes.kernels << ", \"graph_nodes\": " << m.nodes.total()
+                << ", \"workspace_mb\": " << m.workspace_bytes / 1e6
                 << ", \"rel_error\": " << json_number(err) << ", \"check\": \"" << (pass ? "PASS" : "FAIL") << "\""
                 << ", \"tokens_off_plan\": " << off_plan << ", \"route_counters\": " << counters_json(m.counters)
                 << "}";
