@@ -9,18 +9,21 @@
 // out^T = W x^T per tile: the CTA's 128 weight rows are wgmma's M (two warpgroups of 64), the
 // tile's tokens (16, 32, 64 or 128: the plan tile's class) are N, K runs in 64-wide k tiles.
 //
-// Two forms (one kernel template):
-//   plain  out[row, n] = sum_k x[lhs[row], k] * W[expert, n, k], CTA rows n0 .. n0 + 127
+// Three forms (one kernel template, WgmmaForm):
+//   plain    out[row, n] = sum_k x[lhs[row], k] * W[expert, n, k], CTA rows n0 .. n0 + 127
 //   combine  the plain GEMM whose epilogue adds weight * T(y) of each row into its token's fp32
-//          output row (the MoE layer's weighted combine; atomics, so the summation order varies)
-//   glu    hidden[row, c] = act(T(gate)) * T(up) (one rounding), warpgroup 0 the gate rows
+//            output row (the MoE layer's weighted combine; atomics, so the summation order varies)
+//   glu      hidden[row, c] = act(T(gate)) * T(up) (one rounding), warpgroup 0 the gate rows
 //          c0 .. c0 + 63 and warpgroup 1 the up rows c0 .. c0 + 63 of two weight tensors: the GLU
 //          product in the epilogue, so the [rows, 2I] gate/up output never exists (DESIGN.md
 //          fusion ladder, step 2) and x is read once for both.
 //
-// Requirements (wgmma_tiles_fit, and the caller's 16-byte aligned out): 4-bit codes, group size 64 or 128 (one group per k tile),
-// K % 64 == 0, N % 8 == 0 and a 16-byte aligned out (16-byte epilogue stores), plus everything
-// supports_tile_operands checks.
+// Requirements (wgmma_tiles_fit, plus the caller's 16-byte aligned out for the 16-byte epilogue
+// stores): 4-bit codes, group size 64 or 128 (one group per k tile), K % 64 == 0, N % 8 == 0, and
+// everything supports_tile_operands checks.
+//
+// Two builds per form: n128 (the plan's full 128-row tiles in one wgmma width) and n64 (128-row
+// tiles as two halves; less shared memory), chosen by mean rows per expert (kNarrowRowsPerExpert).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -49,15 +52,15 @@ constexpr int kBK = 64;          // k per pipeline stage (one quantization group
 constexpr int kWordsPerRow = kBK * 4 / 32;  // 8 packed 4-bit words per weight row per k tile
 
 // Shared memory (bytes from a 1024-byte aligned base):
-//   stages  kStages x { xs (128, 64) T, 128-byte swizzled (wgmma B: chunk c of row r at c ^ (r % 8));
+//   stages  kStages x { xs (kMaxTokens, 64) T, 128-byte swizzled (wgmma B: chunk c of row r at c ^ (r % 8));
 //                       ws (128, 8) uint32, chunk c of row r at c ^ ((r / 4) % 2) (conflict-free
 //                       16-byte reads of 8 rows);  ss, bs (128,) uint32: the word holding the row's
 //                       group scale / bias (see the parity below) }
-//   rows    (128,) int64 x offset of each tile row, -1 for rows to skip
-// The epilogue reuses the stages as (128, 136) T: a row of 128 outputs padded by 8 so that the
+//   rows    (kMaxTokens,) int64 x offset of each tile row, -1 for rows to skip
+// The epilogue reuses the stages as (kMaxTokens, 136) T: a row of 128 outputs padded by 8 so that the
 // four token rows a warp writes at once fall in different banks.
 // Five stages in both widths (n128: 5 x 21 KB, 2 CTAs per SM). Eight stages for the n64 kernels
-// and a prefetch distance of kStages - 1 were measured slower (bench/NOTES.md, step 6).
+// and a prefetch distance of kStages - 1 were measured slower (bench/NOTES.md, step 4d).
 template <int kMaxTokens>
 struct Layout {
   static constexpr int kStages = 5;
@@ -83,8 +86,8 @@ struct Layout {
 // 8 chunks; weights: 128 rows x 2 chunks, one per thread; scale and bias words: one per thread).
 // Warp w of warpgroup q owns smem weight rows 64q + 16(w % 4) .. +15; lane (g, t) dequantizes rows
 // 64q + 16(w % 4) + g and + 8 (the A fragment rows) from two 16-byte shared loads each per k tile,
-// 16 values per row: 4 wgmma A fragments, one per k16 step, each dequantized just before its
-// wgmma (64 x kTokens x 16) is issued while the previous three steps still run.
+// 16 values per row: 4 wgmma A fragments, one per k16 step; then the warpgroup issues its 4
+// wgmmas (64 x kTokens x 16) as one group and waits for it before the next k tile (see the loop).
 template <class T, int kTokens, WgmmaForm kForm, class L>
 __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, int64_t row0, int load_rows,
                                            int store_begin, int store_end, int col_block, unsigned char* smem) {
@@ -93,8 +96,8 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
   const TileArgs& a = p.tile;
   const int tid = threadIdx.x;
   if (expert < 0 || expert >= a.E) {
-    if (tid == 0) record_fault(a.faults, kFaultExpertOutOfRange, static_cast<uint32_t>(expert),
-                                       static_cast<uint32_t>(a.E));
+    if (tid == 0)
+      record_fault(a.faults, kFaultExpertOutOfRange, static_cast<uint32_t>(expert), static_cast<uint32_t>(a.E));
     return;  // uniform: every thread sees the same expert
   }
 
@@ -105,8 +108,7 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
       const int64_t r = row0 + tid;
       const int64_t xb = a.lhs ? static_cast<int64_t>(a.lhs[r]) : r;  // M == 1: row r is batch r
       if (xb >= 0 && xb < a.x_batch) offset = xb * a.x_batch_stride;
-      else record_fault(a.faults, kFaultRowOutOfRange, static_cast<uint32_t>(xb),
-                                static_cast<uint32_t>(a.x_batch));
+      else record_fault(a.faults, kFaultRowOutOfRange, static_cast<uint32_t>(xb), static_cast<uint32_t>(a.x_batch));
     }
     row_offset[tid] = offset;
   }
@@ -277,11 +279,12 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
       const int32_t slot = p.combine_slot[row0 + tok];
       const float w = device::Elem<T>::to_float(reinterpret_cast<const T*>(p.combine_weight)[slot]);
       const T* yv = reinterpret_cast<const T*>(&v);
-      float4* dst = reinterpret_cast<float4*>(p.combine_out + static_cast<int64_t>(slot / p.top_k) * a.N + col);
-      atomicAdd(dst, make_float4(__fmul_rn(w, device::Elem<T>::to_float(yv[0])), __fmul_rn(w, device::Elem<T>::to_float(yv[1])),
-                                 __fmul_rn(w, device::Elem<T>::to_float(yv[2])), __fmul_rn(w, device::Elem<T>::to_float(yv[3]))));
-      atomicAdd(dst + 1, make_float4(__fmul_rn(w, device::Elem<T>::to_float(yv[4])), __fmul_rn(w, device::Elem<T>::to_float(yv[5])),
-                                     __fmul_rn(w, device::Elem<T>::to_float(yv[6])), __fmul_rn(w, device::Elem<T>::to_float(yv[7]))));
+      float* dst = p.combine_out + static_cast<int64_t>(slot / p.top_k) * a.N + col;
+      float prod[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) prod[e] = __fmul_rn(w, device::Elem<T>::to_float(yv[e]));
+      device::atomic_add_f32x4(dst, prod);
+      device::atomic_add_f32x4(dst + 4, prod + 4);
       continue;
     }
     if constexpr (kGlu) {
@@ -308,6 +311,7 @@ template <class T, WgmmaForm kForm, int kMaxTokens>
 __global__ void __launch_bounds__(kThreads, 2)
     expert_tiles_wgmma_kernel(WgmmaTileArgs p, const ExpertTile* __restrict__ tiles,
                               const TilePlanHeader* __restrict__ header) {
+#if EXPERTQMM_WGMMA_ENABLED
   using L = Layout<kMaxTokens>;
   extern __shared__ unsigned char smem_raw[];
   // 1024-byte aligned for the swizzle; indexing smem_raw keeps the pointer in the shared window
@@ -344,6 +348,13 @@ __global__ void __launch_bounds__(kThreads, 2)
                                                                    int end) {
       wgmma_tile<T, 16, kForm, L>(p, expert, row0, load_rows, begin, end, blockIdx.x, smem);
     });
+#else
+  // Compiled for an architecture without wgmma: never selected (wgmma_available), so never run.
+  (void)p;
+  (void)tiles;
+  (void)header;
+  __trap();
+#endif
 }
 
 template <class T, WgmmaForm kForm, int kMaxTokens>

@@ -59,6 +59,16 @@ __device__ __forceinline__ void wgmma_wait() {
 #endif
 }
 
+// dst[0..3] += v[0..3] with fp32 atomics: one 16-byte vector reduction on sm_90 and up (dst
+// 16-byte aligned), four scalar ones elsewhere.
+__device__ __forceinline__ void atomic_add_f32x4(float* dst, const float* v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float4*>(dst), make_float4(v[0], v[1], v[2], v[3]));
+#else
+  for (int i = 0; i < 4; ++i) atomicAdd(dst + i, v[i]);
+#endif
+}
+
 // Keeps the compiler from moving reads or writes of a register across this point: wgmma reads
 // and writes its registers asynchronously, which the compiler does not know.
 __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
