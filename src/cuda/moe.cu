@@ -162,7 +162,6 @@ bool glu_fusion_applies(const ExpertShape& s, const SwitchGLUWeights& w, const T
   return gate_up_glu_fits(gate, up);
 }
 
-// Reserves everything the expert half needs. own_y = false: the caller provides y's memory.
 // Whether the down GEMM can carry the weighted combine (down_combine_expert_tiles): not in
 // deterministic mode, sorted rows, no dtype casts on the way, route weights in the output dtype
 // (checked by the caller). The down problem's x is the hidden buffer in this arena; the placeholder
@@ -177,7 +176,9 @@ bool combine_fusion_applies(const ExpertShape& s, const SwitchGLUWeights& w, con
   return down_combine_fits(down);
 }
 
+// Reserves everything the expert half needs. own_y = false: the caller provides y's memory.
 // x: the layer input (its pointer and strides decide whether the fused gate/up/GLU kernel applies).
+// try_fused_combine: the caller can hand the down GEMM its route weights (moe_layer_into).
 void plan_expert_scratch(const ExpertShape& s, const SwitchGLUWeights& w, const Tensor& x, bool ids_unsigned,
                          bool own_y, bool try_fused_combine, ArenaLayout& layout, ExpertScratch& sc) {
   const int64_t n = s.n;
