@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/route_counters.h"
+#include "expertqmm/backend.h"
 #include "expertqmm/diagnostics.h"
 #include "expertqmm/error.h"
 #include "support/test_util.h"
@@ -252,4 +253,21 @@ TEST(Diagnostics, FormatIsATableOfEveryCounter) {
   // A live snapshot formats one row per primitive.
   const std::string live = diagnostics::format(diagnostics::snapshot());
   EXPECT_NE(live.find("gather_qmm"), std::string::npos) << live;
+}
+
+// The process-wide switches of include/expertqmm/backend.h: what the API sets is what the CUDA
+// paths read next (the environment only gives the starting value).
+TEST(Diagnostics, DeterministicAndProductModeSwitchesRoundTrip) {
+  const bool saved_deterministic = deterministic();
+  const ProductMode saved_mode = product_mode();
+  set_deterministic(true);
+  EXPECT_TRUE(deterministic());
+  set_deterministic(false);
+  EXPECT_FALSE(deterministic());
+  set_product_mode(ProductMode::separate);
+  EXPECT_EQ(product_mode(), ProductMode::separate);
+  set_product_mode(ProductMode::fused);
+  EXPECT_EQ(product_mode(), ProductMode::fused);
+  set_deterministic(saved_deterministic);
+  set_product_mode(saved_mode);
 }
