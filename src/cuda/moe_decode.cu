@@ -40,6 +40,7 @@ namespace expertqmm::cuda {
 namespace {
 
 using device::small_uint_to_float;
+using device::word_dot;
 
 constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
@@ -90,24 +91,6 @@ __device__ __forceinline__ void load8(const typename Elem<D>::storage* src, floa
   const typename Elem<D>::storage* e = reinterpret_cast<const typename Elem<D>::storage*>(&raw);
 #pragma unroll
   for (int i = 0; i < 8; ++i) v[i] = Elem<D>::load(e[i]);
-}
-
-// sum_i x[i] * q[i] over one word of codes (qmv's word_dot): 4-bit nibbles read masked in place
-// against x pre-divided by 16^(i % 4); 8-bit bytes moved under the float exponent 2^23. Exact
-// products of codes; only the fp32 sums round.
-template <int kBits>
-__device__ __forceinline__ float word_dot(uint32_t w, const float* xv, float dot) {
-  if constexpr (kBits == 4) {
-    const uint32_t hi = w >> 16;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) dot += xv[j] * small_uint_to_float(w & (0xFu << (4 * j)));
-#pragma unroll
-    for (int j = 0; j < 4; ++j) dot += xv[4 + j] * small_uint_to_float(hi & (0xFu << (4 * j)));
-  } else {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) dot += xv[j] * (__uint_as_float(__byte_perm(w, 0x4B000000u, 0x7540u | j)) - 8388608.0f);
-  }
-  return dot;
 }
 
 // The x values of word wi of a chunk (8 floats for 4-bit, 4 for 8-bit) from a staged row.

@@ -15,6 +15,26 @@ __device__ __forceinline__ float small_uint_to_float(uint32_t q) {
   return __uint_as_float(0x4B000000u | q) - 8388608.0f;
 }
 
+// The GEMV inner product (qmv, the decode layer): sum_i x[i] * q[i] over the values of one word of codes (8 for 4-bit, 4 for 8-bit), x given as
+// those values. 4-bit: x arrives pre-divided by 16^(i % 4) and each nibble is read masked in place
+// inside its 16-bit half (MLX's qdot trick), so one LOP3 gives the code times 16^(i % 4) as an
+// exact float. 8-bit: byte_perm moves each byte under the float exponent 2^23. Both are exact;
+// only the fp32 sums round.
+template <int kBits>
+__device__ __forceinline__ float word_dot(uint32_t w, const float* xv, float dot) {
+  if constexpr (kBits == 4) {
+    const uint32_t hi = w >> 16;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) dot += xv[j] * small_uint_to_float(w & (0xFu << (4 * j)));
+#pragma unroll
+    for (int j = 0; j < 4; ++j) dot += xv[4 + j] * small_uint_to_float(hi & (0xFu << (4 * j)));
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) dot += xv[j] * (__uint_as_float(__byte_perm(w, 0x4B000000u, 0x7540u | j)) - 8388608.0f);
+  }
+  return dot;
+}
+
 // Activation element <-> float; raw 16-bit storage -> float for bf16/f16 scales and biases.
 template <class T>
 struct Elem;
