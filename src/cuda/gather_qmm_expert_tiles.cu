@@ -5,11 +5,13 @@
 //
 // The sortedness promise is checked, never trusted, and without a host synchronization: the plan
 // builder (one 128-thread block) votes on the ids and, when they are not non-decreasing (or out of
-// range), retracts the plan (tile_count 0, sorted 0) and counts the retraction on the device. The
-// GEMM kernel then reads the verdict: a valid plan runs its tiles; a retracted one makes the same
-// CTAs run the generic rhs_tiles algorithm (16-row tiles, one pass per run of equal ids), which is
-// correct for any order. Both outcomes are decided on the device, so the call can be captured in a
-// CUDA graph.
+// range), retracts the plan (tile_count 0, sorted 0). The GEMM kernel then reads the verdict: a
+// valid plan runs its tiles; a retracted one makes the same CTAs run the generic rhs_tiles
+// algorithm (16-row tiles, one pass per run of equal ids), which is correct for any order, and
+// CTA (0, 0) counts the retraction on the device (once per gather_qmm call, so a plan shared by
+// the GEMMs of a layer counts once per GEMM). Both outcomes are decided on the device, so the call
+// can be captured in a CUDA graph. On compute capability 9.0 with sm_90a code the plan's GEMM is
+// the wgmma kernel (gather_qmm_expert_tiles_wgmma.cu); this file's mma.sync kernel serves sm_80+.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
