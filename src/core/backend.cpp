@@ -2,21 +2,18 @@
 
 #include <atomic>
 #include <cstdlib>
-#include <cstring>
 
 #include "core/device_memory.h"
-#include "expertqmm/error.h"
+#include "core/route_counters.h"
 
 namespace expertqmm {
 
 namespace {
 std::atomic<void*> g_stream{nullptr};
 std::atomic<ProductMode> g_product_mode{ProductMode::fused};
-bool deterministic_from_env() {
-  const char* v = std::getenv("EXPERTQMM_DETERMINISTIC");
-  if (v == nullptr || std::strcmp(v, "0") == 0) return false;
-  if (std::strcmp(v, "1") == 0) return true;
-  throw Error("EXPERTQMM_DETERMINISTIC", detail::cat("expected 0 or 1, got '", v, "'"));
+bool deterministic_from_env() {  // unset or 0: off
+  return detail::parse_switch_env("EXPERTQMM_DETERMINISTIC", "deterministic",
+                                  std::getenv("EXPERTQMM_DETERMINISTIC")) == RouteSwitch::on;
 }
 std::atomic<int> g_deterministic{-1};  // -1: not set through the API; the environment decides
 }  // namespace

@@ -34,14 +34,6 @@ constexpr const char* kExpertTilesEnv = "EXPERTQMM_EXPERT_TILES";
 std::atomic<int> g_decode_layer_override{kNoOverride};
 constexpr const char* kDecodeLayerEnv = "EXPERTQMM_DECODE_LAYER";
 
-RouteSwitch parse_switch_env(const char* variable, const char* setting, const char* value) {
-  if (value == nullptr) return RouteSwitch::automatic;
-  if (std::strcmp(value, "0") == 0) return RouteSwitch::off;
-  if (std::strcmp(value, "1") == 0) return RouteSwitch::on;
-  throw Error(setting, detail::cat(variable, "='", value,
-                                   "' is not valid: use 0 (off), 1 (on) or leave it unset (automatic)"));
-}
-
 bool valid_switch(RouteSwitch s) {
   return s == RouteSwitch::automatic || s == RouteSwitch::off || s == RouteSwitch::on;
 }
@@ -105,6 +97,14 @@ void record_selection(Primitive p, bool requested, bool available, bool hit, Fal
 
 void set_device_retraction_reader(DeviceRetractionReader read_and_reset) {
   g_retraction_reader.store(read_and_reset);
+}
+
+RouteSwitch parse_switch_env(const char* variable, const char* setting, const char* value) {
+  if (value == nullptr) return RouteSwitch::automatic;
+  if (std::strcmp(value, "0") == 0) return RouteSwitch::off;
+  if (std::strcmp(value, "1") == 0) return RouteSwitch::on;
+  throw Error(setting, detail::cat(variable, "='", value,
+                                   "' is not valid: use 0 (off), 1 (on) or leave it unset (automatic)"));
 }
 
 RouteSwitch parse_expert_tiles_env(const char* value) {

@@ -28,8 +28,8 @@
 #include <cuda_fp16.h>
 
 #include <cstdlib>
-#include <cstring>
 
+#include "core/route_counters.h"
 #include "core/tile_plan.h"
 #include "cuda/device/glu.cuh"
 #include "cuda/device/tile_gemm.cuh"
@@ -413,8 +413,9 @@ constexpr int64_t kNarrowRowsPerExpert = 32;
 bool wgmma_available() {
 #if defined(EXPERTQMM_HAVE_SM90A)
   static const bool available = [] {
-    const char* env = std::getenv("EXPERTQMM_WGMMA");
-    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    if (detail::parse_switch_env("EXPERTQMM_WGMMA", "wgmma_available", std::getenv("EXPERTQMM_WGMMA")) ==
+        RouteSwitch::off)
+      return false;
     int device = 0, major = 0, minor = 0;
     EXPERTQMM_CUDA_CHECK(cudaGetDevice(&device));
     EXPERTQMM_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
