@@ -61,6 +61,27 @@ RouterWeights make_router(int64_t E, int k, Device device) {
   return r;
 }
 
+// w_cpu's quantized weights copied to the device (gate and up, or the fused gate_up, and down).
+SwitchGLUWeights device_experts(const SwitchGLUWeights& w_cpu) {
+  SwitchGLUWeights w = w_cpu;
+  if (w_cpu.fused()) {
+    w.gate_up = test::to_device(w_cpu.gate_up, Device::cuda);
+  } else {
+    w.gate = test::to_device(w_cpu.gate, Device::cuda);
+    w.up = test::to_device(w_cpu.up, Device::cuda);
+  }
+  w.down = test::to_device(w_cpu.down, Device::cuda);
+  return w;
+}
+
+// The device layer over CPU-side experts w_cpu: a random router over E experts choosing k.
+MoeWeights device_moe(const SwitchGLUWeights& w_cpu, int64_t E, int k) {
+  MoeWeights moe;
+  moe.router = make_router(E, k, Device::cuda);
+  moe.experts = device_experts(w_cpu);
+  return moe;
+}
+
 // k distinct random experts per token, and positive weights.
 void random_routing(int64_t T, int64_t k, int64_t E, std::vector<int32_t>& ids, std::vector<float>& weights) {
   ids.clear();
@@ -132,13 +153,7 @@ struct Variant {
 
 void run_matrix(int64_t E, Variant v) {
   const SwitchGLUWeights w_cpu = make_experts(E, v.fused, v.act, Device::cpu);
-  SwitchGLUWeights w_gpu = w_cpu;
-  if (v.fused) w_gpu.gate_up = test::to_device(w_cpu.gate_up, Device::cuda);
-  else {
-    w_gpu.gate = test::to_device(w_cpu.gate, Device::cuda);
-    w_gpu.up = test::to_device(w_cpu.up, Device::cuda);
-  }
-  w_gpu.down = test::to_device(w_cpu.down, Device::cuda);
+  const SwitchGLUWeights w_gpu = device_experts(w_cpu);
   for (int64_t k : {1, 2, 8}) {
     MoeWeights moe;
     moe.router = make_router(E, static_cast<int>(k), Device::cuda);
@@ -181,13 +196,7 @@ TEST(GpuMoe, SwitchGluSmall) {
   // Both paths (unsorted 3*2 rows, sorted 9*8 rows) with uint32 ids, kept small for the sanitizer.
   for (bool fused : {false, true}) {
     const SwitchGLUWeights w_cpu = make_experts(4, fused, Activation::geglu, Device::cpu);
-    SwitchGLUWeights w_gpu = w_cpu;
-    if (fused) w_gpu.gate_up = test::to_device(w_cpu.gate_up, Device::cuda);
-    else {
-      w_gpu.gate = test::to_device(w_cpu.gate, Device::cuda);
-      w_gpu.up = test::to_device(w_cpu.up, Device::cuda);
-    }
-    w_gpu.down = test::to_device(w_cpu.down, Device::cuda);
+    const SwitchGLUWeights w_gpu = device_experts(w_cpu);
     for (int64_t T : {3, 9}) {
       const int64_t k = T == 3 ? 2 : 8;
       std::vector<int32_t> ids;
@@ -206,12 +215,7 @@ TEST(GpuMoe, SwitchGluSmall) {
 TEST(GpuMoe, MoeLayerSmall) {
   EXPERTQMM_REQUIRE_GPU();
   const SwitchGLUWeights w_cpu = make_experts(8, false, Activation::geglu, Device::cpu);
-  MoeWeights moe;
-  moe.router = make_router(8, 2, Device::cuda);
-  moe.experts = w_cpu;
-  moe.experts.gate = test::to_device(w_cpu.gate, Device::cuda);
-  moe.experts.up = test::to_device(w_cpu.up, Device::cuda);
-  moe.experts.down = test::to_device(w_cpu.down, Device::cuda);
+  MoeWeights moe = device_moe(w_cpu, 8, 2);
   for (int64_t T : {2, 40})
     check_moe_layer(test::random_tensor({T, kD}, DType::bf16), test::random_tensor({T, kD}, DType::bf16), moe, w_cpu,
                     detail::cat("small moe_layer T=", T));
@@ -220,11 +224,7 @@ TEST(GpuMoe, MoeLayerSmall) {
 TEST(GpuMoe, ProductModesAgree) {
   EXPERTQMM_REQUIRE_GPU();
   const SwitchGLUWeights w_cpu = make_experts(16, true, Activation::geglu, Device::cpu);
-  MoeWeights moe;
-  moe.router = make_router(16, 4, Device::cuda);
-  moe.experts = w_cpu;
-  moe.experts.gate_up = test::to_device(w_cpu.gate_up, Device::cuda);
-  moe.experts.down = test::to_device(w_cpu.down, Device::cuda);
+  MoeWeights moe = device_moe(w_cpu, 16, 4);
   const Tensor h = test::random_tensor({50, kD}, DType::bf16, 1.0f, Device::cuda);
   const Tensor x = test::random_tensor({50, kD}, DType::bf16, 1.0f, Device::cuda);
   Tensor fused, separate;
@@ -251,12 +251,7 @@ TEST(GpuMoe, ProductModesAgree) {
 TEST(GpuMoe, FusedCombineMatchesTheDeterministicPath) {
   EXPERTQMM_REQUIRE_GPU();
   const SwitchGLUWeights w_cpu = make_experts(16, false, Activation::geglu, Device::cpu);
-  MoeWeights moe;
-  moe.router = make_router(16, 4, Device::cuda);
-  moe.experts = w_cpu;
-  moe.experts.gate = test::to_device(w_cpu.gate, Device::cuda);
-  moe.experts.up = test::to_device(w_cpu.up, Device::cuda);
-  moe.experts.down = test::to_device(w_cpu.down, Device::cuda);
+  MoeWeights moe = device_moe(w_cpu, 16, 4);
   const int64_t T = 300;
   const Tensor h = test::random_tensor({T, kD}, DType::bf16, 1.0f, Device::cuda);
   auto run_layer = [&](bool deterministic_mode, size_t* scratch) {
@@ -294,12 +289,7 @@ TEST(GpuMoe, MoeLayerIntoCapturedInACudaGraphReplaysTheSameOutput) {
   const int64_t E = 128;
   const int k = 8;
   const SwitchGLUWeights w_cpu = make_experts(E, false, Activation::geglu, Device::cpu);
-  MoeWeights moe;
-  moe.router = make_router(E, k, Device::cuda);
-  moe.experts = w_cpu;
-  moe.experts.gate = test::to_device(w_cpu.gate, Device::cuda);
-  moe.experts.up = test::to_device(w_cpu.up, Device::cuda);
-  moe.experts.down = test::to_device(w_cpu.down, Device::cuda);
+  MoeWeights moe = device_moe(w_cpu, E, k);
 
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
@@ -357,11 +347,7 @@ TEST(GpuMoe, MoeLayerIntoCapturedInACudaGraphReplaysTheSameOutput) {
 TEST(GpuMoe, WarmWorkspaceDoesNotGrowAtEqualOrSmallerSizes) {
   EXPERTQMM_REQUIRE_GPU();
   const SwitchGLUWeights w_cpu = make_experts(8, true, Activation::swiglu, Device::cpu);
-  MoeWeights moe;
-  moe.router = make_router(8, 2, Device::cuda);
-  moe.experts = w_cpu;
-  moe.experts.gate_up = test::to_device(w_cpu.gate_up, Device::cuda);
-  moe.experts.down = test::to_device(w_cpu.down, Device::cuda);
+  MoeWeights moe = device_moe(w_cpu, 8, 2);
   Workspace ws;
   size_t held = 0;
   for (int64_t T : {100, 100, 64, 31, 1}) {
@@ -379,12 +365,7 @@ TEST(GpuMoe, WarmWorkspaceDoesNotGrowAtEqualOrSmallerSizes) {
 TEST(GpuMoe, ZeroTokensIsANoOpSmall) {
   EXPERTQMM_REQUIRE_GPU();
   const SwitchGLUWeights w_cpu = make_experts(4, false, Activation::geglu, Device::cpu);
-  MoeWeights moe;
-  moe.router = make_router(4, 2, Device::cuda);
-  moe.experts = w_cpu;
-  moe.experts.gate = test::to_device(w_cpu.gate, Device::cuda);
-  moe.experts.up = test::to_device(w_cpu.up, Device::cuda);
-  moe.experts.down = test::to_device(w_cpu.down, Device::cuda);
+  MoeWeights moe = device_moe(w_cpu, 4, 2);
   const Tensor empty = Tensor::empty({0, kD}, DType::bf16, Device::cuda);
   Workspace ws;
   Tensor out = Tensor::empty({0, kD}, DType::bf16, Device::cuda);
@@ -406,10 +387,7 @@ TEST(GpuMoe, OutOfRangeExpertIdIsReportedSmall) {
   EXPERTQMM_REQUIRE_GPU();
   const int64_t E = 8;
   const SwitchGLUWeights w_cpu = make_experts(E, false, Activation::geglu, Device::cpu);
-  SwitchGLUWeights w_gpu = w_cpu;
-  w_gpu.gate = test::to_device(w_cpu.gate, Device::cuda);
-  w_gpu.up = test::to_device(w_cpu.up, Device::cuda);
-  w_gpu.down = test::to_device(w_cpu.down, Device::cuda);
+  const SwitchGLUWeights w_gpu = device_experts(w_cpu);
   for (int64_t T : {2, 16}) {
     const int64_t k = T == 2 ? 2 : 4;
     const std::string what = detail::cat("T=", T, " k=", k, T * k >= 64 ? " (sorted)" : " (unsorted)");
