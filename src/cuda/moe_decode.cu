@@ -111,6 +111,21 @@ __device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
+// The code dots of one 16-byte chunk against R weight chunks: dot[r] = sum_q x[q] * code_r[q] over
+// the chunk's values, x read once from the staged row for all R (scale and bias applied by the caller).
+template <int kBits, int R>
+__device__ __forceinline__ void chunk_dots(const float* xc, const uint4 (&w)[R], float (&dot)[R]) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) dot[r] = 0.f;
+#pragma unroll
+  for (int wi = 0; wi < 4; ++wi) {
+    float xv[32 / kBits];
+    word_x<kBits>(xc, wi, xv);
+#pragma unroll
+    for (int r = 0; r < R; ++r) dot[r] = word_dot<kBits>(word_of(w[r], wi), xv, dot[r]);
+  }
+}
+
 // sum(x) over chunk c (kVals values = kVals / 8 units) of a staged row.
 __device__ __forceinline__ float chunk_sum(const float* row, int K, int c, int kVals) {
   const float* usum = row + round_up4(padded(K));
@@ -614,15 +629,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_kernel(GateUpA
           if (c >= Q) break;
           const float* xc = row + padded(c * kVals);
           float dot[kGuWeightRows];
-#pragma unroll
-          for (int j = 0; j < kGuWeightRows; ++j) dot[j] = 0.f;
-#pragma unroll
-          for (int wi = 0; wi < 4; ++wi) {
-            float xw[32 / kBits];
-            word_x<kBits>(xc, wi, xw);
-#pragma unroll
-            for (int j = 0; j < kGuWeightRows; ++j) dot[j] = word_dot<kBits>(word_of(wv[i][j], wi), xw, dot[j]);
-          }
+          chunk_dots<kBits>(xc, wv[i], dot);
           const float sx = chunk_sum(row, a.H, c, kVals);
 #pragma unroll
           for (int j = 0; j < kGuWeightRows; ++j)
@@ -780,15 +787,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_down_combine_kernel(DownAr
         if (c >= Q) break;
         const float* xc = row + padded(c * kVals);
         float dot[kDnColSets];
-#pragma unroll
-        for (int m = 0; m < kDnColSets; ++m) dot[m] = 0.f;
-#pragma unroll
-        for (int wi = 0; wi < 4; ++wi) {
-          float xv[32 / kBits];
-          word_x<kBits>(xc, wi, xv);
-#pragma unroll
-          for (int m = 0; m < kDnColSets; ++m) dot[m] = word_dot<kBits>(word_of(wv[i][m], wi), xv, dot[m]);
-        }
+        chunk_dots<kBits>(xc, wv[i], dot);
         const float sx = chunk_sum(row, a.I, c, kVals);
 #pragma unroll
         for (int m = 0; m < kDnColSets; ++m) acc[m] += ws[i][m] * dot[m] + wb[i][m] * sx;
