@@ -72,7 +72,6 @@ __device__ __forceinline__ void atomic_add_f32x4(float* dst, const float* v) {
 // Keeps the compiler from moving reads or writes of a register across this point: wgmma reads
 // and writes its registers asynchronously, which the compiler does not know.
 __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
-__device__ __forceinline__ void fence_operand(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
 
 // d (64 x N) += a (64 x 16, registers) * b (16 x N, descriptor), N in {16, 32, 64, 128}, fp32
 // accumulators; T (bf16 or f16) is the type of a and b. Asynchronous: d must not be touched until
