@@ -247,6 +247,7 @@ TEST(GpuMoeDecode, SmallOddGeometries) {
   }
   // Group 128 and k = 1 / 2 (T*k well under the bound), E = k (every expert chosen).
   check_geometry({256, 128, 8, 2, 4, 128, 8, false, Activation::geglu, DType::bf16}, kTokens);
+  check_geometry({256, 128, 8, 2, 4, 128, 8, true, Activation::swiglu, DType::f16}, kTokens);
   check_geometry({256, 128, 8, 8, 4, 64, 8, false, Activation::swiglu, DType::bf16}, {1, 3, 8});
   check_geometry({256, 128, 4, 1, 8, 64, 8, true, Activation::geglu, DType::bf16}, kTokens);
 }

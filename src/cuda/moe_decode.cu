@@ -24,13 +24,16 @@
 
 #include <cmath>
 #include <mutex>
+#include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
 
 #include "core/route_counters.h"
 #include "cuda/cuda_backend.h"
+#include "cuda/device/cp_async.cuh"
 #include "cuda/device/dequant.cuh"
 #include "cuda/device/glu.cuh"
+#include "cuda/device/mma.cuh"
 #include "cuda/device/route_topk.cuh"
 #include "cuda/gather_qmm_routes.h"
 #include "cuda/moe_internal.h"
@@ -354,20 +357,20 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
   if (tid < kRouterCachedScales) pes_s[tid] = pes_mine;
   __syncthreads();
 
-  // 4. The expert's logit for every token: r computed per chunk from shared memory.
-  float acc[kDecodeMaxTokens];
+  // 4. The expert's logit, token by token (a runtime loop, so the dot code exists once: the kernel
+  //    is fetched cold by every SM), r computed per chunk from shared memory; then lanes reduce by
+  //    shuffles and the warps' partials are summed in warp order.
+  const bool one_batch = Q <= kRouterThreads * kRouterChunks;  // the row stays in registers
+  for (int t = 0; t < a.T; ++t) {
+    const float inv = inv_rms[t];
+    const float* hrow = hs + t * row_floats;
+    float acc = 0.f;
+    for (int c0 = tid;;) {
+      if (!one_batch && !(t == 0 && c0 == tid)) load_batch(c0);
 #pragma unroll
-  for (int t = 0; t < kDecodeMaxTokens; ++t) acc[t] = 0.f;
-  for (int c0 = tid;;) {
-#pragma unroll
-    for (int i = 0; i < kRouterChunks; ++i) {
-      const int c = c0 + kRouterThreads * i;
-      if (c >= Q) break;
-#pragma unroll
-      for (int t = 0; t < kDecodeMaxTokens; ++t) {
-        if (t >= a.T) break;
-        const float inv = inv_rms[t];
-        const float* hrow = hs + t * row_floats;
+      for (int i = 0; i < kRouterChunks; ++i) {
+        const int c = c0 + kRouterThreads * i;
+        if (c >= Q) break;
         float dot = 0.f, sx = 0.f;
 #pragma unroll
         for (int q = 0; q < kUnitsPerChunk; ++q) {
@@ -399,20 +402,14 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
             for (int v = 0; v < 8; ++v) dot += x[v] * Elem<D>::load(pv[v]);
           }
         }
-        if constexpr (kQuant) acc[t] += ws[i] * dot + wb[i] * sx;
-        else acc[t] += dot;
+        if constexpr (kQuant) acc += ws[i] * dot + wb[i] * sx;
+        else acc += dot;
       }
+      c0 += kRouterThreads * kRouterChunks;
+      if (c0 - tid >= Q) break;  // CTA-uniform
     }
-    c0 += kRouterThreads * kRouterChunks;
-    if (c0 - tid >= Q) break;  // CTA-uniform
-    load_batch(c0);
-  }
-  // 5. Reduce: lanes, then warps in order.
-  __syncthreads();  // red[] is reused
-#pragma unroll
-  for (int t = 0; t < kDecodeMaxTokens; ++t) {
-    for (int off = 16; off > 0; off >>= 1) acc[t] += __shfl_xor_sync(0xffffffffu, acc[t], off);
-    if (lane == 0) red[warp][t] = acc[t];
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (lane == 0) red[warp][t] = acc;  // red's sums of squares were consumed before the last barrier
   }
   __syncthreads();
   if (tid < a.T) {
@@ -820,6 +817,381 @@ __global__ void __launch_bounds__(kThreads, 2) decode_down_combine_kernel(DownAr
 }
 
 // ---------------------------------------------------------------------------------------------
+// Kernels 2 and 3 on tensor cores, for 4-bit experts (the Gemma layer; 8-bit experts use the
+// kernels above).
+//
+// Why: the kernels above spend ~4.4 instructions per weight value and activation row (mask, magic,
+// subtract, fma; ncu at T=1: 7.3M warp instructions for 17.8 MB, issue-bound behind a 1.33-wave
+// latency chain). Here mma.sync m16n8k16 does the multiply-adds: A (16 x 16) holds the biased codes
+// M + q of 16 weight rows (exact in D: M = 128 for bf16, 1024 for f16), B (16 x 8) up to 8
+// activation rows, C fp32; a weight value costs ~1 instruction (shift and mask-or per pair) however
+// many rows use it.
+//
+// k order. A dot product may sum k in any order, so inside each quantization group of G values
+// lane t of a quad takes k in [t G/4, (t + 1) G/4) (G/32 whole code words) and the mma steps take
+// them in the order biased_code_pairs produces: word w gives the pairs (0,4) (1,5) (2,6) (3,7);
+// step 2w has a0/a1 (k slots 2t, 2t+1, rows g / g+8) <- pair (0,4) and a2/a3 (slots 2t+8, 2t+9)
+// <- (1,5), step 2w+1 (2,6) and (3,7). Activations are staged in the same order (every 8 values as
+// 0,4,1,5,2,6,3,7: packed_x_order), so B of steps 2w and 2w+1 is one 16-byte shared load at the
+// lane's word (b0 b1, then b2 b3). A group's G/16 steps see only its own codes, so the mma yields
+// c = sum(x (M + q)) per (weight row, activation row), and the group's scale and bias are applied in
+// fp32 as acc += s * c + (b - M s) * sum(x) = s * sum(x q) + b * sum(x), MLX's qmv formula (the
+// dequantized weight is never rounded; M * s * sum(x) cancels in fp32, ~2^-19 relative for bf16);
+// the group sums of x come from the staging.
+template <DType D>
+using MmaType = std::conditional_t<D == DType::bf16, __nv_bfloat16, __half>;
+
+constexpr int kTcRows = 16;       // weight rows per mma tile
+constexpr int kTcMaxN = 8;        // activation rows per mma (T <= 8)
+constexpr int kTcRowPad = 32;     // bytes after each staged code row (bank spread, 16-byte aligned)
+
+__host__ __device__ constexpr int tc_code_row_bytes(int K) { return K / 2 + kTcRowPad; }
+__host__ __device__ constexpr int tc_x_row_elems(int K) { return K + 8; }  // +16 bytes: rows in other banks
+
+// Eight activations (one 16-byte unit) reordered to 0,4,1,5,2,6,3,7 (the mma k order above).
+__device__ __forceinline__ uint4 packed_x_order(const uint4& v) {
+  return make_uint4(__byte_perm(v.x, v.z, 0x5410u), __byte_perm(v.x, v.z, 0x7632u),
+                    __byte_perm(v.y, v.w, 0x5410u), __byte_perm(v.y, v.w, 0x7632u));
+}
+
+// Stages unit u (values 8u .. 8u+7) of an activation row: the reordered unit into xs_row, and its
+// group's sum of x into sx_row[u / (G/8)] (fp32, the unit sums added by shuffles over the G/8 lanes
+// holding one group: every lane of the warp must call this, live == false contributing nothing).
+template <DType D, int G>
+__device__ __forceinline__ void stage_tc_unit(uint16_t* xs_row, float* sx_row, int u, bool live, const uint4& v) {
+  float sum = 0.f;
+  if (live) {
+    const typename Elem<D>::storage* e = reinterpret_cast<const typename Elem<D>::storage*>(&v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) sum += Elem<D>::load(e[i]);
+    *reinterpret_cast<uint4*>(xs_row + 8 * u) = packed_x_order(v);
+  }
+#pragma unroll
+  for (int off = G / 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  if (live && (u & (G / 8 - 1)) == 0) sx_row[u / (G / 8)] = sum;
+}
+
+// The G/32 code words of lane t in group grp of a staged code row.
+template <int G>
+__device__ __forceinline__ void tc_words(const unsigned char* row, int grp, int t, uint32_t (&w)[G / 32]) {
+  const unsigned char* p = row + grp * (G / 2) + t * (G / 8);
+  if constexpr (G == 128) {
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+  } else if constexpr (G == 64) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    w[0] = v.x, w[1] = v.y;
+  } else {
+    w[0] = *reinterpret_cast<const uint32_t*>(p);
+  }
+}
+
+// sum(x q) of one group for a 16-row tile: rows g, g+8 of the staged code rows `lo` / `hi` against
+// the activation rows of xb (B registers, word by word), into c (zeroed by the caller).
+template <DType D, int G>
+__device__ __forceinline__ void tc_group_dot(const unsigned char* lo, const unsigned char* hi, int grp, int t,
+                                             const uint4 (&xb)[G / 32], float (&c)[4]) {
+  using T = MmaType<D>;
+  uint32_t wl[G / 32], wh[G / 32];
+  tc_words<G>(lo, grp, t, wl);
+  tc_words<G>(hi, grp, t, wh);
+#pragma unroll
+  for (int w = 0; w < G / 32; ++w) {
+    uint32_t pl[4], ph[4];
+    device::biased_code_pairs<T>(wl[w], pl);
+    device::biased_code_pairs<T>(wh[w], ph);
+    const uint32_t a0[4] = {pl[0], ph[0], pl[1], ph[1]};
+    device::Mma<T>::run(c, a0, xb[w].x, xb[w].y);
+    const uint32_t a1[4] = {pl[2], ph[2], pl[3], ph[3]};
+    device::Mma<T>::run(c, a1, xb[w].z, xb[w].w);
+  }
+}
+
+// Shared memory of the tensor-core gate/up kernel (bytes), with its region offsets.
+struct GateUpTcLayout {
+  int code_row, x_row, groups;
+  size_t codes, scales, biases, xs, sx, total;
+  __host__ __device__ GateUpTcLayout(int H, int G, int rows) {
+    code_row = tc_code_row_bytes(H);
+    x_row = tc_x_row_elems(H);
+    groups = H / G;
+    const size_t code_bytes = static_cast<size_t>(2 * kTcRows) * code_row;
+    const size_t red_bytes = static_cast<size_t>(kWarps) * 2 * kTcRows * kTcMaxN * sizeof(float);
+    codes = 0;
+    scales = code_bytes > red_bytes ? code_bytes : red_bytes;  // the reduction reuses the codes' space
+    biases = scales + static_cast<size_t>(2 * kTcRows) * groups * sizeof(uint16_t);
+    xs = biases + static_cast<size_t>(2 * kTcRows) * groups * sizeof(uint16_t);
+    sx = xs + (static_cast<size_t>(rows) * x_row * sizeof(uint16_t) + 15) / 16 * 16;
+    total = sx + static_cast<size_t>(rows) * groups * sizeof(float);
+  }
+};
+
+// Work split: grid (ceil(I / 16), min(n, E)), 256 threads, __launch_bounds__(256, 2). CTA (x, g)
+// takes expert group g of the plan (CTAs past the plan's group count exit at once) and output
+// columns [16x, 16x + 16): two 16-row mma tiles, gate rows (staged rows 0..15) and up rows
+// (16..31) of those columns, times the group's activation rows (<= 8: the mma's n).
+//   1. plan entry (one L2 round trip), then everything the CTA needs is requested at once: the 32
+//      code rows by cp.async into shared memory in two commit groups (the first and second half
+//      of the K groups; 8 threads per row, 16-byte chunks) with the scales and biases (raw, by
+//      cp.async in the first group: the contiguous 16-row spans), and the group's activation rows
+//      (reordered, with their group sums). Gemma: 45 KB of codes per CTA.
+//   2. K is split across the warps: warp w takes groups w, w+8, ... of the first half as soon as
+//      it has landed, then of the second half: per group both tiles' G/16 mma steps on shared B.
+//   3. the 8 warps' fp32 partials go through shared memory (the codes' space) and thread i < 16n
+//      sums them in warp order for (column i % 16, row i / 16): gate and up rounded to D, then the
+//      GLU, one rounding, into hidden[row, column].
+// Occupancy (Gemma, bf16, G=64): shared memory 46 KB codes + 11 KB scales/biases + 5.6 KB per
+// activation row: T=1 63 KB (3 CTAs per SM: the 352 CTAs are one wave), T=8 108 KB (2 per SM).
+template <DType D, int G, Activation A>
+__global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_mma_kernel(GateUpArgs a) {
+  extern __shared__ __align__(16) unsigned char tc_smem[];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const DecodePlan& plan = *a.plan;
+  const int g_idx = blockIdx.y;
+  if (g_idx >= plan.groups) return;  // uniform
+  const int e = plan.expert[g_idx];
+  const int begin = plan.begin[g_idx];
+  int count = plan.count[g_idx];
+  if (e < 0 || e >= a.E) {
+    if (threadIdx.x == 0 && blockIdx.x == 0)
+      record_fault(a.faults, kFaultExpertOutOfRange, static_cast<uint32_t>(e), static_cast<uint32_t>(a.E));
+    return;
+  }
+  count = min(count, a.rows_per_pass);  // a plan group holds <= T rows; never past the staging
+  constexpr float kBias = device::kCodeBias<MmaType<D>>;
+  const GateUpTcLayout L(a.H, G, a.rows_per_pass);
+  unsigned char* codes = tc_smem + L.codes;
+  uint16_t* sc = reinterpret_cast<uint16_t*>(tc_smem + L.scales);  // raw D, (32 staged rows, groups)
+  uint16_t* bi = reinterpret_cast<uint16_t*>(tc_smem + L.biases);
+  uint16_t* xs = reinterpret_cast<uint16_t*>(tc_smem + L.xs);
+  float* sx = reinterpret_cast<float*>(tc_smem + L.sx);
+  const int col0 = blockIdx.x * kTcRows;
+  const int chunks = a.H / 32;                             // 16-byte chunks per code row
+  const int half_groups = L.groups / 2;
+  const int half_chunks = half_groups * (G / 32);
+
+  // 1a. codes: thread (r = tid / 8, j = tid % 8) copies chunks j, j + 8, ... of staged row r (r < 16:
+  //     gate, else up), the first half of the K groups as one commit group, the second as another.
+  //     Column blocks are whole: I is a multiple of 32 for 4-bit experts (down's K).
+  const int64_t gate_first = static_cast<int64_t>(e) * a.gate_rows_per_expert + a.gate_row0 + col0;
+  const int64_t up_first = static_cast<int64_t>(e) * a.up_rows_per_expert + a.up_row0 + col0;
+  {
+    constexpr int kPerRow = kThreads / (2 * kTcRows);  // 8 threads per staged row
+    const int r = tid / kPerRow, j = tid % kPerRow;
+    const uint4* src = reinterpret_cast<const uint4*>(r < kTcRows ? a.gate_w : a.up_w) +
+                       ((r < kTcRows ? gate_first : up_first) + r % kTcRows) * chunks;
+    unsigned char* dst = codes + r * L.code_row;
+    for (int c = j; c < half_chunks; c += kPerRow) device::cp_async_16(dst + 16 * c, src + c, true);
+    // 1b. the scales and biases of the two 16-row spans (contiguous, 32 * groups bytes each, 16-byte
+    //     aligned: supports_decode_layer), raw, with the first half.
+    const int span_chunks = 2 * L.groups;
+    for (int i = tid; i < 4 * span_chunks; i += kThreads) {
+      const int which = i / span_chunks, c = i - which * span_chunks;  // which: gate s, gate b, up s, up b
+      const uint16_t* base = which == 0 ? a.gate_s : which == 1 ? a.gate_b : which == 2 ? a.up_s : a.up_b;
+      const int64_t first = (which < 2 ? gate_first : up_first) * L.groups;
+      uint16_t* to = (which & 1 ? bi : sc) + (which >> 1) * kTcRows * L.groups;
+      device::cp_async_16(to + 8 * c, base + first + 8 * c, true);
+    }
+    device::cp_async_commit();
+    for (int c = half_chunks + j; c < chunks; c += kPerRow) device::cp_async_16(dst + 16 * c, src + c, true);
+    device::cp_async_commit();
+  }
+  // 1c. the group's activation rows, reordered, with group sums (row by row: U = H/8 units).
+  const int U = a.H / 8;
+  for (int n = 0; n < count; ++n) {
+    const int64_t token = plan.row[begin + n] / a.k;
+    const uint16_t* x_src = a.x + token * a.x_stride;
+    for (int u = tid; u - tid < U; u += kThreads) {  // warp-uniform trip count: stage_tc_unit shuffles
+      const bool live = u < U;
+      const uint4 v = live ? *reinterpret_cast<const uint4*>(x_src + 8 * u) : make_uint4(0u, 0u, 0u, 0u);
+      stage_tc_unit<D, G>(xs + n * L.x_row, sx + n * L.groups, u, live, v);
+    }
+  }
+  const bool live_n = g < count;
+
+  // 2. K split across warps; each half as soon as it has landed.
+  const uint16_t* xrow = xs + g * L.x_row;
+  float acc[2][4] = {};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if (h == 0) device::cp_async_wait<1>();
+    else device::cp_async_wait<0>();
+    __syncthreads();
+    const int grp_end = h == 0 ? half_groups : L.groups;
+    for (int grp = (h == 0 ? 0 : half_groups) + warp; grp < grp_end; grp += kWarps) {
+      uint4 xb[G / 32];
+#pragma unroll
+      for (int w = 0; w < G / 32; ++w)
+        xb[w] = live_n ? *reinterpret_cast<const uint4*>(xrow + grp * G + t * (G / 4) + 8 * w)
+                       : make_uint4(0u, 0u, 0u, 0u);
+      const float x0 = 2 * t < count ? sx[(2 * t) * L.groups + grp] : 0.f;
+      const float x1 = 2 * t + 1 < count ? sx[(2 * t + 1) * L.groups + grp] : 0.f;
+#pragma unroll
+      for (int tile = 0; tile < 2; ++tile) {
+        const int r = tile * kTcRows + g;
+        float c[4] = {0.f, 0.f, 0.f, 0.f};
+        tc_group_dot<D, G>(codes + r * L.code_row, codes + (r + 8) * L.code_row, grp, t, xb, c);
+        const float s0 = raw_param<D>(sc[r * L.groups + grp]), s1 = raw_param<D>(sc[(r + 8) * L.groups + grp]);
+        const float b0 = fmaf(-kBias, s0, raw_param<D>(bi[r * L.groups + grp]));  // b - M s: c holds sum(x (M + q))
+        const float b1 = fmaf(-kBias, s1, raw_param<D>(bi[(r + 8) * L.groups + grp]));
+        acc[tile][0] = fmaf(s0, c[0], fmaf(b0, x0, acc[tile][0]));
+        acc[tile][1] = fmaf(s0, c[1], fmaf(b0, x1, acc[tile][1]));
+        acc[tile][2] = fmaf(s1, c[2], fmaf(b1, x0, acc[tile][2]));
+        acc[tile][3] = fmaf(s1, c[3], fmaf(b1, x1, acc[tile][3]));
+      }
+    }
+  }
+
+  // 3. partials (warp, staged row, activation row) in the codes' space, summed in warp order.
+  __syncthreads();
+  float* red = reinterpret_cast<float*>(codes);  // [kWarps][32 staged rows][kTcMaxN]
+#pragma unroll
+  for (int tile = 0; tile < 2; ++tile) {
+    float* rw = red + (warp * 2 * kTcRows + tile * kTcRows + g) * kTcMaxN + 2 * t;
+    rw[0] = acc[tile][0];
+    rw[1] = acc[tile][1];
+    rw[8 * kTcMaxN] = acc[tile][2];
+    rw[8 * kTcMaxN + 1] = acc[tile][3];
+  }
+  __syncthreads();
+  for (int i = tid; i < kTcRows * count; i += kThreads) {
+    const int j = i % kTcRows, n = i / kTcRows;
+    float gate = 0.f, up = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      gate += red[(w * 2 * kTcRows + j) * kTcMaxN + n];
+      up += red[(w * 2 * kTcRows + kTcRows + j) * kTcMaxN + n];
+    }
+    const int64_t out_row = plan.row[begin + n];
+    a.hidden[out_row * a.I + col0 + j] = Elem<D>::store(device::glu<A>(round_to<D>(gate), round_to<D>(up)));
+  }
+}
+
+// Shared memory of the tensor-core down kernel per slot warp (bytes), with its region offsets.
+struct DownTcLayout {
+  int code_row, groups;
+  size_t codes, scales, biases, xs, sx, per_warp;
+  __host__ __device__ DownTcLayout(int I, int G) {
+    code_row = tc_code_row_bytes(I);
+    groups = I / G;
+    codes = 0;
+    scales = static_cast<size_t>(kTcRows) * code_row;
+    biases = scales + static_cast<size_t>(kTcRows) * groups * sizeof(uint16_t);
+    xs = biases + static_cast<size_t>(kTcRows) * groups * sizeof(uint16_t);
+    sx = xs + (static_cast<size_t>(tc_x_row_elems(I)) * sizeof(uint16_t) + 15) / 16 * 16;
+    per_warp = (sx + groups * sizeof(float) + 15) / 16 * 16;
+  }
+};
+
+// Work split: grid (T, ceil(H / 16)), 256 threads, __launch_bounds__(256, 2); tokens vary fastest
+// so CTAs reading one expert's rows run close together (L2 reuse). CTA (t, y) computes
+// out[t, 16y .. 16y+16): warp j < k takes slot j (row t*k + j, expert indices[t*k + j]) with its
+// own shared region: the slot's hidden row (requested first: it does not depend on the expert id)
+// reordered with its group sums, the 16 down rows of the expert by cp.async (4 lanes per row,
+// 16-byte chunks), their scales and biases (raw, cp.async); then one 16-row mma tile over K = I with
+// the hidden row as activation row 0 of B (lanes 0..3 load it, the other rows are zero; the mma's
+// unused n is free, the dequantization is the cost). Lanes with t == 0 hold rows g and g+8 of
+// activation row 0 (c0, c2) and write partial[j][.]; after one barrier thread c < 16 sums
+// w[t, j] * partial[j][c] over j in slot order in fp32 and rounds once (launch_weighted_combine's
+// arithmetic). A slot whose expert id is out of range is recorded as a fault and skipped.
+// Occupancy (Gemma, G=64): 9 KB of shared memory per slot, 72 KB per CTA (3 CTAs per SM); T=1:
+// 176 CTAs in one wave, 45 KB of codes each.
+template <DType D, int G>
+__global__ void __launch_bounds__(kThreads, 2) decode_down_combine_mma_kernel(DownArgs a) {
+  extern __shared__ __align__(16) unsigned char tc_smem[];
+  __shared__ float partial[kWarps][kTcRows];
+  __shared__ float slot_weight[kWarps];
+  __shared__ int slot_ok[kWarps];
+  const int tok = blockIdx.x;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int col0 = blockIdx.y * kTcRows;
+  constexpr float kBias = device::kCodeBias<MmaType<D>>;
+  if (warp < a.k) {
+    const DownTcLayout L(a.I, G);
+    unsigned char* base = tc_smem + warp * L.per_warp;
+    unsigned char* codes = base + L.codes;
+    uint16_t* sc = reinterpret_cast<uint16_t*>(base + L.scales);  // raw D, (16 rows, groups)
+    uint16_t* bi = reinterpret_cast<uint16_t*>(base + L.biases);
+    uint16_t* xs = reinterpret_cast<uint16_t*>(base + L.xs);
+    float* sx = reinterpret_cast<float*>(base + L.sx);
+    const int64_t b = static_cast<int64_t>(tok) * a.k + warp;
+    const int U = a.I / 8;
+    // The hidden row first: independent of the expert id.
+    constexpr int kUnits = 4;  // units per lane per batch (Gemma: 88 units, one batch)
+    uint4 hv[kUnits];
+#pragma unroll
+    for (int i = 0; i < kUnits; ++i) {
+      const int u = lane + 32 * i;
+      hv[i] = u < U ? *reinterpret_cast<const uint4*>(a.hidden + b * a.I + 8 * u) : make_uint4(0u, 0u, 0u, 0u);
+    }
+    const int e = a.indices[b];
+    const float wj = Elem<D>::load(a.weights[b]);
+    const bool ok = e >= 0 && e < a.E;
+    const int chunks = a.I / 32;
+    const int64_t first = static_cast<int64_t>(ok ? e : 0) * a.H + col0;  // whole blocks: H % 32 == 0
+    // Lane (r = lane / 4, j = lane % 4) copies chunks j, j + 4, ... of rows r and r + 8.
+#pragma unroll
+    for (int p = 0; p < 2; ++p) {
+      const int r = lane / 4 + 8 * p;
+      const uint4* src = reinterpret_cast<const uint4*>(a.w) + (first + r) * chunks;
+      unsigned char* dst = codes + r * L.code_row;
+      for (int c = lane % 4; c < chunks; c += 4) device::cp_async_16(dst + 16 * c, src + c, ok);
+    }
+    // The rows' scales and biases: two contiguous spans of 32 * groups bytes (16-byte aligned), raw.
+    const int span_chunks = 2 * L.groups;
+    for (int i = lane; i < 2 * span_chunks; i += 32) {
+      const bool bias = i >= span_chunks;
+      const int c = i - (bias ? span_chunks : 0);
+      device::cp_async_16((bias ? bi : sc) + 8 * c, (bias ? a.b : a.s) + first * L.groups + 8 * c, ok);
+    }
+    device::cp_async_commit();
+    for (int ubase = 0; ubase < U; ubase += 32 * kUnits) {
+#pragma unroll
+      for (int i = 0; i < kUnits; ++i) {
+        const int u = ubase + lane + 32 * i;
+        if (ubase > 0) hv[i] = u < U ? *reinterpret_cast<const uint4*>(a.hidden + b * a.I + 8 * u) : hv[i];
+        stage_tc_unit<D, G>(xs, sx, u, u < U, hv[i]);
+      }
+    }
+    device::cp_async_wait<0>();
+    __syncwarp();
+    const bool live_n = g == 0;
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int grp = 0; grp < L.groups; ++grp) {
+      uint4 xb[G / 32];
+#pragma unroll
+      for (int w = 0; w < G / 32; ++w)
+        xb[w] = live_n ? *reinterpret_cast<const uint4*>(xs + grp * G + t * (G / 4) + 8 * w)
+                       : make_uint4(0u, 0u, 0u, 0u);
+      float c[4] = {0.f, 0.f, 0.f, 0.f};
+      tc_group_dot<D, G>(codes + g * L.code_row, codes + (g + 8) * L.code_row, grp, t, xb, c);
+      const float x0 = sx[grp];
+      const float s0 = raw_param<D>(sc[g * L.groups + grp]), s1 = raw_param<D>(sc[(g + 8) * L.groups + grp]);
+      const float b0 = fmaf(-kBias, s0, raw_param<D>(bi[g * L.groups + grp]));  // b - M s, as in gate/up
+      const float b1 = fmaf(-kBias, s1, raw_param<D>(bi[(g + 8) * L.groups + grp]));
+      acc[0] = fmaf(s0, c[0], fmaf(b0, x0, acc[0]));
+      acc[2] = fmaf(s1, c[2], fmaf(b1, x0, acc[2]));
+    }
+    if (t == 0) {
+      partial[warp][g] = acc[0];
+      partial[warp][g + 8] = acc[2];
+    }
+    if (lane == 0) {
+      slot_weight[warp] = wj;
+      slot_ok[warp] = ok;
+      if (!ok) record_fault(a.faults, kFaultExpertOutOfRange, static_cast<uint32_t>(e), static_cast<uint32_t>(a.E));
+    }
+  }
+  __syncthreads();
+  if (tid < kTcRows && col0 + tid < a.H) {
+    float sum = 0.f;
+    for (int j = 0; j < a.k; ++j)
+      if (slot_ok[j]) sum = __fadd_rn(sum, __fmul_rn(slot_weight[j], partial[j][tid]));
+    a.out[static_cast<int64_t>(tok) * a.H + col0 + tid] = Elem<D>::store(sum);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Host side.
 
 // The counter of kernel 1 must be zero when a call starts; kernels leave it zero. One counter per
@@ -843,11 +1215,21 @@ unsigned* decode_counter(const Workspace& ws) {
 size_t router_smem(int64_t T, int64_t H) {
   return static_cast<size_t>((T + 1) * round_up4(padded(static_cast<int>(H)))) * 4;  // scale row + T h rows
 }
-int gate_up_rows_per_pass(int64_t T) { return static_cast<int>(std::min<int64_t>(kGuRowsPerPass, T)); }
-size_t gate_up_smem(int64_t T, int64_t H) {
-  return static_cast<size_t>(gate_up_rows_per_pass(T) * staged_floats(static_cast<int>(H))) * 4;
+// 4-bit experts run on the tensor-core kernels, 8-bit ones on the scalar kernels.
+bool tensor_core_experts(int bits) { return bits == 4; }
+// Activation rows a gate/up CTA stages at once: all of a group's (<= T) on tensor cores, else up to 2.
+int gate_up_rows_per_pass(int64_t T, int bits) {
+  return static_cast<int>(std::min<int64_t>(tensor_core_experts(bits) ? kTcMaxN : kGuRowsPerPass, T));
 }
-size_t down_smem(int64_t k, int64_t I) { return static_cast<size_t>(k * staged_floats(static_cast<int>(I))) * 4; }
+size_t gate_up_smem(int64_t T, int64_t H, int bits, int group) {
+  const int rows = gate_up_rows_per_pass(T, bits);
+  if (tensor_core_experts(bits)) return GateUpTcLayout(static_cast<int>(H), group, rows).total;
+  return static_cast<size_t>(rows * staged_floats(static_cast<int>(H))) * 4;
+}
+size_t down_smem(int64_t k, int64_t I, int bits, int group) {
+  if (tensor_core_experts(bits)) return static_cast<size_t>(k) * DownTcLayout(static_cast<int>(I), group).per_warp;
+  return static_cast<size_t>(k * staged_floats(static_cast<int>(I))) * 4;
+}
 
 // Lets `kernel` take up to kDecodeMaxSmem of dynamic shared memory (once per kernel).
 void allow_smem(const void* kernel) {
@@ -918,6 +1300,10 @@ RouteSupport supports_decode_layer(const Tensor& out, const Tensor& h, const Ten
     if (ex.gate.bits != ex.up.bits || ex.gate.group_size != ex.up.group_size) return route_miss(Fallback::quantization);
   }
   if (!(s = check_weight(ex.down, E, H, I, D)).ok) return s;
+  // 4-bit experts run on the tensor-core kernels, which copy scale and bias spans in 16-byte units.
+  for (const QuantizedWeight* q : {&first, &ex.up, &ex.down})
+    if (q->defined() && q->bits == 4 && (!is_aligned(q->scales.data(), 16) || !is_aligned(q->biases.data(), 16)))
+      return route_miss(Fallback::alignment);
   if (I % 8 != 0) return route_miss(Fallback::alignment);
   if (ex.activation != Activation::geglu && ex.activation != Activation::swiglu) return route_miss(Fallback::topology);
 
@@ -937,7 +1323,8 @@ RouteSupport supports_decode_layer(const Tensor& out, const Tensor& h, const Ten
     if (!p.is_contiguous() || !is_aligned(p.data(), 16)) return route_miss(Fallback::alignment);
   }
 
-  if (router_smem(T, H) > kDecodeMaxSmem || gate_up_smem(T, H) > kDecodeMaxSmem || down_smem(k, I) > kDecodeMaxSmem)
+  if (router_smem(T, H) > kDecodeMaxSmem || gate_up_smem(T, H, first.bits, first.group_size) > kDecodeMaxSmem ||
+      down_smem(k, I, ex.down.bits, ex.down.group_size) > kDecodeMaxSmem)
     return route_miss(Fallback::shape);
   return route_ok();
 }
@@ -1022,7 +1409,7 @@ void call_decode_layer(Tensor& out, const Tensor& h, const Tensor& x, const MoeW
   ga.I = I;
   ga.E = E;
   ga.k = k;
-  ga.rows_per_pass = gate_up_rows_per_pass(T);
+  ga.rows_per_pass = gate_up_rows_per_pass(T, gate.bits);
   ga.plan = plan;
   ga.hidden = static_cast<uint16_t*>(arena_at(base, hidden_off));
   ga.faults = device_faults();
@@ -1043,12 +1430,13 @@ void call_decode_layer(Tensor& out, const Tensor& h, const Tensor& x, const MoeW
   da.out = out.data_as<uint16_t>();
   da.faults = ga.faults;
 
-  const size_t smem1 = router_smem(T, H), smem2 = gate_up_smem(T, H), smem3 = down_smem(k, I);
+  const bool gu_tc = tensor_core_experts(gate.bits), down_tc = tensor_core_experts(ex.down.bits);
+  const size_t smem1 = router_smem(T, H), smem2 = gate_up_smem(T, H, gate.bits, gate.group_size),
+               smem3 = down_smem(k, I, ex.down.bits, ex.down.group_size);
   const dim3 grid1(static_cast<unsigned>(E));
-  const dim3 grid2(ceil_div(I, kGuCols), static_cast<unsigned>(std::min(n, E)));
-  const dim3 grid3(static_cast<unsigned>(T), ceil_div(H, kDnCols));
+  const dim3 grid2(ceil_div(I, gu_tc ? kTcRows : kGuCols), static_cast<unsigned>(std::min(n, E)));
+  const dim3 grid3(static_cast<unsigned>(T), ceil_div(H, down_tc ? kTcRows : kDnCols));
   const int proj_kind = quantized ? rt.proj.bits : 0;
-  const int gu_bits = gate.bits, down_bits = ex.down.bits;
   const bool geglu = ex.activation == Activation::geglu;
 
   auto launch_all = [&](auto dtag) {
@@ -1068,8 +1456,14 @@ void call_decode_layer(Tensor& out, const Tensor& h, const Tensor& x, const MoeW
       kernel<<<grid2, kThreads, smem2, stream>>>(ga);
       EXPERTQMM_CUDA_CHECK_LAUNCH(decode_gate_up_glu_kernel);
     };
-    if (gu_bits == 4 && geglu) gate_up(decode_gate_up_glu_kernel<DT, 4, Activation::geglu>);
-    else if (gu_bits == 4) gate_up(decode_gate_up_glu_kernel<DT, 4, Activation::swiglu>);
+    auto gate_up_tc = [&](auto group) {
+      constexpr int G = decltype(group)::value;
+      if (geglu) gate_up(decode_gate_up_glu_mma_kernel<DT, G, Activation::geglu>);
+      else gate_up(decode_gate_up_glu_mma_kernel<DT, G, Activation::swiglu>);
+    };
+    if (gu_tc && gate.group_size == 32) gate_up_tc(std::integral_constant<int, 32>{});
+    else if (gu_tc && gate.group_size == 64) gate_up_tc(std::integral_constant<int, 64>{});
+    else if (gu_tc) gate_up_tc(std::integral_constant<int, 128>{});
     else if (geglu) gate_up(decode_gate_up_glu_kernel<DT, 8, Activation::geglu>);
     else gate_up(decode_gate_up_glu_kernel<DT, 8, Activation::swiglu>);
     // 3. down + combine
@@ -1078,7 +1472,9 @@ void call_decode_layer(Tensor& out, const Tensor& h, const Tensor& x, const MoeW
       kernel<<<grid3, kThreads, smem3, stream>>>(da);
       EXPERTQMM_CUDA_CHECK_LAUNCH(decode_down_combine_kernel);
     };
-    if (down_bits == 4) down(decode_down_combine_kernel<DT, 4>);
+    if (down_tc && ex.down.group_size == 32) down(decode_down_combine_mma_kernel<DT, 32>);
+    else if (down_tc && ex.down.group_size == 64) down(decode_down_combine_mma_kernel<DT, 64>);
+    else if (down_tc) down(decode_down_combine_mma_kernel<DT, 128>);
     else down(decode_down_combine_kernel<DT, 8>);
   };
   if (D == DType::bf16) launch_all(DTypeTag<DType::bf16>{});

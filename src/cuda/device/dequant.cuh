@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace expertqmm::cuda::device {
 
@@ -158,6 +159,22 @@ struct PackedDequant<__half> {
   static __device__ __forceinline__ __half2 as_pair(uint32_t bits) { return *reinterpret_cast<const __half2*>(&bits); }
   static __device__ __forceinline__ uint32_t as_bits(__half2 v) { return *reinterpret_cast<uint32_t*>(&v); }
 };
+
+// The bias M of biased_code_pairs: the T value whose ulp is 1 (bf16 128, f16 1024).
+template <class T>
+constexpr float kCodeBias = std::is_same<T, __nv_bfloat16>::value ? 128.0f : 1024.0f;
+
+// The eight 4-bit codes of a word as exact T values M + q (M = kCodeBias<T>) in four registers of
+// two: pair j holds code j (low half) and code j + 4 (high half), j = 0..3, i.e. (word >> 4j) &
+// 0x000F000F put under M's exponent. One shift and one LOP3 per pair; the caller removes M * sum(x)
+// once per group instead of subtracting M from every code (tensor-core dot products whose k order
+// is free: the decode kernels).
+template <class T>
+__device__ __forceinline__ void biased_code_pairs(uint32_t word, uint32_t (&pair)[4]) {
+  constexpr uint32_t kMagic = std::is_same<T, __nv_bfloat16>::value ? 0x43004300u : 0x64006400u;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) pair[j] = and_or(word >> (4 * j), 0x000F000Fu, kMagic);
+}
 
 // Code i of a packed row for any bits in 1..8 (3, 5 and 6-bit codes may straddle two words; the
 // second word is read only then, so a row is never read past its end).
