@@ -909,22 +909,23 @@ __device__ __forceinline__ void tc_group_dot(const unsigned char* lo, const unsi
 
 // Shared memory of the tensor-core gate/up kernel (bytes), with its region offsets.
 struct GateUpTcLayout {
-  int code_row, x_row, groups;
-  size_t codes, scales, biases, xs, sx, total;
-  __host__ __device__ GateUpTcLayout(int H, int G, int rows) {
+  int code_row, groups;
+  size_t codes, scales, biases, total;
+  __host__ __device__ GateUpTcLayout(int H, int G) {
     code_row = tc_code_row_bytes(H);
-    x_row = tc_x_row_elems(H);
     groups = H / G;
     const size_t code_bytes = static_cast<size_t>(2 * kTcRows) * code_row;
     const size_t red_bytes = static_cast<size_t>(kWarps) * 2 * kTcRows * kTcMaxN * sizeof(float);
     codes = 0;
     scales = code_bytes > red_bytes ? code_bytes : red_bytes;  // the reduction reuses the codes' space
     biases = scales + static_cast<size_t>(2 * kTcRows) * groups * sizeof(uint16_t);
-    xs = biases + static_cast<size_t>(2 * kTcRows) * groups * sizeof(uint16_t);
-    sx = xs + (static_cast<size_t>(rows) * x_row * sizeof(uint16_t) + 15) / 16 * 16;
-    total = sx + static_cast<size_t>(rows) * groups * sizeof(float);
+    total = biases + static_cast<size_t>(2 * kTcRows) * groups * sizeof(uint16_t);
   }
 };
+
+// The 16-bit value 1 in both halves of a register (the A operand of the sum-of-x mma).
+template <DType D>
+constexpr uint32_t kTcOnePair = D == DType::bf16 ? 0x3F803F80u : 0x3C003C00u;
 
 // Work split: grid (ceil(I / 16), min(n, E)), 256 threads, __launch_bounds__(256, 2). CTA (x, g)
 // takes expert group g of the plan (CTAs past the plan's group count exit at once) and output
@@ -933,15 +934,18 @@ struct GateUpTcLayout {
 //   1. plan entry (one L2 round trip), then everything the CTA needs is requested at once: the 32
 //      code rows by cp.async into shared memory in two commit groups (the first and second half
 //      of the K groups; 8 threads per row, 16-byte chunks) with the scales and biases (raw, by
-//      cp.async in the first group: the contiguous 16-row spans), and the group's activation rows
-//      (reordered, with their group sums). Gemma: 45 KB of codes per CTA.
+//      cp.async in the first group: the contiguous 16-row spans). Gemma: 45 KB of codes per CTA.
 //   2. K is split across the warps: warp w takes groups w, w+8, ... of the first half as soon as
-//      it has landed, then of the second half: per group both tiles' G/16 mma steps on shared B.
+//      it has landed, then of the second half. B is read straight from global memory (the T <= 8
+//      activation rows are shared by every CTA: L1/L2 hits), the lane's 16-byte unit per code word
+//      reordered in registers, one group ahead (the first before the wait for the codes); B column
+//      n is the group's row n. Per group: both tiles' G/16 mma steps, and G/16 more with A = 1 for
+//      sum(x) of each column (the bias term), so no activation staging and no barrier for it.
 //   3. the 8 warps' fp32 partials go through shared memory (the codes' space) and thread i < 16n
 //      sums them in warp order for (column i % 16, row i / 16): gate and up rounded to D, then the
 //      GLU, one rounding, into hidden[row, column].
-// Occupancy (Gemma, bf16, G=64): shared memory 46 KB codes + 11 KB scales/biases + 5.6 KB per
-// activation row: T=1 63 KB (3 CTAs per SM: the 352 CTAs are one wave), T=8 108 KB (2 per SM).
+// Occupancy (Gemma, bf16, G=64): shared memory 46 KB codes + 5.6 KB scales/biases, 72 registers:
+// 3 CTAs (24 warps) per SM at any T; T=1: the 352 CTAs are one wave.
 template <DType D, int G, Activation A>
 __global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_mma_kernel(GateUpArgs a) {
   extern __shared__ __align__(16) unsigned char tc_smem[];
@@ -957,14 +961,12 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_mma_kernel(Gat
       record_fault(a.faults, kFaultExpertOutOfRange, static_cast<uint32_t>(e), static_cast<uint32_t>(a.E));
     return;
   }
-  count = min(count, a.rows_per_pass);  // a plan group holds <= T rows; never past the staging
+  count = min(count, kTcMaxN);  // a plan group holds <= T <= 8 rows: the mma's n
   constexpr float kBias = device::kCodeBias<MmaType<D>>;
-  const GateUpTcLayout L(a.H, G, a.rows_per_pass);
+  const GateUpTcLayout L(a.H, G);
   unsigned char* codes = tc_smem + L.codes;
   uint16_t* sc = reinterpret_cast<uint16_t*>(tc_smem + L.scales);  // raw D, (32 staged rows, groups)
   uint16_t* bi = reinterpret_cast<uint16_t*>(tc_smem + L.biases);
-  uint16_t* xs = reinterpret_cast<uint16_t*>(tc_smem + L.xs);
-  float* sx = reinterpret_cast<float*>(tc_smem + L.sx);
   const int col0 = blockIdx.x * kTcRows;
   const int chunks = a.H / 32;                             // 16-byte chunks per code row
   const int half_groups = L.groups / 2;
@@ -996,36 +998,37 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_mma_kernel(Gat
     for (int c = half_chunks + j; c < chunks; c += kPerRow) device::cp_async_16(dst + 16 * c, src + c, true);
     device::cp_async_commit();
   }
-  // 1c. the group's activation rows, reordered, with group sums (row by row: U = H/8 units).
-  const int U = a.H / 8;
-  for (int n = 0; n < count; ++n) {
-    const int64_t token = plan.row[begin + n] / a.k;
-    const uint16_t* x_src = a.x + token * a.x_stride;
-    for (int u = tid; u - tid < U; u += kThreads) {  // warp-uniform trip count: stage_tc_unit shuffles
-      const bool live = u < U;
-      const uint4 v = live ? *reinterpret_cast<const uint4*>(x_src + 8 * u) : make_uint4(0u, 0u, 0u, 0u);
-      stage_tc_unit<D, G>(xs + n * L.x_row, sx + n * L.groups, u, live, v);
-    }
-  }
+  // 1c. the lane's activation row: B column g is the group's row g (token tok); units of 8 values,
+  //     the lane's first unit of group grp is grp * G/8 + t * G/32.
   const bool live_n = g < count;
+  const int64_t tok = live_n ? plan.row[begin + g] / a.k : 0;
+  const uint4* xg = reinterpret_cast<const uint4*>(a.x + tok * a.x_stride) + t * (G / 32);
+  auto load_x = [&](int grp, uint4 (&xb)[G / 32]) {
+#pragma unroll
+    for (int w = 0; w < G / 32; ++w)
+      xb[w] = live_n ? packed_x_order(__ldg(xg + grp * (G / 8) + w)) : make_uint4(0u, 0u, 0u, 0u);
+  };
+  const uint32_t ones[4] = {kTcOnePair<D>, kTcOnePair<D>, kTcOnePair<D>, kTcOnePair<D>};
 
   // 2. K split across warps; each half as soon as it has landed.
-  const uint16_t* xrow = xs + g * L.x_row;
   float acc[2][4] = {};
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
+    const int grp_begin = (h == 0 ? 0 : half_groups) + warp, grp_end = h == 0 ? half_groups : L.groups;
+    uint4 xb[G / 32];
+    if (grp_begin < grp_end) load_x(grp_begin, xb);  // in flight while the codes land
     if (h == 0) device::cp_async_wait<1>();
     else device::cp_async_wait<0>();
     __syncthreads();
-    const int grp_end = h == 0 ? half_groups : L.groups;
-    for (int grp = (h == 0 ? 0 : half_groups) + warp; grp < grp_end; grp += kWarps) {
-      uint4 xb[G / 32];
+    for (int grp = grp_begin; grp < grp_end; grp += kWarps) {
+      uint4 xn[G / 32];
+      if (grp + kWarps < grp_end) load_x(grp + kWarps, xn);
+      float xsum[4] = {0.f, 0.f, 0.f, 0.f};  // sum(x) of columns 2t, 2t+1 (c0, c1)
 #pragma unroll
-      for (int w = 0; w < G / 32; ++w)
-        xb[w] = live_n ? *reinterpret_cast<const uint4*>(xrow + grp * G + t * (G / 4) + 8 * w)
-                       : make_uint4(0u, 0u, 0u, 0u);
-      const float x0 = 2 * t < count ? sx[(2 * t) * L.groups + grp] : 0.f;
-      const float x1 = 2 * t + 1 < count ? sx[(2 * t + 1) * L.groups + grp] : 0.f;
+      for (int w = 0; w < G / 32; ++w) {
+        device::Mma<MmaType<D>>::run(xsum, ones, xb[w].x, xb[w].y);
+        device::Mma<MmaType<D>>::run(xsum, ones, xb[w].z, xb[w].w);
+      }
 #pragma unroll
       for (int tile = 0; tile < 2; ++tile) {
         const int r = tile * kTcRows + g;
@@ -1034,11 +1037,13 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_mma_kernel(Gat
         const float s0 = raw_param<D>(sc[r * L.groups + grp]), s1 = raw_param<D>(sc[(r + 8) * L.groups + grp]);
         const float b0 = fmaf(-kBias, s0, raw_param<D>(bi[r * L.groups + grp]));  // b - M s: c holds sum(x (M + q))
         const float b1 = fmaf(-kBias, s1, raw_param<D>(bi[(r + 8) * L.groups + grp]));
-        acc[tile][0] = fmaf(s0, c[0], fmaf(b0, x0, acc[tile][0]));
-        acc[tile][1] = fmaf(s0, c[1], fmaf(b0, x1, acc[tile][1]));
-        acc[tile][2] = fmaf(s1, c[2], fmaf(b1, x0, acc[tile][2]));
-        acc[tile][3] = fmaf(s1, c[3], fmaf(b1, x1, acc[tile][3]));
+        acc[tile][0] = fmaf(s0, c[0], fmaf(b0, xsum[0], acc[tile][0]));
+        acc[tile][1] = fmaf(s0, c[1], fmaf(b0, xsum[1], acc[tile][1]));
+        acc[tile][2] = fmaf(s1, c[2], fmaf(b1, xsum[0], acc[tile][2]));
+        acc[tile][3] = fmaf(s1, c[3], fmaf(b1, xsum[1], acc[tile][3]));
       }
+#pragma unroll
+      for (int w = 0; w < G / 32; ++w) xb[w] = xn[w];
     }
   }
 
@@ -1223,7 +1228,7 @@ int gate_up_rows_per_pass(int64_t T, int bits) {
 }
 size_t gate_up_smem(int64_t T, int64_t H, int bits, int group) {
   const int rows = gate_up_rows_per_pass(T, bits);
-  if (tensor_core_experts(bits)) return GateUpTcLayout(static_cast<int>(H), group, rows).total;
+  if (tensor_core_experts(bits)) return GateUpTcLayout(static_cast<int>(H), group).total;
   return static_cast<size_t>(rows * staged_floats(static_cast<int>(H))) * 4;
 }
 size_t down_smem(int64_t k, int64_t I, int bits, int group) {
