@@ -6,10 +6,12 @@
 //                                   routed to the expert, then the GLU product -> hidden [n, I]
 //   3. decode_down_combine_kernel  per (token, column block): the k slots' down GEMVs, weighted and
 //                                   summed in slot order in fp32, one rounding -> out [T, H]
+// Kernels 2 and 3 exist twice: scalar (8-bit experts) and on tensor cores (4-bit experts, the
+// Gemma layer: decode_gate_up_glu_mma_kernel, decode_down_combine_mma_kernel).
 // Numerics are the general path's (src/cuda/moe.cu): the router rounds r and the logits to h's
 // dtype and routes with device/route_topk.cuh (the same code as route_into); gate and up are
-// qmv dot products (MLX gather_qmv: sum over chunks of s * sum(x * q) + b * sum(x) in fp32, the
-// dequantized weight never rounded), rounded to the activation dtype before the GLU (as the fused
+// qmv dot products (MLX gather_qmv: sum over groups or chunks of s * sum(x * q) + b * sum(x) in
+// fp32, the dequantized weight never rounded), rounded to the activation dtype before the GLU (as the fused
 // product of launch_glu_product); the down outputs stay fp32 into the combine (one rounding, where
 // the general path rounds y to the dtype first), summed in slot order as launch_weighted_combine.
 // Only summation orders differ, so routing agrees with route_into except at logit near-ties.
@@ -496,6 +498,8 @@ constexpr int kGuRowsPerPass = 2;              // activation rows staged at once
 constexpr int kGuChunks = 3;                   // 16-byte chunks per weight row a lane loads at once
 constexpr int kGuStageUnits = 2;               // 16-byte x units per thread per staging batch
 
+// Scalar gate/up (8-bit experts; the 4-bit Gemma numbers below are from when it served those too,
+// before the tensor-core kernel further down).
 // Work split: grid (ceil(I / 16), min(n, E)), 256 threads, 2 CTAs per SM (__launch_bounds__(256,
 // 2): <= 128 registers). CTA (x, g) takes expert group g of the plan (CTAs past the plan's group
 // count exit at once) and output columns [16x, 16x + 16): warp w owns columns 16x + 2w and
@@ -676,6 +680,8 @@ constexpr int kDnCols = kDnRowSets * kDnColSets;       // output columns per CTA
 constexpr int kDnChunks = 3;                           // chunks per weight row a lane loads at once
 constexpr int kDnStageUnits = 3;                       // 16-byte hidden units per lane per batch
 
+// Scalar down + combine (8-bit experts; the 4-bit Gemma numbers below date from before the
+// tensor-core kernel further down).
 // Work split: grid (T, ceil(H / 12)), 256 threads, 2 CTAs per SM (<= 128 registers). Tokens vary
 // fastest, so the CTAs reading one expert's column block for different tokens run close together
 // (L2 reuse). CTA (t, y) computes out[t, 12y .. 12y+12): warp j < k takes slot j (row t*k + j,
