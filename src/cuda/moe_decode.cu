@@ -1228,14 +1228,11 @@ size_t router_smem(int64_t T, int64_t H) {
 }
 // 4-bit experts run on the tensor-core kernels, 8-bit ones on the scalar kernels.
 bool tensor_core_experts(int bits) { return bits == 4; }
-// Activation rows a gate/up CTA stages at once: all of a group's (<= T) on tensor cores, else up to 2.
-int gate_up_rows_per_pass(int64_t T, int bits) {
-  return static_cast<int>(std::min<int64_t>(tensor_core_experts(bits) ? kTcMaxN : kGuRowsPerPass, T));
-}
+// Activation rows the scalar gate/up kernel stages at once (the tensor-core one stages none).
+int gate_up_rows_per_pass(int64_t T) { return static_cast<int>(std::min<int64_t>(kGuRowsPerPass, T)); }
 size_t gate_up_smem(int64_t T, int64_t H, int bits, int group) {
-  const int rows = gate_up_rows_per_pass(T, bits);
   if (tensor_core_experts(bits)) return GateUpTcLayout(static_cast<int>(H), group).total;
-  return static_cast<size_t>(rows * staged_floats(static_cast<int>(H))) * 4;
+  return static_cast<size_t>(gate_up_rows_per_pass(T) * staged_floats(static_cast<int>(H))) * 4;
 }
 size_t down_smem(int64_t k, int64_t I, int bits, int group) {
   if (tensor_core_experts(bits)) return static_cast<size_t>(k) * DownTcLayout(static_cast<int>(I), group).per_warp;
@@ -1420,7 +1417,7 @@ void call_decode_layer(Tensor& out, const Tensor& h, const Tensor& x, const MoeW
   ga.I = I;
   ga.E = E;
   ga.k = k;
-  ga.rows_per_pass = gate_up_rows_per_pass(T, gate.bits);
+  ga.rows_per_pass = gate_up_rows_per_pass(T);  // scalar kernel only
   ga.plan = plan;
   ga.hidden = static_cast<uint16_t*>(arena_at(base, hidden_off));
   ga.faults = device_faults();
