@@ -64,28 +64,24 @@ struct DecodePlan {
 };
 
 // ---------------------------------------------------------------------------------------------
-// Staged activations. A row of K values lives in shared memory as floats, with 4 floats of padding
-// after every 32 (lanes reading consecutive 16-byte weight chunks start in different bank groups,
-// as in qmv), followed by the plain sum of each unit of 8 values:
-//   xs    padded(K) floats; for 4-bit weights value i is pre-divided by 16^(i % 4) (word_dot)
+// Staged activations of the scalar (8-bit) kernels. A row of K values lives in shared memory as
+// floats, with 4 floats of padding after every 32 (lanes reading consecutive 16-byte weight chunks
+// start in different bank groups, as in qmv), followed by the plain sum of each unit of 8 values:
+//   xs    padded(K) floats
 //   usum  K / 8 floats, at round_up4(padded(K))
 __host__ __device__ constexpr int padded(int i) { return i + ((i >> 5) << 2); }
 __host__ __device__ constexpr int round_up4(int v) { return (v + 3) & ~3; }
 __host__ __device__ constexpr int staged_floats(int K) { return round_up4(padded(K)) + round_up4(K / 8); }
 
 // Writes unit u (values 8u .. 8u+7, given in v) of a staged row: the plain fp32 sum in index order
-// (qmv's unit sums), then the values, pre-divided for 4-bit weights.
-template <bool kPreDivide>
+// (qmv's unit sums), then the values.
 __device__ __forceinline__ void stage_unit(float* row, int K, int u, const float (&v)[8]) {
   float sum = 0.f;
 #pragma unroll
   for (int i = 0; i < 8; ++i) sum += v[i];
-  float o[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) o[i] = kPreDivide ? v[i] * (1.0f / static_cast<float>(1 << (4 * (i & 3)))) : v[i];
   float4* dst = reinterpret_cast<float4*>(row + padded(8 * u));  // 8u is 8-aligned: one 32-block
-  dst[0] = make_float4(o[0], o[1], o[2], o[3]);
-  dst[1] = make_float4(o[4], o[5], o[6], o[7]);
+  dst[0] = make_float4(v[0], v[1], v[2], v[3]);
+  dst[1] = make_float4(v[4], v[5], v[6], v[7]);
   row[round_up4(padded(K)) + u] = sum;
 }
 
@@ -498,15 +494,14 @@ constexpr int kGuRowsPerPass = 2;              // activation rows staged at once
 constexpr int kGuChunks = 3;                   // 16-byte chunks per weight row a lane loads at once
 constexpr int kGuStageUnits = 2;               // 16-byte x units per thread per staging batch
 
-// Scalar gate/up (8-bit experts; the 4-bit Gemma numbers below are from when it served those too,
-// before the tensor-core kernel further down).
+// Scalar gate/up, for 8-bit experts (4-bit ones run on decode_gate_up_glu_mma_kernel below).
 // Work split: grid (ceil(I / 16), min(n, E)), 256 threads, 2 CTAs per SM (__launch_bounds__(256,
 // 2): <= 128 registers). CTA (x, g) takes expert group g of the plan (CTAs past the plan's group
 // count exit at once) and output columns [16x, 16x + 16): warp w owns columns 16x + 2w and
 // 16x + 2w + 1, i.e. four weight rows (gate and up of each), and lane l takes chunks l, l+32, l+64
-// of all four: 12 x 16 bytes issued right after the plan's expert id, before anything else (Gemma's
-// 4-bit row of 2816 values is 88 chunks, so the whole column block is one batch: 192 B per lane,
-// 48 KB per CTA, 96 KB per SM in flight; 8-bit rows take two batches). Only then the group's
+// of all four: 12 x 16 bytes issued right after the plan's expert id, before anything else (48 KB
+// per CTA, 96 KB per SM in flight; Gemma's 8-bit row of 2816 values is 176 chunks: two batches,
+// the second loaded per row pass). Only then the group's
 // token ids are read and the x rows staged (rows_per_pass at a time, staged_floats(H) floats each;
 // a thread's 16-byte x loads go out two at a time: a whole 2816-value row per batch). Each chunk's words are dotted with
 // each staged row (x read once from shared memory for the four weight rows), lanes reduce by
@@ -514,13 +509,12 @@ constexpr int kGuStageUnits = 2;               // 16-byte x units per thread per
 // expert's column block is read once per layer, however many tokens chose it; a one-batch block
 // stays in registers across passes; the staged rows are dotted one at a time (a runtime loop: two
 // rows interleaved cost ~40 more registers and spilled).
-// Occupancy (ptxas, sm_90a): 124-126 registers, no spills: 2 CTAs (16 warps) per SM, dynamic shared
-// memory staged_floats(2816) * 4 = 14 KB per staged row (T=1: 14 KB, T>=2: 28 KB). Gemma, 4-bit:
-// T=1: 44 x 8 = 352 CTAs on 264 slots (1.33 waves; the first wave holds 13 MB of the 17.8 MB in
-// flight), 88 KB in flight per SM (11 of a lane's 12 slots live); T=8: 44 x ~47 live groups = ~2070
-// CTAs (~7.8 waves, the 64 - groups extra rows of the grid exit at once), the same 88 KB per SM.
-template <DType D, int kBits, Activation A>
+// Occupancy (ptxas, sm_90a): 124 registers, no spills: 2 CTAs (16 warps) per SM, dynamic shared
+// memory staged_floats(2816) * 4 = 14 KB per staged row (T=1: 14 KB, T>=2: 28 KB); grid at H=2816,
+// I=704: 44 column blocks x min(n, E) groups (the extra rows of the grid exit at once).
+template <DType D, Activation A>
 __global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_kernel(GateUpArgs a) {
+  constexpr int kBits = 8;
   constexpr int kVals = 128 / kBits;  // values per chunk
   extern __shared__ __align__(16) float smem[];  // (rows_per_pass, staged_floats(H)) floats
   const DecodePlan& plan = *a.plan;
@@ -609,7 +603,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_kernel(GateUpA
           float v[8];
 #pragma unroll
           for (int i = 0; i < 8; ++i) v[i] = Elem<D>::load(ev[i]);
-          stage_unit<kBits == 4>(smem + r * row_floats, a.H, u, v);
+          stage_unit(smem + r * row_floats, a.H, u, v);
         }
       }
     }
@@ -680,29 +674,25 @@ constexpr int kDnCols = kDnRowSets * kDnColSets;       // output columns per CTA
 constexpr int kDnChunks = 3;                           // chunks per weight row a lane loads at once
 constexpr int kDnStageUnits = 3;                       // 16-byte hidden units per lane per batch
 
-// Scalar down + combine (8-bit experts; the 4-bit Gemma numbers below date from before the
-// tensor-core kernel further down).
+// Scalar down + combine, for 8-bit experts (4-bit ones run on decode_down_combine_mma_kernel below).
 // Work split: grid (T, ceil(H / 12)), 256 threads, 2 CTAs per SM (<= 128 registers). Tokens vary
 // fastest, so the CTAs reading one expert's column block for different tokens run close together
 // (L2 reuse). CTA (t, y) computes out[t, 12y .. 12y+12): warp j < k takes slot j (row t*k + j,
 // expert indices[t*k + j]); its lanes form 4 groups of 8: group q owns columns 12y + q, q + 4,
 // q + 8 (three down rows of the slot's expert) and lane s of the group takes chunks s, s+8, s+16 of
-// each (Gemma's 4-bit row of 704 values is 22 chunks: 22 of a group's 24 chunk slots are used,
-// where 32 lanes per row used 22 of 32). That is 9 x 16 bytes per lane, issued right after the
-// expert id (the hidden row's loads go out beside the id, as they do not depend on it): 36 KB per
-// CTA, 72 KB per SM, and at T=1 the 235 CTAs are one wave holding nearly all 8.9 MB in flight.
+// each (Gemma's 8-bit row of 704 values is 44 chunks: two batches of a group's 24 chunk slots).
+// That is 9 x 16 bytes per lane per batch, the first issued right after the expert id (the hidden
+// row's loads go out beside the id, as they do not depend on it): 36 KB per CTA, 72 KB per SM.
 // Then the warp stages its slot's hidden row (staged_floats(I) floats, its own region of shared
 // memory), dots, and reduces within each 8-lane group by shuffles into partial[j][c]. After one
 // barrier, thread c < 12 sums w[t, j] * partial[j][c] over j in slot order in fp32 and rounds once
 // (launch_weighted_combine's arithmetic). A slot whose expert id is out of range is recorded as a
 // fault and skipped.
-// Occupancy (ptxas, sm_90a): 121-122 registers, no spills: 2 CTAs (16 warps) per SM, dynamic shared
-// memory k * staged_floats(704) * 4 = 28 KB (Gemma, k = 8). T=1: 235 CTAs <= 264 slots (one wave),
-// 33 KB in flight per CTA (22 of 24 chunk slots live), 8.4 of the 8.9 MB requested at once, 66 KB
-// per busy SM; T=8: 1880 CTAs (~7.1 waves), 66 KB per SM, ~71 MB requested of which ~52 MB are
-// distinct expert rows (tokens adjacent in the grid share them through L2).
-template <DType D, int kBits>
+// Occupancy (ptxas, sm_90a): 122 registers, no spills: 2 CTAs (16 warps) per SM, dynamic shared
+// memory k * staged_floats(704) * 4 = 28 KB (Gemma, k = 8); grid T x 235 at H = 2816.
+template <DType D>
 __global__ void __launch_bounds__(kThreads, 2) decode_down_combine_kernel(DownArgs a) {
+  constexpr int kBits = 8;
   constexpr int kVals = 128 / kBits;
   extern __shared__ __align__(16) float smem[];  // (k, staged_floats(I)) floats
   __shared__ float partial[kWarps][kDnCols];
@@ -775,7 +765,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_down_combine_kernel(DownAr
           float v[8];
 #pragma unroll
           for (int i = 0; i < 8; ++i) v[i] = Elem<D>::load(ev[i]);
-          stage_unit<kBits == 4>(row, a.I, u, v);
+          stage_unit(row, a.I, u, v);
         }
       }
     }
@@ -1472,8 +1462,8 @@ void call_decode_layer(Tensor& out, const Tensor& h, const Tensor& x, const MoeW
     if (gu_tc && gate.group_size == 32) gate_up_tc(std::integral_constant<int, 32>{});
     else if (gu_tc && gate.group_size == 64) gate_up_tc(std::integral_constant<int, 64>{});
     else if (gu_tc) gate_up_tc(std::integral_constant<int, 128>{});
-    else if (geglu) gate_up(decode_gate_up_glu_kernel<DT, 8, Activation::geglu>);
-    else gate_up(decode_gate_up_glu_kernel<DT, 8, Activation::swiglu>);
+    else if (geglu) gate_up(decode_gate_up_glu_kernel<DT, Activation::geglu>);
+    else gate_up(decode_gate_up_glu_kernel<DT, Activation::swiglu>);
     // 3. down + combine
     auto down = [&](auto kernel) {
       allow_smem(reinterpret_cast<const void*>(kernel));
@@ -1483,7 +1473,7 @@ void call_decode_layer(Tensor& out, const Tensor& h, const Tensor& x, const MoeW
     if (down_tc && ex.down.group_size == 32) down(decode_down_combine_mma_kernel<DT, 32>);
     else if (down_tc && ex.down.group_size == 64) down(decode_down_combine_mma_kernel<DT, 64>);
     else if (down_tc) down(decode_down_combine_mma_kernel<DT, 128>);
-    else down(decode_down_combine_kernel<DT, 8>);
+    else down(decode_down_combine_kernel<DT>);
   };
   if (D == DType::bf16) launch_all(DTypeTag<DType::bf16>{});
   else launch_all(DTypeTag<DType::f16>{});
