@@ -667,6 +667,30 @@ struct DownArgs {
   uint32_t* faults;
 };
 
+// The slot bookkeeping both down kernels end with. Lane 0 of slot warp j records the slot's weight
+// and whether its expert id is valid (an invalid one is a fault, and the slot is skipped).
+__device__ __forceinline__ void record_slot(const DownArgs& a, float (&weight)[kWarps], int (&ok)[kWarps], int j,
+                                            float w, bool valid, int e) {
+  weight[j] = w;
+  ok[j] = valid;
+  if (!valid) record_fault(a.faults, kFaultExpertOutOfRange, static_cast<uint32_t>(e), static_cast<uint32_t>(a.E));
+}
+
+// Thread c < kCols of CTA (t, column block col0), after the barrier: out[t, col0 + c] = the slots'
+// partials times their weights, added in slot order in fp32, one rounding (launch_weighted_combine's
+// arithmetic).
+template <DType D, int kCols>
+__device__ __forceinline__ void store_slot_sum(const DownArgs& a, int t, int col0, int c,
+                                               const float (&partial)[kWarps][kCols], const float (&weight)[kWarps],
+                                               const int (&ok)[kWarps]) {
+  if (c < kCols && col0 + c < a.H) {
+    float sum = 0.f;
+    for (int j = 0; j < a.k; ++j)
+      if (ok[j]) sum = __fadd_rn(sum, __fmul_rn(weight[j], partial[j][c]));
+    a.out[static_cast<int64_t>(t) * a.H + col0 + c] = Elem<D>::store(sum);
+  }
+}
+
 constexpr int kDnLanesPerRow = 8;                      // lanes sharing one weight row (split K)
 constexpr int kDnRowSets = 32 / kDnLanesPerRow;        // weight rows a warp works on at once (4)
 constexpr int kDnColSets = 3;                          // rows per lane group: columns q, q+4, q+8
@@ -797,19 +821,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_down_combine_kernel(DownAr
 #pragma unroll
       for (int m = 0; m < kDnColSets; ++m) partial[warp][q + kDnRowSets * m] = acc[m];
     }
-    if (lane == 0) {
-      slot_weight[warp] = wj;
-      slot_ok[warp] = ok;
-      if (!ok) record_fault(a.faults, kFaultExpertOutOfRange, static_cast<uint32_t>(e), static_cast<uint32_t>(a.E));
-    }
+    if (lane == 0) record_slot(a, slot_weight, slot_ok, warp, wj, ok, e);
   }
   __syncthreads();
-  if (tid < kDnCols && col0 + tid < a.H) {
-    float sum = 0.f;
-    for (int j = 0; j < a.k; ++j)
-      if (slot_ok[j]) sum = __fadd_rn(sum, __fmul_rn(slot_weight[j], partial[j][tid]));
-    a.out[static_cast<int64_t>(t) * a.H + col0 + tid] = Elem<D>::store(sum);
-  }
+  store_slot_sum<D, kDnCols>(a, t, col0, tid, partial, slot_weight, slot_ok);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1177,19 +1192,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_down_combine_mma_kernel(Do
       partial[warp][g] = acc[0];
       partial[warp][g + 8] = acc[2];
     }
-    if (lane == 0) {
-      slot_weight[warp] = wj;
-      slot_ok[warp] = ok;
-      if (!ok) record_fault(a.faults, kFaultExpertOutOfRange, static_cast<uint32_t>(e), static_cast<uint32_t>(a.E));
-    }
+    if (lane == 0) record_slot(a, slot_weight, slot_ok, warp, wj, ok, e);
   }
   __syncthreads();
-  if (tid < kTcRows && col0 + tid < a.H) {
-    float sum = 0.f;
-    for (int j = 0; j < a.k; ++j)
-      if (slot_ok[j]) sum = __fadd_rn(sum, __fmul_rn(slot_weight[j], partial[j][tid]));
-    a.out[static_cast<int64_t>(tok) * a.H + col0 + tid] = Elem<D>::store(sum);
-  }
+  store_slot_sum<D, kTcRows>(a, tok, col0, tid, partial, slot_weight, slot_ok);
 }
 
 // ---------------------------------------------------------------------------------------------
