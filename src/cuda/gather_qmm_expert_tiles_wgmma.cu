@@ -48,64 +48,52 @@ using device::TileArgs;
 
 constexpr int kThreads = 256;    // two warpgroups
 constexpr int kCtaRows = 128;    // weight rows per CTA, 64 per warpgroup
-constexpr int kBK = 64;          // k per wgmma sub-tile (one quantization group at group size 64)
-constexpr int kWordsPerRow = kBK * 4 / 32;  // 8 packed 4-bit words per weight row per sub-tile
+constexpr int kBK = 64;          // k per pipeline stage (one quantization group at group size 64)
+constexpr int kWordsPerRow = kBK * 4 / 32;  // 8 packed 4-bit words per weight row per k tile
 
-// Pipeline shape per build (widest wgmma n64 or n128), as data: k sub-tiles of 64 per pipeline
-// stage, the stage count (bounded by 2 CTAs per SM in shared memory) and the prefetch distance
-// in stages (at most kStages - 1: the barrier at the top of a stage frees the slot read before). Two sub-tiles per
-// stage (n64) halve the barriers and copy set-up per weight byte and request 64 contiguous bytes
-// of each weight row at once (bench/probes/weight_stream.cu: 32-byte row pieces stream at ~2.5
-// TB/s, 64-byte pieces at ~3.2). The n128 build's x tile (128 tokens) leaves room for one.
+// Pipeline depth per build (widest wgmma n64 or n128), as data: stages and the prefetch distance
+// (at most kStages - 1: the barrier at the top of k tile kt frees the slot tile kt - 1 was read
+// from), both bounded by 2 CTAs per SM in shared memory. Measured (bench/NOTES.md): n64 8 stages
+// with distance 7 slower than 5 / 3 (step 4d); 6 / 4 a little faster (step 6a); two 64-k tiles per
+// stage slower (step 6a).
 template <int kMaxTokens>
-struct PipelineShape;
+struct PipelineDepth;
 template <>
-struct PipelineShape<64> {
-  static constexpr int kSubTiles = 2, kStages = 4, kPrefetch = 3;
+struct PipelineDepth<64> {
+  static constexpr int kStages = 6, kPrefetch = 4;
 };
 template <>
-struct PipelineShape<128> {
-  static constexpr int kSubTiles = 1, kStages = 5, kPrefetch = 3;
+struct PipelineDepth<128> {
+  static constexpr int kStages = 5, kPrefetch = 3;
 };
 
 // Shared memory (bytes from a 1024-byte aligned base):
-//   stages  kStages x { xs (kSubTiles, kMaxTokens, 64) T: one wgmma B tile per sub-tile, 128-byte
-//                       swizzled (chunk c of row r at c ^ (r % 8));
-//                       ws (128, 8 kSubTiles) uint32: the stage's words of each weight row, 16-byte
-//                       chunk c of row r at w_chunk(r, c) (conflict-free 16-byte reads of 8 rows);
-//                       ss, bs (kSubTiles, 128) uint32: the word holding the row's group scale /
-//                       bias of each sub-tile (see the parity below) }
+//   stages  kStages x { xs (kMaxTokens, 64) T, 128-byte swizzled (wgmma B: chunk c of row r at c ^ (r % 8));
+//                       ws (128, 8) uint32, chunk c of row r at c ^ ((r / 4) % 2) (conflict-free
+//                       16-byte reads of 8 rows);  ss, bs (128,) uint32: the word holding the row's
+//                       group scale / bias (see the parity below) }
 //   rows    (kMaxTokens,) int64 x offset of each tile row, -1 for rows to skip
 // The epilogue reuses the stages as (kMaxTokens, 136) T: a row of 128 outputs padded by 8 so that the
 // four token rows a warp writes at once fall in different banks.
-// n128: 5 x 21 KB stages; n64: 4 x 26 KB (2 CTAs per SM each). Step 4d measured one sub-tile x 8
-// stages for n64 slower than 1 x 5 (bench/NOTES.md); step 6a is 2 x 4.
+// n128: 5 x 21 KB stages, n64: 6 x 13 KB (2 CTAs per SM each).
 template <int kMaxTokens>
 struct Layout {
-  static constexpr int kSubTiles = PipelineShape<kMaxTokens>::kSubTiles;
-  static constexpr int kStages = PipelineShape<kMaxTokens>::kStages;
-  static constexpr int kPrefetch = PipelineShape<kMaxTokens>::kPrefetch;
-  static constexpr int kStageK = kSubTiles * kBK;
-  static constexpr int kXTileBytes = kMaxTokens * kBK * 2;
-  static constexpr int kXBytes = kSubTiles * kXTileBytes;
-  static constexpr int kRowWords = kSubTiles * kWordsPerRow;
-  static constexpr int kRowChunks = kRowWords / 4;
-  static constexpr int kWBytes = kCtaRows * kRowWords * 4;
-  static constexpr int kParamWords = kSubTiles * kCtaRows;  // per scale or bias
-  static constexpr int kStageBytes = kXBytes + kWBytes + 2 * kParamWords * 4;
+  static constexpr int kStages = PipelineDepth<kMaxTokens>::kStages;
+  static constexpr int kPrefetch = PipelineDepth<kMaxTokens>::kPrefetch;
+  static constexpr int kXBytes = kMaxTokens * kBK * 2;
+  static constexpr int kWBytes = kCtaRows * kWordsPerRow * 4;
+  static constexpr int kParamBytes = kCtaRows * 4;
+  static constexpr int kStageBytes = kXBytes + kWBytes + 2 * kParamBytes;
   static constexpr int kRowsOffset = kStages * kStageBytes;
   static constexpr int kOutStride = kCtaRows + 8;  // elements
   static constexpr int kBytes = kRowsOffset + kMaxTokens * 8;
   static constexpr int kAllocBytes = kBytes + 1024;  // room to align the dynamic base
   static_assert(kMaxTokens == 64 || kMaxTokens == 128, "the widest wgmma of a kernel: n64 or n128");
-  static_assert(kXTileBytes % 1024 == 0 && kStageBytes % 1024 == 0,
-                "every x tile stays 1024-byte aligned for the swizzle");
+  static_assert(kStageBytes % 1024 == 0, "every stage's x tile stays 1024-byte aligned for the swizzle");
   static_assert(kMaxTokens * kOutStride * 2 <= kRowsOffset, "the epilogue staging fits in the stages");
   static_assert(2 * (kAllocBytes + 1024) <= 228 * 1024, "two CTAs per SM");
-  // 8 consecutive rows read the same chunk: spread them over all 32 banks.
-  static __device__ __forceinline__ unsigned w_chunk(unsigned row, unsigned chunk) {
-    return kSubTiles == 1 ? chunk ^ ((row >> 2) & 1) : chunk ^ ((row >> 1) & 3);
-  }
+  static_assert(kPrefetch >= 1 && kPrefetch < kStages, "a free slot for every prefetched stage");
+  static __device__ __forceinline__ unsigned w_chunk(unsigned row, unsigned chunk) { return chunk ^ ((row >> 2) & 1); }
 };
 
 // Computes one tile: rows [row0, row0 + load_rows) (<= kTokens) against `expert` for the CTA's
@@ -113,12 +101,11 @@ struct Layout {
 // arguments; it ends with a barrier.
 //
 // Work split: every thread issues an equal share of each stage's cp.async copies (x: kTokens rows x
-// 8 chunks per sub-tile; weights: 128 rows x 2 chunks per sub-tile, kSubTiles per thread; scale and
-// bias words: one per thread and sub-tile). Warp w of warpgroup q owns smem weight rows
-// 64q + 16(w % 4) .. +15; per sub-tile, lane (g, t) dequantizes rows 64q + 16(w % 4) + g and + 8
-// (the A fragment rows) from two 16-byte shared loads each, 16 values per row: 4 wgmma A
-// fragments, one per k16 step; then the warpgroup issues its 4 wgmmas (64 x kTokens x 16) as one
-// group and waits for it before the next sub-tile (see the loop).
+// 8 chunks; weights: 128 rows x 2 chunks, one per thread; scale and bias words: one per thread).
+// Warp w of warpgroup q owns smem weight rows 64q + 16(w % 4) .. +15; lane (g, t) dequantizes rows
+// 64q + 16(w % 4) + g and + 8 (the A fragment rows) from two 16-byte shared loads each per k tile,
+// 16 values per row: 4 wgmma A fragments, one per k16 step; then the warpgroup issues its 4
+// wgmmas (64 x kTokens x 16) as one group and waits for it before the next k tile (see the loop).
 template <class T, int kTokens, WgmmaForm kForm, class L>
 __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, int64_t row0, int load_rows,
                                            int store_begin, int store_end, int col_block, unsigned char* smem) {
@@ -145,41 +132,32 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
   }
   __syncthreads();
 
-  // Copy sources and shared destinations at stage 0; stage kt adds kt * kStageK elements (x),
-  // kt * kRowWords words (w) or its groups (scales, biases).
+  // Copy sources at k tile 0; k tile kt adds kt * 64 elements (x), kt * 8 words (w) or its group.
+  // Invalid copies read nothing (source size 0): their pointers stay inside the tensors but are
+  // never dereferenced, so the per-tile copy code has no selects.
   const T* x = static_cast<const T*>(a.x);
-  constexpr int kXChunks = kTokens * 8 * L::kSubTiles;  // per stage; sub-tile u is chunks [u, u + 1) * kTokens * 8
+  constexpr int kXChunks = kTokens * 8;
   constexpr int kXCopies = (kXChunks + kThreads - 1) / kThreads;
   const T* x_src[kXCopies];
-  uint32_t x_valid = 0;  // bit i: copy i reads a row (not past the tile's rows or a row to skip)
+  uint32_t x_valid = 0;  // bit i: copy i reads a row (not past the tile's rows, not a row to skip)
 #pragma unroll
   for (int i = 0; i < kXCopies; ++i) {
     const int c = tid + i * kThreads;
-    const int u = c / (kTokens * 8), row = (c >> 3) % kTokens, chunk = c & 7;
-    const int64_t offset = c < kXChunks ? row_offset[row] : -1;
+    const int64_t offset = c < kXChunks ? row_offset[c >> 3] : -1;
     if (offset >= 0) x_valid |= 1u << i;
-    x_src[i] = offset >= 0 ? x + offset + u * kBK + chunk * 8 : x;
+    x_src[i] = offset >= 0 ? x + offset + (c & 7) * 8 : x;
   }
   // Smem weight row r (0..127): weight set r / 64 and row n0 + r % 64 (glu), or row n0 + r.
   auto weight_row = [&](int r) { return kGlu ? col_block * 64 + (r & 63) : col_block * kCtaRows + r; };
   auto weight_set = [&](int r) { return kGlu && r >= 64 ? 1 : 0; };
   const int64_t w_expert = static_cast<int64_t>(expert) * a.N * a.words_per_row;
   const int64_t param_expert = static_cast<int64_t>(expert) * a.N * a.groups_per_row;
-  // Weights: 128 rows x kRowChunks 16-byte chunks per stage, kSubTiles per thread, consecutive
-  // threads on consecutive chunks of a row.
-  constexpr int kWCopies = kCtaRows * L::kRowChunks / kThreads;
-  const uint32_t* w_src[kWCopies];
-  uint32_t w_valid = 0;  // bit i: copy i's row is below N
-#pragma unroll
-  for (int i = 0; i < kWCopies; ++i) {
-    const int c = tid + i * kThreads;
-    const int row = c / L::kRowChunks, chunk = c % L::kRowChunks;
-    const int n = weight_row(row);
-    const uint32_t* base = weight_set(row) ? p.w_up : a.w;
-    if (n < a.N) w_valid |= 1u << i;
-    w_src[i] = n < a.N ? base + w_expert + static_cast<int64_t>(n) * a.words_per_row + chunk * 4 : a.w;
-  }
-  // Scales (threads 0-127) and biases (128-255): row tid % 128, one word per sub-tile.
+  const unsigned w_row = tid >> 1, w_chunk = tid & 1;
+  const int w_n = weight_row(w_row);
+  const bool w_valid = w_n < a.N;
+  const uint32_t* w_base = weight_set(w_row) ? p.w_up : a.w;
+  const uint32_t* w_src = w_valid ? w_base + w_expert + static_cast<int64_t>(w_n) * a.words_per_row + w_chunk * 4 : a.w;
+  const unsigned w_dst = L::kXBytes + (w_row * kWordsPerRow + (L::w_chunk(w_row, w_chunk) << 2)) * 4;
   const int param_row = tid & (kCtaRows - 1);
   const int param_n = weight_row(param_row);
   const bool param_valid = param_n < a.N;
@@ -188,42 +166,23 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
                                                      : (is_bias ? a.biases : a.scales);
   const uint16_t* param_src =
       param_valid ? param_base + param_expert + static_cast<int64_t>(param_n) * a.groups_per_row : a.scales;
-  const int param_dst = L::kXBytes + L::kWBytes + ((is_bias ? L::kParamWords : 0) + param_row) * 4;
+  const unsigned param_dst = L::kXBytes + L::kWBytes + tid * 4;  // ss (128,) then bs (128,)
 
-  const int k_sub_tiles = a.K / kBK;
-  const int k_stages = (k_sub_tiles + L::kSubTiles - 1) / L::kSubTiles;
   auto load_stage = [&](unsigned char* stage, int kt) {
-    // Sub-tiles in this stage: the last stage may be short (a stage is loaded only when kt < k_stages).
-    const int subs = L::kSubTiles == 1 ? 1 : min(L::kSubTiles, k_sub_tiles - kt * L::kSubTiles);
 #pragma unroll
     for (int i = 0; i < kXCopies; ++i) {
       const unsigned c = tid + i * kThreads;
       if (kXChunks % kThreads != 0 && c >= kXChunks) break;
-      const unsigned u = c / (kTokens * 8), row = (c >> 3) % kTokens, chunk = c & 7;
-      // Invalid copies read nothing (source size 0), so their address is never dereferenced.
-      device::cp_async_16(stage + u * L::kXTileBytes + row * 128 + ((chunk ^ (row & 7)) << 4),
-                          x_src[i] + kt * L::kStageK, ((x_valid >> i) & 1) && u < subs);
+      const unsigned row = c >> 3, chunk = c & 7;
+      device::cp_async_16(stage + row * 128 + ((chunk ^ (row & 7)) << 4), x_src[i] + kt * kBK, (x_valid >> i) & 1);
     }
-#pragma unroll
-    for (int i = 0; i < kWCopies; ++i) {
-      const unsigned c = tid + i * kThreads;
-      const unsigned row = c / L::kRowChunks, chunk = c % L::kRowChunks;
-      device::cp_async_16(stage + L::kXBytes + (row * L::kRowWords + (L::w_chunk(row, chunk) << 2)) * 4,
-                          w_src[i] + kt * L::kRowWords, ((w_valid >> i) & 1) && chunk / 2 < subs);
-    }
+    device::cp_async_16(stage + w_dst, w_src + kt * kWordsPerRow, w_valid);
     // The group element el sits in the aligned word at el & ~1: el odd -> read both halves; el even
     // -> its 2 bytes only (the next element may lie past the end of the tensor).
-#pragma unroll
-    for (int u = 0; u < L::kSubTiles; ++u) {
-      unsigned char* dst = stage + param_dst + u * kCtaRows * 4;
-      if (param_valid && u < subs) {
-        const uint16_t* el = param_src + ((kt * L::kStageK + u * kBK) >> a.group_shift);
-        const int odd = static_cast<int>((reinterpret_cast<uintptr_t>(el) >> 1) & 1);
-        device::cp_async_4(dst, el - odd, odd ? 4 : 2);
-      } else {
-        device::cp_async_4(dst, param_src, 0);
-      }
-    }
+    const uint16_t* el = param_src + ((kt * kBK) >> a.group_shift);
+    const int odd = static_cast<int>((reinterpret_cast<uintptr_t>(el) >> 1) & 1);
+    if (param_valid) device::cp_async_4(stage + param_dst, el - odd, odd ? 4 : 2);
+    else device::cp_async_4(stage + param_dst, param_src, 0);
   };
 
   const int warp = tid >> 5, lane = tid & 31;
@@ -245,76 +204,70 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
 #pragma unroll
   for (int i = 0; i < kAcc; ++i) acc[i] = 0.f;
 
-  // Pipeline: stages kt+1 .. kt+kPrefetch are in flight in cp.async while stage kt is computed;
-  // the barrier at the top of stage kt (every warpgroup has retired its wgmmas on stage kt - 1)
-  // frees the slot that stage kt + kPrefetch reuses. A sub-tile's four wgmmas are one commit
-  // group, waited for at the end of the sub-tile. Keeping a group in flight across sub-tiles
-  // (wait_group 1 with two A buffers, or one group per k16 step with wait_group 3) made ptxas
-  // serialize every wgmma (C7514; SASS: a wait after each HGMMA).
+  // Pipeline: k tiles kt+1 .. kt+kPrefetch are in flight in cp.async while tile kt is computed.
+  // The four wgmmas of a tile are one commit group, waited for at the end of the tile. Keeping a
+  // group in flight across tiles (wait_group 1 with two A buffers, or one group per k16 step
+  // with wait_group 3) made ptxas serialize every wgmma (C7514; SASS: a wait after each HGMMA).
+  // Slots are kt % kStages of the loop counter, so the compiler keeps them and the wgmma
+  // descriptors in uniform registers.
   constexpr int kPrefetch = L::kPrefetch;
-  static_assert(kPrefetch >= 1 && kPrefetch < L::kStages, "a free slot for every prefetched stage");
-  // Slots as kt % kStages of the loop counter: the compiler keeps them (and so the wgmma
-  // descriptors) in uniform registers; a running slot variable cost ~20 instructions per sub-tile.
+  const int k_tiles = a.K / kBK;
   auto stage_at = [&](int kt) { return smem + (kt % L::kStages) * L::kStageBytes; };
   const uint64_t smem_desc = device::wgmma_desc_k128(smem);
 #pragma unroll
   for (int s = 0; s < kPrefetch; ++s) {
-    if (s < k_stages) load_stage(stage_at(s), s);
+    if (s < k_tiles) load_stage(stage_at(s), s);
     device::cp_async_commit();
   }
 
-  for (int kt = 0; kt < k_stages; ++kt) {
+  for (int kt = 0; kt < k_tiles; ++kt) {
     device::cp_async_wait<kPrefetch - 1>();
-    __syncthreads();  // stage kt visible; every warpgroup has retired its wgmmas on stage kt - 1
-    if (kt + kPrefetch < k_stages) load_stage(stage_at(kt + kPrefetch), kt + kPrefetch);
+    __syncthreads();  // tile kt visible; every warpgroup has retired its wgmmas on tile kt - 1
+    if (kt + kPrefetch < k_tiles) load_stage(stage_at(kt + kPrefetch), kt + kPrefetch);
     device::cp_async_commit();
 
     const unsigned char* base = stage_at(kt);
     const uint32_t* ws = reinterpret_cast<const uint32_t*>(base + L::kXBytes);
-    const uint32_t* ss = ws + kCtaRows * L::kRowWords;
-    const uint32_t* bs = ss + L::kParamWords;
-    // The address field counts 16 bytes; built from the loop counter so it stays uniform.
-    const uint64_t stage_desc = smem_desc + ((kt % L::kStages) * L::kStageBytes >> 4);
+    const uint32_t* ss = ws + kCtaRows * kWordsPerRow;
+    const uint32_t* bs = ss + kCtaRows;
+    const int tile_parity = ((kt * kBK) >> a.group_shift) & 1;
+    const bool high_lo = (parity_lo ^ tile_parity) != 0, high_hi = (parity_hi ^ tile_parity) != 0;
+    const uint32_t s_lo = device::broadcast_half(ss[m_lo], high_lo), b_lo = device::broadcast_half(bs[m_lo], high_lo);
+    const uint32_t s_hi = device::broadcast_half(ss[m_hi], high_hi), b_hi = device::broadcast_half(bs[m_hi], high_hi);
+    // Row words: word i holds k = 8i .. 8i + 7; chunk 0 = words 0-3, chunk 1 = words 4-7.
+    auto chunk_of = [&](int m, int c) {
+      return *reinterpret_cast<const uint4*>(ws + m * kWordsPerRow + (L::w_chunk(m, c) << 2));
+    };
+    const uint4 lo0 = chunk_of(m_lo, 0), lo1 = chunk_of(m_lo, 1);
+    const uint4 hi0 = chunk_of(m_hi, 0), hi1 = chunk_of(m_hi, 1);
+    const uint32_t lo[8] = {lo0.x, lo0.y, lo0.z, lo0.w, lo1.x, lo1.y, lo1.z, lo1.w};
+    const uint32_t hi[8] = {hi0.x, hi0.y, hi0.z, hi0.w, hi1.x, hi1.y, hi1.z, hi1.w};
+    uint32_t afrag[4][4];  // k16 step s: k = 16s + 2t, +1 from word 2s and 16s + 8 + 2t, +1 from word 2s + 1
 #pragma unroll
-    for (int u = 0; u < L::kSubTiles; ++u) {
-      if (u > 0 && kt * L::kSubTiles + u >= k_sub_tiles) continue;  // a short last stage (uniform)
-      const int tile_parity = ((kt * L::kStageK + u * kBK) >> a.group_shift) & 1;
-      const bool high_lo = (parity_lo ^ tile_parity) != 0, high_hi = (parity_hi ^ tile_parity) != 0;
-      const uint32_t s_lo = device::broadcast_half(ss[u * kCtaRows + m_lo], high_lo);
-      const uint32_t b_lo = device::broadcast_half(bs[u * kCtaRows + m_lo], high_lo);
-      const uint32_t s_hi = device::broadcast_half(ss[u * kCtaRows + m_hi], high_hi);
-      const uint32_t b_hi = device::broadcast_half(bs[u * kCtaRows + m_hi], high_hi);
-      // Sub-tile u's row words: word i holds k = 8i .. 8i + 7; chunk 2u = words 0-3, 2u + 1 = words 4-7.
-      auto chunk_of = [&](int m, int c) {
-        return *reinterpret_cast<const uint4*>(ws + m * L::kRowWords + (L::w_chunk(m, 2 * u + c) << 2));
-      };
-      const uint4 lo0 = chunk_of(m_lo, 0), lo1 = chunk_of(m_lo, 1);
-      const uint4 hi0 = chunk_of(m_hi, 0), hi1 = chunk_of(m_hi, 1);
-      const uint32_t lo[8] = {lo0.x, lo0.y, lo0.z, lo0.w, lo1.x, lo1.y, lo1.z, lo1.w};
-      const uint32_t hi[8] = {hi0.x, hi0.y, hi0.z, hi0.w, hi1.x, hi1.y, hi1.z, hi1.w};
-      uint32_t afrag[4][4];  // k16 step s: k = 16s + 2t, +1 from word 2s and 16s + 8 + 2t, +1 from word 2s + 1
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        afrag[s][0] = Dequant::nibbles(lo[2 * s], selector, s_lo, b_lo);
-        afrag[s][1] = Dequant::nibbles(hi[2 * s], selector, s_hi, b_hi);
-        afrag[s][2] = Dequant::nibbles(lo[2 * s + 1], selector, s_lo, b_lo);
-        afrag[s][3] = Dequant::nibbles(hi[2 * s + 1], selector, s_hi, b_hi);
-      }
-      const uint64_t desc = stage_desc + u * (L::kXTileBytes >> 4);
-#pragma unroll
-      for (int i = 0; i < kAcc; ++i) device::fence_operand(acc[i]);
-      device::wgmma_fence();
-#pragma unroll
-      for (int s = 0; s < 4; ++s)  // +32 bytes per k16 step: 2 in the descriptor's address field
-        device::WgmmaRS<T, kTokens>::run(acc, afrag[s], desc + 2 * s);
-      device::wgmma_commit();
-      // Retire the sub-tile's wgmmas: their A registers are rewritten by the next sub-tile, and
-      // the stage they read is reloaded once the next stage's barrier has passed.
-      device::wgmma_wait<0>();
-#pragma unroll
-      for (int i = 0; i < kAcc; ++i) device::fence_operand(acc[i]);
+    for (int s = 0; s < 4; ++s) {
+      afrag[s][0] = Dequant::nibbles(lo[2 * s], selector, s_lo, b_lo);
+      afrag[s][1] = Dequant::nibbles(hi[2 * s], selector, s_hi, b_hi);
+      afrag[s][2] = Dequant::nibbles(lo[2 * s + 1], selector, s_lo, b_lo);
+      afrag[s][3] = Dequant::nibbles(hi[2 * s + 1], selector, s_hi, b_hi);
     }
+    // The descriptor's address field counts 16 bytes.
+    const uint64_t desc = smem_desc + ((kt % L::kStages) * L::kStageBytes >> 4);
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) device::fence_operand(acc[i]);
+    device::wgmma_fence();
+#pragma unroll
+    for (int s = 0; s < 4; ++s)  // +32 bytes per k16 step: 2 in the descriptor's address field
+      device::WgmmaRS<T, kTokens>::run(acc, afrag[s], desc + 2 * s);
+    device::wgmma_commit();
+    // Retire this tile's wgmmas before the next tile's barrier: the stage they read is reloaded
+    // once that barrier has passed, and their A registers are rewritten by the next tile.
+    device::wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) device::fence_operand(acc[i]);
   }
+  device::wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < kAcc; ++i) device::fence_operand(acc[i]);
   device::cp_async_wait<0>();
   __syncthreads();  // every stage read: the epilogue reuses them
 
