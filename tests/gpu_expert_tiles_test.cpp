@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -203,8 +204,9 @@ TEST(GpuExpertTiles, OccupancyEdgeCasesSmall) {
 
 // Both kernels of the route, pinned, on shapes that hit their edges: N not a multiple of the CTA's
 // 128 (wgmma) or 128 (mma.sync) columns, one k tile, group size 128 (one group spans two k tiles),
-// tails of every class, one expert owning every row, empty experts, bf16 and f16. The wgmma kernel
-// must be available on a compute capability 9.0 device (this build carries sm_90a code).
+// tails of every class, one expert owning every row, empty experts, bf16 and f16; the wgmma kernel
+// in each of its builds (n32, n64, n128, pinned by EXPERTQMM_WGMMA_WIDTH). The wgmma kernel must
+// be available on a compute capability 9.0 device (this build carries sm_90a code).
 TEST(GpuExpertTiles, MmaSyncAndWgmmaKernelsMatchOnEdgeShapesSmall) {
   EXPERTQMM_REQUIRE_GPU();
   CountersGuard guard;
@@ -241,10 +243,17 @@ TEST(GpuExpertTiles, MmaSyncAndWgmmaKernelsMatchOnEdgeShapesSmall) {
         const bool fits = cuda::supports_expert_tiles_wgmma(c.problem()).ok;
         EXPECT_EQ(fits, hopper) << what;
         if (!fits) continue;
-        const std::vector<float> wg = run(c, "expert_tiles_wgmma");
-        EXPECT_LE(sampled_error(c, wg, 8), 1e-2) << what;
-        EXPECT_LE(test::rel_error(wg, simt), 1e-2) << what;
-        EXPECT_LE(test::rel_error(wg, mma), 1e-2) << what;
+        // Each build of the wgmma kernel (widest wgmma n32, n64, n128; taller tiles in pieces),
+        // then the automatic choice.
+        for (const char* width : {"32", "64", "128", ""}) {
+          ASSERT_EQ(setenv("EXPERTQMM_WGMMA_WIDTH", width, 1), 0);
+          const std::vector<float> wg = run(c, "expert_tiles_wgmma");
+          const std::string with = what + " width '" + width + "'";
+          EXPECT_LE(sampled_error(c, wg, 8), 1e-2) << with;
+          EXPECT_LE(test::rel_error(wg, simt), 1e-2) << with;
+          EXPECT_LE(test::rel_error(wg, mma), 1e-2) << with;
+        }
+        ASSERT_EQ(unsetenv("EXPERTQMM_WGMMA_WIDTH"), 0);
       }
   }
 }

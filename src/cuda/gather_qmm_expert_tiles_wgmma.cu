@@ -22,12 +22,14 @@
 // stores): 4-bit codes, group size 64 or 128 (one group per k tile), K % 64 == 0, N % 8 == 0, and
 // everything supports_tile_operands checks.
 //
-// Two builds per form: n128 (the plan's full 128-row tiles in one wgmma width) and n64 (128-row
-// tiles as two halves; less shared memory), chosen by mean rows per expert (kNarrowRowsPerExpert).
+// Three builds per form: n128 (the plan's full 128-row tiles in one wgmma width), n64 and n32
+// (taller tiles as pieces of 64 or 32 rows; fewer accumulators, less shared memory, n32 at 3 CTAs
+// per SM), chosen by mean rows per expert (kWidths).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdlib>
+#include <string>
 
 #include "core/route_counters.h"
 #include "core/tile_plan.h"
@@ -51,20 +53,25 @@ constexpr int kCtaRows = 128;    // weight rows per CTA, 64 per warpgroup
 constexpr int kBK = 64;          // k per pipeline stage (one quantization group at group size 64)
 constexpr int kWordsPerRow = kBK * 4 / 32;  // 8 packed 4-bit words per weight row per k tile
 
-// Pipeline depth per build (widest wgmma n64 or n128), as data: stages and the prefetch distance
-// (at most kStages - 1: the barrier at the top of k tile kt frees the slot tile kt - 1 was read
-// from), both bounded by 2 CTAs per SM in shared memory. Measured (bench/NOTES.md): n64 8 stages
-// with distance 7 slower than 5 / 3 (step 4d); 6 / 4 a little faster (step 6a); two 64-k tiles per
-// stage slower (step 6a).
+// Pipeline depth and residency per build (widest wgmma n32, n64 or n128), as data: stages, the
+// prefetch distance (at most kStages - 1: the barrier at the top of k tile kt frees the slot tile
+// kt - 1 was read from) and CTAs per SM (the register cap of __launch_bounds__; shared memory must
+// fit as well). Measured (bench/NOTES.md): n64 8 stages with distance 7 slower than 5 / 3 (step
+// 4d); 6 / 4 a little faster (step 6a); two 64-k tiles per stage slower (step 6a). n32 (step 6b):
+// 3 CTAs per SM, 24 warps to cover the per-tile dequantize -> wgmma -> wait chain at small T.
 template <int kMaxTokens>
 struct PipelineDepth;
 template <>
+struct PipelineDepth<32> {
+  static constexpr int kStages = 6, kPrefetch = 4, kCtasPerSm = 3;
+};
+template <>
 struct PipelineDepth<64> {
-  static constexpr int kStages = 6, kPrefetch = 4;
+  static constexpr int kStages = 6, kPrefetch = 4, kCtasPerSm = 2;
 };
 template <>
 struct PipelineDepth<128> {
-  static constexpr int kStages = 5, kPrefetch = 3;
+  static constexpr int kStages = 5, kPrefetch = 3, kCtasPerSm = 2;
 };
 
 // Shared memory (bytes from a 1024-byte aligned base):
@@ -75,7 +82,7 @@ struct PipelineDepth<128> {
 //   rows    (kMaxTokens,) int64 x offset of each tile row, -1 for rows to skip
 // The epilogue reuses the stages as (kMaxTokens, 136) T: a row of 128 outputs padded by 8 so that the
 // four token rows a warp writes at once fall in different banks.
-// n128: 5 x 21 KB stages, n64: 6 x 13 KB (2 CTAs per SM each).
+// n128: 5 x 21 KB stages, n64: 6 x 13 KB (2 CTAs per SM each), n32: 6 x 9 KB (3 CTAs per SM).
 template <int kMaxTokens>
 struct Layout {
   static constexpr int kStages = PipelineDepth<kMaxTokens>::kStages;
@@ -88,10 +95,11 @@ struct Layout {
   static constexpr int kOutStride = kCtaRows + 8;  // elements
   static constexpr int kBytes = kRowsOffset + kMaxTokens * 8;
   static constexpr int kAllocBytes = kBytes + 1024;  // room to align the dynamic base
-  static_assert(kMaxTokens == 64 || kMaxTokens == 128, "the widest wgmma of a kernel: n64 or n128");
+  static constexpr int kCtasPerSm = PipelineDepth<kMaxTokens>::kCtasPerSm;
+  static_assert(kMaxTokens == 32 || kMaxTokens == 64 || kMaxTokens == 128, "the widest wgmma of a kernel: n32, n64 or n128");
   static_assert(kStageBytes % 1024 == 0, "every stage's x tile stays 1024-byte aligned for the swizzle");
   static_assert(kMaxTokens * kOutStride * 2 <= kRowsOffset, "the epilogue staging fits in the stages");
-  static_assert(2 * (kAllocBytes + 1024) <= 228 * 1024, "two CTAs per SM");
+  static_assert(kCtasPerSm * (kAllocBytes + 1024) <= 228 * 1024, "kCtasPerSm CTAs fit an SM's shared memory");
   static_assert(kPrefetch >= 1 && kPrefetch < kStages, "a free slot for every prefetched stage");
   static __device__ __forceinline__ unsigned w_chunk(unsigned row, unsigned chunk) { return chunk ^ ((row >> 2) & 1); }
 };
@@ -329,7 +337,7 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
 // stride over the 16-row tiles of all rows and run each maximal run of equal ids as one n16 tile
 // (the rhs_tiles algorithm), so any order of ids still gives the right answer.
 template <class T, WgmmaForm kForm, int kMaxTokens>
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(kThreads, PipelineDepth<kMaxTokens>::kCtasPerSm)
     expert_tiles_wgmma_kernel(WgmmaTileArgs p, const ExpertTile* __restrict__ tiles,
                               const TilePlanHeader* __restrict__ header) {
 #if EXPERTQMM_WGMMA_ENABLED
@@ -346,19 +354,27 @@ __global__ void __launch_bounds__(kThreads, 2)
     const int tile_count = header->tile_count;
     for (int i = blockIdx.y; i < tile_count; i += gridDim.y) {
       const ExpertTile tile = tiles[i];
-      if (kMaxTokens >= 128 && tile.bm == 128) {
-        wgmma_tile<T, (kMaxTokens >= 128 ? 128 : 64), kForm, L>(p, tile.expert, tile.row_begin, tile.rows, 0,
-                                                                       tile.rows, blockIdx.x, smem);
-      } else if (tile.bm >= 64) {  // a 128-row tile in the n64 kernel runs as two halves
-        for (int half = 0; half < tile.rows; half += 64) {
-          const int rows = min(64, tile.rows - half);
-          wgmma_tile<T, 64, kForm, L>(p, tile.expert, tile.row_begin + half, rows, 0, rows, blockIdx.x, smem);
+      if (tile.bm >= kMaxTokens) {  // the widest wgmma; a taller tile runs as pieces of kMaxTokens rows
+        for (int piece = 0; piece < tile.rows; piece += kMaxTokens) {
+          const int rows = min(kMaxTokens, tile.rows - piece);
+          wgmma_tile<T, kMaxTokens, kForm, L>(p, tile.expert, tile.row_begin + piece, rows, 0, rows, blockIdx.x, smem);
         }
-      } else if (tile.bm == 32) {
-        wgmma_tile<T, 32, kForm, L>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
-      } else {
-        wgmma_tile<T, 16, kForm, L>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
+        continue;
       }
+      // Narrower tile classes (16, 32, 64) below the build's width.
+      if constexpr (kMaxTokens > 64) {
+        if (tile.bm == 64) {
+          wgmma_tile<T, 64, kForm, L>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
+          continue;
+        }
+      }
+      if constexpr (kMaxTokens > 32) {
+        if (tile.bm == 32) {
+          wgmma_tile<T, 32, kForm, L>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
+          continue;
+        }
+      }
+      wgmma_tile<T, 16, kForm, L>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
     }
     return;
   }
@@ -397,9 +413,8 @@ void launch_variant(const WgmmaTileArgs& p, const ExpertTile* tiles, const TileP
   EXPERTQMM_CUDA_CHECK_LAUNCH("expert_tiles_wgmma_kernel");
 }
 
-// The instantiations, as data: activation dtype x form x widest wgmma. The n64 kernels (up to 64
-// tokens per wgmma; 128-row tiles run as two halves) hold less shared memory per CTA and win where
-// experts get few rows; see kNarrowRowsPerExpert.
+// The instantiations, as data: activation dtype x form x widest wgmma. Narrower builds (fewer
+// accumulators, less shared memory) win where experts get few rows; see kWidths.
 struct WgmmaVariant {
   DType dtype;
   WgmmaForm form;
@@ -423,11 +438,34 @@ const WgmmaVariant kVariants[] = {
     {DType::f16, WgmmaForm::geglu, 64, launch_variant<__half, WgmmaForm::geglu, 64>},
     {DType::f16, WgmmaForm::swiglu, 64, launch_variant<__half, WgmmaForm::swiglu, 64>},
     {DType::f16, WgmmaForm::combine, 64, launch_variant<__half, WgmmaForm::combine, 64>},
+    {DType::bf16, WgmmaForm::plain, 32, launch_variant<__nv_bfloat16, WgmmaForm::plain, 32>},
+    {DType::bf16, WgmmaForm::geglu, 32, launch_variant<__nv_bfloat16, WgmmaForm::geglu, 32>},
+    {DType::bf16, WgmmaForm::swiglu, 32, launch_variant<__nv_bfloat16, WgmmaForm::swiglu, 32>},
+    {DType::bf16, WgmmaForm::combine, 32, launch_variant<__nv_bfloat16, WgmmaForm::combine, 32>},
+    {DType::f16, WgmmaForm::plain, 32, launch_variant<__half, WgmmaForm::plain, 32>},
+    {DType::f16, WgmmaForm::geglu, 32, launch_variant<__half, WgmmaForm::geglu, 32>},
+    {DType::f16, WgmmaForm::swiglu, 32, launch_variant<__half, WgmmaForm::swiglu, 32>},
+    {DType::f16, WgmmaForm::combine, 32, launch_variant<__half, WgmmaForm::combine, 32>},
 };
 
-// Mean rows per expert at or below which the n64 kernels run (measured, bench/NOTES.md: n64 wins
-// at 4 and 32 rows per expert, n128 at 64 and 128).
-constexpr int64_t kNarrowRowsPerExpert = 32;
+// The build by mean rows per expert (rows / E), first entry with rows <= max_rows_per_expert * E
+// (measured, bench/NOTES.md: n64 beats n128 at 4 and 32 rows per expert, n128 wins at 64 and 128;
+// n32 against n64 in step 6b).
+struct WidthChoice {
+  int64_t max_rows_per_expert;
+  int max_tokens;
+};
+constexpr WidthChoice kWidths[] = {{16, 32}, {32, 64}, {INT64_MAX / 1024, 128}};
+
+// EXPERTQMM_WGMMA_WIDTH=32|64|128 forces one build (benchmarks and tests of each); unset: kWidths.
+// Read at every launch (cheap next to one), so a test can pin each build in turn.
+int forced_width() {
+  const char* v = std::getenv("EXPERTQMM_WGMMA_WIDTH");
+  if (v == nullptr || *v == '\0') return 0;
+  const std::string s(v);
+  if (s == "32" || s == "64" || s == "128") return std::stoi(s);
+  throw Error("gather_qmm", detail::cat("EXPERTQMM_WGMMA_WIDTH must be 32, 64 or 128, not '", s, "'"));
+}
 
 }  // namespace
 
@@ -457,7 +495,9 @@ bool wgmma_tiles_fit(const detail::GatherQmmProblem& p) {
 
 void launch_expert_tiles_wgmma(const WgmmaTileArgs& p, WgmmaForm form, DType dtype, const ExpertTile* tiles,
                                const TilePlanHeader* header, int64_t tile_slots) {
-  const int max_tokens = p.tile.rows <= kNarrowRowsPerExpert * p.tile.E ? 64 : 128;
+  int max_tokens = forced_width();
+  for (const WidthChoice& w : kWidths)
+    if (max_tokens == 0 && p.tile.rows <= w.max_rows_per_expert * p.tile.E) max_tokens = w.max_tokens;
   for (const WgmmaVariant& v : kVariants)
     if (v.dtype == dtype && v.form == form && v.max_tokens == max_tokens) {
       v.launch(p, tiles, header, tile_slots);
