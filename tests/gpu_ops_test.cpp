@@ -461,6 +461,35 @@ TEST(GpuRoute, GemmaLikeBf16RouterMatchesCpu) {
   expect_routing_match(test::random_tensor({33, 256}, DType::bf16), dense, false, 1e-2, "dense bf16 E=64 k=2");
 }
 
+// Quantized projections of every supported width and group size, in both half dtypes, on shapes
+// off the tile grids (token counts not a multiple of 16, expert counts not a multiple of 128 and
+// below 32, one group per row or many), against the CPU router.
+TEST(GpuRoute, QuantizedProjectionOnEdgeShapesSmall) {
+  EXPERTQMM_REQUIRE_GPU();
+  struct Case {
+    int64_t E, H;
+    int bits, group_size;
+    DType dtype;
+    int64_t T;
+  };
+  const Case cases[] = {{200, 384, 4, 128, DType::bf16, 37}, {40, 256, 8, 32, DType::f16, 300},
+                        {128, 2816, 8, 64, DType::bf16, 130}, {8, 64, 4, 64, DType::f16, 17},
+                        {128, 512, 4, 32, DType::bf16, 9}};
+  for (const Case& c : cases) {
+    RouterWeights r = make_router(c.E, c.H, static_cast<int>(std::min<int64_t>(8, c.E)), c.dtype, false, Device::cpu);
+    r.proj_dense = Tensor();
+    r.proj = test::random_quantized({c.E, c.H}, c.bits, c.group_size, 1.0f, Device::cpu);
+    if (c.dtype != DType::bf16) {
+      r.proj.scales = detail::cast_floating(r.proj.scales, c.dtype);
+      r.proj.biases = detail::cast_floating(r.proj.biases, c.dtype);
+    }
+    const std::string what = "E " + std::to_string(c.E) + " H " + std::to_string(c.H) + " bits " +
+                             std::to_string(c.bits) + " gs " + std::to_string(c.group_size) + " " +
+                             dtype_name(c.dtype) + " T " + std::to_string(c.T);
+    expect_routing_match(test::random_tensor({c.T, c.H}, c.dtype), r, false, 1e-2, what);
+  }
+}
+
 TEST(GpuRoute, WideExpertCountsAndTopKEqualToE) {
   EXPERTQMM_REQUIRE_GPU();
   const RouterWeights wide = make_router(1024, 64, 8, DType::f32, false, Device::cpu);
