@@ -57,7 +57,8 @@ constexpr int kWordsPerRow = kBK * 4 / 32;  // 8 packed 4-bit words per weight r
 // prefetch distance (at most kStages - 1: the barrier at the top of k tile kt frees the slot tile
 // kt - 1 was read from) and CTAs per SM (the register cap of __launch_bounds__; shared memory must
 // fit as well). Measured (bench/NOTES.md): n64 8 stages with distance 7 slower than 5 / 3 (step
-// 4d); 6 / 4 a little faster (step 6a); two 64-k tiles per stage slower (step 6a). n32 (step 6b):
+// 4d); 6 / 4 a little faster (step 6a); two 64-k tiles per stage slower (step 6a); n128 5 / 4
+// ~1% faster than 5 / 3 (step 6e). n32 (step 6b):
 // 3 CTAs per SM, 24 warps to cover the per-tile dequantize -> wgmma -> wait chain at small T.
 template <int kMaxTokens>
 struct PipelineDepth;
@@ -71,7 +72,7 @@ struct PipelineDepth<64> {
 };
 template <>
 struct PipelineDepth<128> {
-  static constexpr int kStages = 5, kPrefetch = 3, kCtasPerSm = 2;
+  static constexpr int kStages = 5, kPrefetch = 4, kCtasPerSm = 2;
 };
 
 // Shared memory (bytes from a 1024-byte aligned base):

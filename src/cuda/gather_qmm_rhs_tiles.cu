@@ -85,14 +85,19 @@ const RhsTilesVariant kRhsTilesVariants[] = {
     {16, 1, DType::f16, 8, launch_rhs_tiles<RhsTiles16, __half, 8>},
 };
 
-// bm == 0: the table's choice for p.M; else the variant with that tile height.
+// bm == 0: the table's choice for p.M, except that a taller tile whose grid would leave SMs idle
+// gives way to a shorter one (a few-column problem such as the router's projection: N = 128, so
+// BM=64 gives T / 64 CTAs, each over the whole K); else the variant with that tile height.
 void run_rhs_tiles(const detail::GatherQmmProblem& p, void* out, int bm) {
   const RouteSupport s = supports_rhs_tiles(p);
   EXPERTQMM_CHECK(s.ok, "gather_qmm", "rhs_tiles does not support ", p.describe(), " (",
                   fallback_name(s.reason), ")");
+  const int64_t col_blocks = (p.N + 127) / 128;
   for (const RhsTilesVariant& v : kRhsTilesVariants) {
     if (v.dtype != p.dtype || v.bits != p.bits) continue;
     if (bm == 0 ? p.M < v.min_m : v.bm != bm) continue;
+    const int64_t ctas = (p.B * p.M + v.bm - 1) / v.bm * col_blocks;
+    if (bm == 0 && v.bm > 16 && ctas < device_sm_count()) continue;
     v.launch(make_tile_args(p, out));
     return;
   }
