@@ -57,9 +57,9 @@ constexpr int kWordsPerRow = kBK * 4 / 32;  // 8 packed 4-bit words per weight r
 // prefetch distance (at most kStages - 1: the barrier at the top of k tile kt frees the slot tile
 // kt - 1 was read from) and CTAs per SM (the register cap of __launch_bounds__; shared memory must
 // fit as well). Measured (bench/NOTES.md): n64 8 stages with distance 7 slower than 5 / 3 (step
-// 4d); 6 / 4 a little faster (step 6a); two 64-k tiles per stage slower (step 6a); n128 5 / 4
-// ~1% faster than 5 / 3 (step 6e). n32 (step 6b):
-// 3 CTAs per SM, 24 warps to cover the per-tile dequantize -> wgmma -> wait chain at small T.
+// 4d); 6 / 4 a little faster (step 6a); two 64-k tiles per stage slower (step 6a); n128 5 / 4 ~1%
+// faster than 5 / 3 (step 6e); n32 at 3 CTAs per SM (24 warps) 4% faster than n64 at T=64, the
+// same at 4 CTAs (step 6b).
 template <int kMaxTokens>
 struct PipelineDepth;
 template <>
