@@ -12,6 +12,7 @@
 
 #include "expertqmm/checkpoint.h"
 #include "expertqmm/error.h"
+#include "support/graph_capture.h"
 #include "support/test_util.h"
 
 namespace expertqmm {
@@ -101,10 +102,7 @@ TEST(GpuGemma4Ffn, OneLayerCapturedInACudaGraphReplaysTheSameOutput) {
   EXPERTQMM_REQUIRE_GPU();
 #ifdef EXPERTQMM_HAVE_CUDA
   const Gemma4FfnWeights w = synthetic_gemma4_layer(small_config(), 0, 5).to(Device::cuda);
-  cudaStream_t stream = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  void* saved_stream = cuda_stream();
-  set_cuda_stream(stream);
+  const test::CaptureStream stream;
   Workspace ws;
   for (int64_t T : {100, 6}) {  // warm at the larger size; the smaller one must not grow anything
     const std::string what = detail::cat("T=", T);
@@ -114,35 +112,14 @@ TEST(GpuGemma4Ffn, OneLayerCapturedInACudaGraphReplaysTheSameOutput) {
     cuda_check();
     const size_t held = ws.bytes_held();
     Tensor replayed = Tensor::empty({T, 256}, DType::bf16, Device::cuda);
-    cudaGraph_t graph = nullptr;
-    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess) << what;
-    std::string capture_error;
-    try {
-      gemma4_ffn_into(replayed, h, w, ws);
-    } catch (const std::exception& e) {
-      capture_error = e.what();
-    }
-    const cudaError_t end = cudaStreamEndCapture(stream, &graph);
-    ASSERT_TRUE(capture_error.empty()) << what << ": gemma4_ffn_into failed under capture: " << capture_error;
-    ASSERT_EQ(end, cudaSuccess) << what << ": " << cudaGetErrorString(end);
+    cudaGraph_t graph = test::capture_graph(stream.get(), [&] { gemma4_ffn_into(replayed, h, w, ws); }, what);
+    ASSERT_NE(graph, nullptr) << what;
     EXPECT_EQ(ws.bytes_held(), held) << what << ": the workspace grew during the captured call";
-    cudaGraphExec_t exec = nullptr;
-    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess) << what;
     size_t nodes = 0;
     ASSERT_EQ(cudaGraphGetNodes(graph, nullptr, &nodes), cudaSuccess);
     EXPECT_GT(nodes, 12u) << what << ": the graph should hold the whole feed-forward part";
-    for (int replay = 0; replay < 2; ++replay) {
-      test::poison(replayed);
-      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess) << what;
-      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess) << what;
-      EXPECT_EQ(replayed.to_host_bytes(), expected.to_host_bytes()) << what << " replay " << replay;
-    }
-    cuda_check();
-    EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
-    EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+    test::expect_replays_match(graph, stream.get(), replayed, expected, 2, what);
   }
-  set_cuda_stream(saved_stream);
-  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 #endif
 }
 

@@ -22,6 +22,7 @@
 #include "core/gather_qmm_problem.h"
 #include "expertqmm/diagnostics.h"
 #include "expertqmm/error.h"
+#include "support/graph_capture.h"
 #include "support/reference.h"
 #include "support/test_util.h"
 
@@ -278,10 +279,7 @@ TEST(GpuMoeDecode, CapturedInACudaGraphAsThreeKernels) {
   DecodeSwitchGuard on(RouteSwitch::on);
   const Geometry g{2816, 704, 16, 8, 4, 64, 8, false, Activation::geglu, DType::bf16};
   const Layer l = make_layer(g);
-  cudaStream_t stream = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  void* saved_stream = cuda_stream();
-  set_cuda_stream(stream);
+  const test::CaptureStream stream;
   Workspace ws;
   for (int64_t T : {8, 1, 3}) {
     const std::string what = detail::cat("T=", T);
@@ -291,42 +289,11 @@ TEST(GpuMoeDecode, CapturedInACudaGraphAsThreeKernels) {
     cuda_check();
     const size_t held = ws.bytes_held();
     Tensor replayed = Tensor::empty({T, g.H}, g.dtype, Device::cuda);
-    cudaGraph_t graph = nullptr;
-    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess) << what;
-    std::string capture_error;
-    try {
-      moe_layer_into(replayed, h, x, l.gpu, ws);
-    } catch (const std::exception& e) {
-      capture_error = e.what();
-    }
-    const cudaError_t end = cudaStreamEndCapture(stream, &graph);
-    ASSERT_TRUE(capture_error.empty()) << what << ": moe_layer_into failed under capture: " << capture_error;
-    ASSERT_EQ(end, cudaSuccess) << what << ": " << cudaGetErrorString(end);
+    cudaGraph_t graph = test::capture_graph(stream.get(), [&] { moe_layer_into(replayed, h, x, l.gpu, ws); }, what);
+    ASSERT_NE(graph, nullptr) << what;
     EXPECT_EQ(ws.bytes_held(), held) << what << ": the workspace grew during the captured call";
-    size_t nodes = 0;
-    ASSERT_EQ(cudaGraphGetNodes(graph, nullptr, &nodes), cudaSuccess);
-    std::vector<cudaGraphNode_t> all(nodes);
-    ASSERT_EQ(cudaGraphGetNodes(graph, all.data(), &nodes), cudaSuccess);
-    int kernels = 0;
-    for (cudaGraphNode_t node : all) {
-      cudaGraphNodeType type;
-      ASSERT_EQ(cudaGraphNodeGetType(node, &type), cudaSuccess);
-      kernels += type == cudaGraphNodeTypeKernel;
-    }
-    EXPECT_EQ(kernels, 3) << what << ": the decode layer should be three kernels (" << nodes << " nodes)";
-    cudaGraphExec_t exec = nullptr;
-    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess) << what;
-    for (int replay = 0; replay < 3; ++replay) {
-      test::poison(replayed);  // the replay, not the capture, must write every element
-      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess) << what;
-      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess) << what;
-      EXPECT_EQ(replayed.to_host_bytes(), expected.to_host_bytes()) << what << " replay " << replay;
-    }
-    cuda_check();
-    EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
-    EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+    EXPECT_EQ(test::kernel_nodes(graph), 3) << what << ": the decode layer should be three kernels";
+    test::expect_replays_match(graph, stream.get(), replayed, expected, 3, what);
   }
-  set_cuda_stream(saved_stream);
-  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 #endif
 }

@@ -17,6 +17,7 @@
 #include "core/gather_qmm_problem.h"
 #include "expertqmm/backend.h"
 #include "expertqmm/error.h"
+#include "support/graph_capture.h"
 #include "support/reference.h"
 #include "support/test_util.h"
 
@@ -291,10 +292,7 @@ TEST(GpuMoe, MoeLayerIntoCapturedInACudaGraphReplaysTheSameOutput) {
   const SwitchGLUWeights w_cpu = make_experts(E, false, Activation::geglu, Device::cpu);
   MoeWeights moe = device_moe(w_cpu, E, k);
 
-  cudaStream_t stream = nullptr;
-  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  void* saved_stream = cuda_stream();
-  set_cuda_stream(stream);
+  const test::CaptureStream stream;
   Workspace ws;
   // Warm up at the largest size; then the smaller (unsorted) size must not grow the workspace.
   for (int64_t T : {64, 5}) {
@@ -308,39 +306,16 @@ TEST(GpuMoe, MoeLayerIntoCapturedInACudaGraphReplaysTheSameOutput) {
     ASSERT_GT(held, 0u) << what;
 
     Tensor replayed = Tensor::empty({T, kD}, DType::bf16, Device::cuda);
-    test::poison(replayed);
-    cudaGraph_t graph = nullptr;
-    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess) << what;
-    std::string capture_error;
-    try {
-      moe_layer_into(replayed, h, x, moe, ws);
-    } catch (const std::exception& e) {
-      capture_error = e.what();
-    }
-    const cudaError_t end = cudaStreamEndCapture(stream, &graph);
-    ASSERT_TRUE(capture_error.empty()) << what << ": moe_layer_into failed under capture: " << capture_error;
-    ASSERT_EQ(end, cudaSuccess) << what << ": " << cudaGetErrorString(end);
+    cudaGraph_t graph = test::capture_graph(stream.get(), [&] { moe_layer_into(replayed, h, x, moe, ws); }, what);
+    ASSERT_NE(graph, nullptr) << what;
     EXPECT_EQ(ws.bytes_held(), held) << what << ": the workspace grew during the captured call";
-
-    cudaGraphExec_t exec = nullptr;
-    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess) << what;
     size_t nodes = 0;
     ASSERT_EQ(cudaGraphGetNodes(graph, nullptr, &nodes), cudaSuccess);
     // T=5 (T*k = 40) is served by the three-kernel decode layer (moe_decode.cu), T=64 by the
     // general path.
     EXPECT_GE(nodes, 3u) << what << ": the graph should hold the whole layer";
-    for (int replay = 0; replay < 2; ++replay) {
-      test::poison(replayed);  // the replay, not the capture, must write every element
-      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess) << what;
-      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess) << what;
-      EXPECT_EQ(replayed.to_host_bytes(), expected.to_host_bytes()) << what << " replay " << replay;
-    }
-    cuda_check();
-    EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
-    EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+    test::expect_replays_match(graph, stream.get(), replayed, expected, 2, what);
   }
-  set_cuda_stream(saved_stream);
-  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 #endif
 }
 

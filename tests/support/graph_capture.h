@@ -1,0 +1,41 @@
+// Capturing one library call into a CUDA graph and replaying it: the GPU tests that check a path is
+// graph-safe (no allocation, no host sync under capture, the replay writes every output element).
+#pragma once
+#ifdef EXPERTQMM_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include <functional>
+#include <string>
+
+#include "expertqmm/tensor.h"
+
+namespace expertqmm::test {
+
+// A new non-blocking stream, the library's current stream while the object lives.
+class CaptureStream {
+ public:
+  CaptureStream();
+  ~CaptureStream();
+  CaptureStream(const CaptureStream&) = delete;
+  CaptureStream& operator=(const CaptureStream&) = delete;
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+  void* saved_ = nullptr;
+};
+
+// Captures call() on `stream` (global capture mode) into a new graph. A throw or a capture error is a
+// test failure (naming `what`) and gives nullptr.
+cudaGraph_t capture_graph(cudaStream_t stream, const std::function<void()>& call, const std::string& what);
+
+// Kernel nodes of `graph`.
+int kernel_nodes(cudaGraph_t graph);
+
+// Instantiates `graph`, replays it `replays` times, each into a freshly poisoned `replayed`, and
+// expects the bytes of `expected` each time; then destroys the graph.
+void expect_replays_match(cudaGraph_t graph, cudaStream_t stream, Tensor& replayed, const Tensor& expected,
+                          int replays, const std::string& what);
+
+}  // namespace expertqmm::test
+#endif
