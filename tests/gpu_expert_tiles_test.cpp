@@ -244,18 +244,36 @@ TEST(GpuExpertTiles, MmaSyncAndWgmmaKernelsMatchOnEdgeShapesSmall) {
         EXPECT_EQ(fits, hopper) << what;
         if (!fits) continue;
         // Each build of the wgmma kernel (widest wgmma n32, n64, n128; taller tiles in pieces),
-        // then the automatic choice.
-        for (const char* width : {"32", "64", "128", ""}) {
-          ASSERT_EQ(setenv("EXPERTQMM_WGMMA_WIDTH", width, 1), 0);
+        // then the automatic choice (unset).
+        for (const char* width : {"32", "64", "128", "auto"}) {
+          if (std::string(width) == "auto") ASSERT_EQ(unsetenv("EXPERTQMM_WGMMA_WIDTH"), 0);
+          else ASSERT_EQ(setenv("EXPERTQMM_WGMMA_WIDTH", width, 1), 0);
           const std::vector<float> wg = run(c, "expert_tiles_wgmma");
-          const std::string with = what + " width '" + width + "'";
+          const std::string with = what + " width " + width;
           EXPECT_LE(sampled_error(c, wg, 8), 1e-2) << with;
           EXPECT_LE(test::rel_error(wg, simt), 1e-2) << with;
           EXPECT_LE(test::rel_error(wg, mma), 1e-2) << with;
         }
-        ASSERT_EQ(unsetenv("EXPERTQMM_WGMMA_WIDTH"), 0);
       }
   }
+}
+
+// EXPERTQMM_WGMMA_WIDTH other than 32, 64 or 128 (empty included) is an Error that names it.
+TEST(GpuExpertTiles, BadWgmmaWidthIsAnErrorSmall) {
+  EXPERTQMM_REQUIRE_GPU();
+  const RowsCase c = make_rows_case(random_codes_weight(8, 128, 256, 4, 64), sorted_ids(128, 8));
+  if (!cuda::supports_expert_tiles_wgmma(c.problem()).ok) return;  // no sm_90a kernels: nothing reads the variable
+  for (const char* bad : {"48", "", "n64"}) {
+    ASSERT_EQ(setenv("EXPERTQMM_WGMMA_WIDTH", bad, 1), 0);
+    try {
+      (void)run(c, "expert_tiles_wgmma");
+      ADD_FAILURE() << "no error for EXPERTQMM_WGMMA_WIDTH='" << bad << "'";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("EXPERTQMM_WGMMA_WIDTH"), std::string::npos) << e.what();
+    }
+  }
+  ASSERT_EQ(unsetenv("EXPERTQMM_WGMMA_WIDTH"), 0);
+  EXPECT_LE(test::rel_error(run(c, "expert_tiles_wgmma"), run(c, "simt")), 1e-2);
 }
 
 // Every field changed alone sends the call to the generic routes with the named fallback class,

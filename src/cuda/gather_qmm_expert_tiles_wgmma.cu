@@ -458,11 +458,12 @@ struct WidthChoice {
 };
 constexpr WidthChoice kWidths[] = {{16, 32}, {32, 64}, {INT64_MAX / 1024, 128}};
 
-// EXPERTQMM_WGMMA_WIDTH=32|64|128 forces one build (benchmarks and tests of each); unset: kWidths.
+// EXPERTQMM_WGMMA_WIDTH=32|64|128 forces one build (benchmarks and tests of each); unset: kWidths;
+// any other value (including empty) is an Error naming the variable, as for the route switches.
 // Read at every launch (cheap next to one), so a test can pin each build in turn.
 int forced_width() {
   const char* v = std::getenv("EXPERTQMM_WGMMA_WIDTH");
-  if (v == nullptr || *v == '\0') return 0;
+  if (v == nullptr) return 0;
   const std::string s(v);
   if (s == "32" || s == "64" || s == "128") return std::stoi(s);
   throw Error("gather_qmm", detail::cat("EXPERTQMM_WGMMA_WIDTH must be 32, 64 or 128, not '", s, "'"));
