@@ -168,6 +168,30 @@ TEST(CpuRouter, QuantizedProjEqualsDenseProjOnTheSameWeights) {
   EXPECT_EQ(c.weights.dtype(), DType::bf16);
 }
 
+// The GPU tests' near-tie judge (test::cpu_router_logits) recomputes the CPU router's logits:
+// its per-token top-k (best first, ties to the lower id) is the CPU route's, dense and quantized.
+TEST(CpuRouter, ReferenceLogitsGiveTheRoutersTopK) {
+  const int64_t T = 7, H = 128, E = 16;
+  const int k = 4;
+  RouterWeights dense = dense_router(E, H, k);
+  RouterWeights quant = dense;
+  quant.proj_dense = Tensor();
+  quant.proj = test::random_quantized({E, H}, 8, 64);
+  const Tensor h = test::random_tensor({T, H}, DType::f32);
+  for (const RouterWeights* r : {&dense, &quant}) {
+    const std::vector<float> logits = test::cpu_router_logits(h, *r);
+    ASSERT_EQ(logits.size(), static_cast<size_t>(T * E));
+    const std::vector<int32_t> got = test::to_i32(route(h, *r).indices);
+    for (int64_t t = 0; t < T; ++t) {
+      std::vector<int32_t> order(E);
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(),
+                       [&](int32_t a, int32_t b) { return logits[t * E + a] > logits[t * E + b]; });
+      for (int j = 0; j < k; ++j) EXPECT_EQ(got[t * k + j], order[j]) << "token " << t << " slot " << j;
+    }
+  }
+}
+
 TEST(CpuCombine, HandWeightedSum) {
   // y [T=1, k=3, D=2], weights [1, 3]: out = 0.5*[1,2] + 2*[3,4] - 1*[5,6] = [1.5, 3].
   const Tensor y = test::from_float({1, 2, 3, 4, 5, 6}, {1, 3, 2}, DType::f32);

@@ -105,32 +105,6 @@ Layer make_layer(const Geometry& g) {
   return l;
 }
 
-// The router logits from the CPU's documented formula (as gpu_ops_test.cpp), only to judge near-ties.
-std::vector<float> cpu_logits(const Tensor& h, const RouterWeights& r) {
-  const int64_t T = h.size(0), H = h.size(1);
-  const std::vector<float> x = test::to_float(h), scale = test::to_float(r.scale);
-  const float root_size = 1.0f / std::sqrt(static_cast<float>(H));
-  std::vector<float> normed(x.size());
-  for (int64_t t = 0; t < T; ++t) {
-    float sum_sq = 0.f;
-    for (int64_t i = 0; i < H; ++i) sum_sq += x[t * H + i] * x[t * H + i];
-    const float inv_rms = 1.0f / std::sqrt(sum_sq / static_cast<float>(H) + r.eps);
-    for (int64_t i = 0; i < H; ++i) normed[t * H + i] = x[t * H + i] * inv_rms * (scale[i] * root_size);
-  }
-  const Tensor rn = test::from_float(normed, {T, H}, h.dtype());
-  if (r.proj.defined()) return test::to_float(gather_qmm(rn, r.proj, Tensor(), Tensor()));
-  const std::vector<float> p = test::to_float(r.proj_dense);
-  const int64_t E = r.proj_dense.size(0);
-  std::vector<float> logits;
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t e = 0; e < E; ++e) {
-      double acc = 0;
-      for (int64_t i = 0; i < H; ++i) acc += double(normed[t * H + i]) * p[e * H + i];
-      logits.push_back(static_cast<float>(acc));
-    }
-  return logits;
-}
-
 // True when token t's k-th and (k+1)-th logits are within 1/64 (relative) of each other.
 bool near_tie(const std::vector<float>& logits, int64_t t, int64_t E, int k) {
   if (k >= E) return false;
@@ -204,7 +178,7 @@ void check_geometry(const Geometry& g, const std::vector<int64_t>& tokens) {
     for (int64_t t = 0; t < T; ++t) {
       const double e_ref = row_error(got, ref, t, g.H), e_old = row_error(got, general, t, g.H);
       if (e_ref > row_tol || e_old > row_tol) {
-        if (logits.empty()) logits = cpu_logits(h, l.cpu.router);
+        if (logits.empty()) logits = test::cpu_router_logits(h, l.cpu.router);
         EXPECT_TRUE(near_tie(logits, t, g.E, g.k))
             << what << ": token " << t << " error " << e_ref << " vs the reference, " << e_old
             << " vs the general path, without a router near-tie " << test::seed_note();

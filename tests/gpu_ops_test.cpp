@@ -358,32 +358,6 @@ RouterWeights router_to(const RouterWeights& r, Device device) {
   return d;
 }
 
-// The CPU router's logits, recomputed from its documented formula (src/cpu/router.cpp) with the
-// public CPU ops: used only to judge whether a disagreement sits on a near-tie.
-std::vector<float> cpu_logits(const Tensor& h, const RouterWeights& r) {
-  const int64_t T = h.size(0), H = h.size(1);
-  const std::vector<float> x = test::to_float(h), scale = test::to_float(r.scale);
-  const float root_size = 1.0f / std::sqrt(static_cast<float>(H));
-  std::vector<float> normed(x.size());
-  for (int64_t t = 0; t < T; ++t) {
-    float sum_sq = 0.f;
-    for (int64_t i = 0; i < H; ++i) sum_sq += x[t * H + i] * x[t * H + i];
-    const float inv_rms = 1.0f / std::sqrt(sum_sq / static_cast<float>(H) + r.eps);
-    for (int64_t i = 0; i < H; ++i) normed[t * H + i] = x[t * H + i] * inv_rms * (scale[i] * root_size);
-  }
-  const Tensor rn = test::from_float(normed, {T, H}, h.dtype());
-  if (r.proj.defined()) return test::to_float(gather_qmm(rn, r.proj, Tensor(), Tensor()));
-  std::vector<float> p = test::to_float(r.proj_dense), logits;
-  const int64_t E = r.proj_dense.size(0);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t e = 0; e < E; ++e) {
-      double acc = 0;
-      for (int64_t i = 0; i < H; ++i) acc += double(normed[t * H + i]) * p[e * H + i];
-      logits.push_back(static_cast<float>(acc));
-    }
-  return logits;
-}
-
 // GPU routing vs CPU routing. exact_sets: every token must pick the same experts; otherwise a
 // token may differ only where the GPU's pick is within `tie_tol` (relative) of the CPU's k-th
 // logit. Weights are compared per expert on tokens whose sets agree.
@@ -423,7 +397,7 @@ void expect_routing_match(const Tensor& h, const RouterWeights& r, bool exact_se
     }
     ++differing;
     ASSERT_FALSE(exact_sets) << what << ": token " << t << " picked different experts " << test::seed_note();
-    if (logits.empty()) logits = cpu_logits(h, r);
+    if (logits.empty()) logits = test::cpu_router_logits(h, r);
     std::vector<float> row(logits.begin() + t * E, logits.begin() + (t + 1) * E);
     std::vector<float> sorted_row = row;
     std::sort(sorted_row.begin(), sorted_row.end(), std::greater<float>());

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "core/gather_qmm_problem.h"
+#include "expertqmm/ops.h"
 #include "support/test_util.h"
 
 namespace expertqmm::test {
@@ -90,6 +91,30 @@ std::vector<double> reference_switch_glu_combine(const std::vector<float>& x, in
       }
     }
   return out;
+}
+
+std::vector<float> cpu_router_logits(const Tensor& h, const RouterWeights& r) {
+  const int64_t T = h.size(0), H = h.size(1);
+  const std::vector<float> x = test::to_float(h), scale = test::to_float(r.scale);
+  const float root_size = 1.0f / std::sqrt(static_cast<float>(H));
+  std::vector<float> normed(x.size());
+  for (int64_t t = 0; t < T; ++t) {
+    float sum_sq = 0.f;
+    for (int64_t i = 0; i < H; ++i) sum_sq += x[t * H + i] * x[t * H + i];
+    const float inv_rms = 1.0f / std::sqrt(sum_sq / static_cast<float>(H) + r.eps);
+    for (int64_t i = 0; i < H; ++i) normed[t * H + i] = x[t * H + i] * inv_rms * (scale[i] * root_size);
+  }
+  const Tensor rn = test::from_float(normed, {T, H}, h.dtype());
+  if (r.proj.defined()) return test::to_float(gather_qmm(rn, r.proj, Tensor(), Tensor()));
+  std::vector<float> p = test::to_float(r.proj_dense), logits;
+  const int64_t E = r.proj_dense.size(0);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t e = 0; e < E; ++e) {
+      double acc = 0;
+      for (int64_t i = 0; i < H; ++i) acc += double(normed[t * H + i]) * p[e * H + i];
+      logits.push_back(static_cast<float>(acc));
+    }
+  return logits;
 }
 
 }  // namespace expertqmm::test
