@@ -301,6 +301,35 @@ TEST(GpuGatherQmm, SeveralRowsPerBatchElement) {
   expect_routes_match_reference(batched_case(q, DType::bf16, 3, 40, {2, 0, 1, 1}, {4, 4, 0, 7}), kManyRowRoutes);
 }
 
+// Few columns, many rows, long K (the router's projection: N = 128, K = 2816): the selector's BM=16
+// tiles split K into fp32 slices summed by a second kernel. Every case must take the split (checked)
+// and match the reference and the unsplit BM=16 route; slices of unequal k-tile counts (K = 576: 9
+// tiles in 2 slices), N off the 128-column grid, rows off the 16-row grid, unsorted ids (several
+// expert runs per tile), 4 and 8 bits, group sizes 32 / 64 / 128, bf16 and f16.
+TEST(GpuGatherQmm, SplitKOnFewColumnsManyRowsSmall) {
+  EXPERTQMM_REQUIRE_GPU();
+  struct Shape {
+    int64_t E, N, K;
+    int bits, group_size;
+    DType dtype;
+    int64_t rows;
+    bool sorted;
+  };
+  const Shape shapes[] = {{4, 128, 2816, 8, 64, DType::bf16, 300, false}, {4, 100, 576, 4, 32, DType::f16, 130, true},
+                          {3, 128, 768, 4, 128, DType::bf16, 77, false}, {5, 36, 1024, 8, 64, DType::bf16, 200, true}};
+  for (const Shape& sh : shapes) {
+    const QuantizedWeight q = make_weight(sh.E, sh.N, sh.K, sh.bits, sh.group_size, sh.dtype);
+    const Case c = rows_case(q, sh.dtype, random_ids(sh.rows, sh.E, sh.sorted), sh.sorted);
+    ASSERT_GT(cuda::rhs_tiles_split_slices(c.problem()), 1) << describe(c, "rhs_tiles");
+    expect_routes_match_reference(c, {"rhs_tiles", "rhs_tiles_bm16"});
+  }
+  // The router's own form: one weight matrix, x [1, T, K] as M = T rows of one batch element.
+  const QuantizedWeight router = make_weight(1, 128, 2816, 8, 64, DType::bf16);
+  const Case r = batched_case(router, DType::bf16, 1, 300, {0}, {0});
+  ASSERT_GT(cuda::rhs_tiles_split_slices(r.problem()), 1) << describe(r, "rhs_tiles");
+  expect_routes_match_reference(r, {"rhs_tiles", "rhs_tiles_bm16"});
+}
+
 TEST(GpuGatherQmm, GemmaShapesGateUpAndDown) {
   EXPERTQMM_REQUIRE_GPU();
   // Gemma 4 26B-A4B: gate/up [E, 704, 2816] (fused gate_up: 1408), down [E, 2816, 704]; 4-bit gs64.

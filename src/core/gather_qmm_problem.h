@@ -32,6 +32,10 @@ struct GatherQmmProblem {
   // CUDA expert tile route: a plan already built for rhs on the current stream (one plan serves
   // every GEMM of an MoE layer; see cuda::build_expert_tile_plan); nullptr: the route builds one.
   const void* tile_plan = nullptr;
+  // CUDA rhs_tiles split-K: caller-owned scratch of at least cuda::gather_qmm_split_k_bytes(B * M,
+  // N, K) bytes for the fp32 slices (e.g. inside the router's arena, free while it runs); nullptr:
+  // the route takes workspace slot 1, or a temporary without a workspace.
+  void* split_k_scratch = nullptr;
 
   int64_t w_row_words() const { return (transpose ? K : N) * bits / 32; }  // uint32 per w row
   int64_t groups_per_row() const { return (transpose ? K : N) / group_size; }

@@ -19,6 +19,10 @@ detail::GatherQmmProblem single_matrix_problem(const void* x, int64_t T, int64_t
                                                const QuantizedWeight& q, const Tensor& scales = Tensor(),
                                                const Tensor& biases = Tensor());
 
+// Bytes of fp32 slices the rhs_tiles route's split-K takes for a problem of `rows` (B * M) rows, N
+// columns and K (0 when it would not split); see GatherQmmProblem::split_k_scratch.
+size_t gather_qmm_split_k_bytes(int64_t rows, int64_t N, int64_t K);
+
 // Test hooks. The selector's route names in order; the route it picks for p; and a run of one
 // named route instead of the selector: a selector route, or "rhs_tiles_bm16" / "rhs_tiles_bm32"
 // (rhs_tiles with its tile height pinned). Throws Error when the route does not support p.

@@ -22,28 +22,72 @@ using device::TileLayout;
 // reads the tile's BM expert ids (rhs[r / M]) into shared memory, splits them into maximal runs of
 // equal ids and, for each run, runs tile_gemm over all BM rows with that expert's weights, storing
 // only the run's rows. Sorted ids give one run per tile; any order stays correct, only slower.
-template <class Cfg, class T, int kBits>
-__global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS_PER_SM) rhs_tiles_kernel(TileArgs a, int64_t row_tiles) {
+// kSplitK: grid z = split_k.slices, CTA (x, y, z) does the same over the z-th slice of the k
+// tiles and writes fp32 sums to split_k.partial (slices, rows, N); split_k_sum_kernel finishes.
+template <class Cfg, class T, int kBits, bool kSplitK>
+__global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS_PER_SM)
+    rhs_tiles_kernel(TileArgs a, int64_t row_tiles, device::SplitK split_k) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int tile_expert[Cfg::BM];  // (BM,) expert id of each local row
   for (int64_t tile = blockIdx.y; tile < row_tiles; tile += gridDim.y)
-    device::tile_gemm_runs<Cfg, T, kBits>(a, tile, blockIdx.x, smem, tile_expert);
+    device::tile_gemm_runs<Cfg, T, kBits, kSplitK>(a, tile, blockIdx.x, smem, tile_expert, split_k);
 }
 
-template <class Cfg, class T, int kBits>
-void launch_rhs_tiles(const TileArgs& args) {
+// out[i] = T(partial[0][i] + partial[1][i] + ...), the slices added in order (the same bits every
+// run). partial (splits, count) fp32, out (count,) T. Work split: 4 consecutive values per thread,
+// grid-stride; count % 4 == 0 and 16-byte aligned slices (checked by the caller).
+template <class T>
+__global__ void split_k_sum_kernel(const float* __restrict__ partial, int splits, int64_t count, T* __restrict__ out) {
+  const int64_t count4 = count / 4;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count4;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float4 sum = reinterpret_cast<const float4*>(partial)[i];
+    for (int z = 1; z < splits; ++z) {
+      const float4 v = reinterpret_cast<const float4*>(partial + z * count)[i];
+      sum.x = __fadd_rn(sum.x, v.x);
+      sum.y = __fadd_rn(sum.y, v.y);
+      sum.z = __fadd_rn(sum.z, v.z);
+      sum.w = __fadd_rn(sum.w, v.w);
+    }
+    T* o = out + 4 * i;
+    o[0] = device::Elem<T>::from_float(sum.x);
+    o[1] = device::Elem<T>::from_float(sum.y);
+    o[2] = device::Elem<T>::from_float(sum.z);
+    o[3] = device::Elem<T>::from_float(sum.w);
+  }
+}
+
+template <class Cfg, class T, int kBits, bool kSplitK>
+void launch_rhs_tiles_kernel(const TileArgs& args, device::SplitK split_k) {
   constexpr int kSmem = TileLayout<Cfg, kBits>::kSmemBytes;
   static const bool smem_configured = [] {
     if (kSmem > 48 * 1024)
-      EXPERTQMM_CUDA_CHECK(cudaFuncSetAttribute(rhs_tiles_kernel<Cfg, T, kBits>,
+      EXPERTQMM_CUDA_CHECK(cudaFuncSetAttribute(rhs_tiles_kernel<Cfg, T, kBits, kSplitK>,
                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
     return true;
   }();
   (void)smem_configured;
   const int64_t row_tiles = (args.rows + Cfg::BM - 1) / Cfg::BM;
-  const dim3 grid(ceil_div(args.N, Cfg::BN), static_cast<unsigned>(std::min<int64_t>(row_tiles, 65535)));
-  rhs_tiles_kernel<Cfg, T, kBits><<<grid, Cfg::THREADS, kSmem, current_stream()>>>(args, row_tiles);
+  const dim3 grid(ceil_div(args.N, Cfg::BN), static_cast<unsigned>(std::min<int64_t>(row_tiles, 65535)),
+                  static_cast<unsigned>(split_k.slices));
+  rhs_tiles_kernel<Cfg, T, kBits, kSplitK><<<grid, Cfg::THREADS, kSmem, current_stream()>>>(args, row_tiles, split_k);
   EXPERTQMM_CUDA_CHECK_LAUNCH("rhs_tiles_kernel");
+}
+
+template <class Cfg, class T, int kBits>
+void launch_rhs_tiles(const TileArgs& args) {
+  launch_rhs_tiles_kernel<Cfg, T, kBits, false>(args, device::SplitK{nullptr, 1});
+}
+
+// split_k.slices >= 2 fp32 slices of (rows, N) at split_k.partial; args.out receives the rounded sums.
+template <class Cfg, class T, int kBits>
+void launch_rhs_tiles_split_k(const TileArgs& args, device::SplitK split_k) {
+  launch_rhs_tiles_kernel<Cfg, T, kBits, true>(args, split_k);
+  const int64_t count = args.rows * args.N;
+  const int64_t blocks = std::min<int64_t>((count / 4 + 255) / 256, 4096);
+  split_k_sum_kernel<T><<<static_cast<unsigned>(blocks), 256, 0, current_stream()>>>(split_k.partial, split_k.slices,
+                                                                                     count, static_cast<T*>(args.out));
+  EXPERTQMM_CUDA_CHECK_LAUNCH("split_k_sum_kernel");
 }
 
 // Register caps (the 5th parameter, CTAs per SM for __launch_bounds__) chosen from ptxas -v: BM=16
@@ -69,26 +113,57 @@ struct RhsTilesVariant {
   DType dtype;
   int bits;
   void (*launch)(const TileArgs&);
+  void (*launch_split_k)(const TileArgs&, device::SplitK);  // BM=16 only: the split-K form (see kSplitK)
 };
 const RhsTilesVariant kRhsTilesVariants[] = {
-    {64, 64, DType::bf16, 4, launch_rhs_tiles<RhsTiles64, __nv_bfloat16, 4>},
-    {64, 64, DType::bf16, 8, launch_rhs_tiles<RhsTiles64, __nv_bfloat16, 8>},
-    {64, 64, DType::f16, 4, launch_rhs_tiles<RhsTiles64, __half, 4>},
-    {64, 64, DType::f16, 8, launch_rhs_tiles<RhsTiles64, __half, 8>},
-    {32, 32, DType::bf16, 4, launch_rhs_tiles<RhsTiles32, __nv_bfloat16, 4>},
-    {32, 32, DType::bf16, 8, launch_rhs_tiles<RhsTiles32, __nv_bfloat16, 8>},
-    {32, 32, DType::f16, 4, launch_rhs_tiles<RhsTiles32, __half, 4>},
-    {32, 32, DType::f16, 8, launch_rhs_tiles<RhsTiles32, __half, 8>},
-    {16, 1, DType::bf16, 4, launch_rhs_tiles<RhsTiles16, __nv_bfloat16, 4>},
-    {16, 1, DType::bf16, 8, launch_rhs_tiles<RhsTiles16, __nv_bfloat16, 8>},
-    {16, 1, DType::f16, 4, launch_rhs_tiles<RhsTiles16, __half, 4>},
-    {16, 1, DType::f16, 8, launch_rhs_tiles<RhsTiles16, __half, 8>},
+    {64, 64, DType::bf16, 4, launch_rhs_tiles<RhsTiles64, __nv_bfloat16, 4>, nullptr},
+    {64, 64, DType::bf16, 8, launch_rhs_tiles<RhsTiles64, __nv_bfloat16, 8>, nullptr},
+    {64, 64, DType::f16, 4, launch_rhs_tiles<RhsTiles64, __half, 4>, nullptr},
+    {64, 64, DType::f16, 8, launch_rhs_tiles<RhsTiles64, __half, 8>, nullptr},
+    {32, 32, DType::bf16, 4, launch_rhs_tiles<RhsTiles32, __nv_bfloat16, 4>, nullptr},
+    {32, 32, DType::bf16, 8, launch_rhs_tiles<RhsTiles32, __nv_bfloat16, 8>, nullptr},
+    {32, 32, DType::f16, 4, launch_rhs_tiles<RhsTiles32, __half, 4>, nullptr},
+    {32, 32, DType::f16, 8, launch_rhs_tiles<RhsTiles32, __half, 8>, nullptr},
+    {16, 1, DType::bf16, 4, launch_rhs_tiles<RhsTiles16, __nv_bfloat16, 4>, launch_rhs_tiles_split_k<RhsTiles16, __nv_bfloat16, 4>},
+    {16, 1, DType::bf16, 8, launch_rhs_tiles<RhsTiles16, __nv_bfloat16, 8>, launch_rhs_tiles_split_k<RhsTiles16, __nv_bfloat16, 8>},
+    {16, 1, DType::f16, 4, launch_rhs_tiles<RhsTiles16, __half, 4>, launch_rhs_tiles_split_k<RhsTiles16, __half, 4>},
+    {16, 1, DType::f16, 8, launch_rhs_tiles<RhsTiles16, __half, 8>, launch_rhs_tiles_split_k<RhsTiles16, __half, 8>},
 };
+
+// Split-K of the BM=16 tiles when their grid is too small for the GPU (a few-column problem with
+// many rows, such as the router's projection: N = 128, K = 2816, T rows: T / 16 CTAs, each a chain
+// of 44 k tiles at ~0.6 us per tile, 27 us at T = 512 and 2048; bench/NOTES.md step 7c), as data:
+// slices to reach kSplitCtasPerSm CTAs per SM, each at least kSplitMinKTiles k tiles, at most
+// kSplitMaxSlices, and the fp32 slices at most kSplitMaxBytes of workspace.
+constexpr int64_t kSplitCtasPerSm = 4;  // RhsTiles16's residency (MIN_CTAS_PER_SM)
+constexpr int64_t kSplitMinKTiles = 4;
+constexpr int64_t kSplitMaxSlices = 16;
+constexpr int64_t kSplitMaxBytes = int64_t{4} << 20;
+
+}  // namespace
+
+int64_t rhs_tiles_split_slices(int64_t rows, int64_t N, int64_t K) {
+  const int64_t ctas = std::max<int64_t>(1, (rows + 15) / 16 * ((N + 127) / 128));  // BM=16 tiles x 128-column blocks
+  const int64_t want = (kSplitCtasPerSm * device_sm_count() + ctas - 1) / ctas;
+  const int64_t by_bytes = kSplitMaxBytes / std::max<int64_t>(1, rows * N * 4);
+  const int64_t slices = std::min({want, K / 64 / kSplitMinKTiles, kSplitMaxSlices, by_bytes});
+  const bool aligned = N % 4 == 0;  // split_k_sum_kernel's float4 slices
+  return aligned && slices >= 2 ? slices : 1;
+}
+
+size_t gather_qmm_split_k_bytes(int64_t rows, int64_t N, int64_t K) {
+  const int64_t slices = rhs_tiles_split_slices(rows, N, K);
+  return slices > 1 ? static_cast<size_t>(slices * rows * N) * sizeof(float) : 0;
+}
+
+namespace {
 
 // bm == 0: the table's choice for p.M, except that a taller tile whose grid would leave SMs idle
 // gives way to a shorter one (a few-column problem such as the router's projection: N = 128, so
-// BM=64 gives T / 64 CTAs, each over the whole K); else the variant with that tile height.
-void run_rhs_tiles(const detail::GatherQmmProblem& p, void* out, int bm) {
+// BM=64 gives T / 64 CTAs, each over the whole K), and BM=16 splits K when even its grid is small
+// (rhs_tiles_split_slices; fp32 slices in p.split_k_scratch, else ws slot kRhsTilesSplitSlot, else a
+// temporary); else the variant with that tile height, unsplit.
+void run_rhs_tiles(const detail::GatherQmmProblem& p, void* out, int bm, Workspace* ws) {
   const RouteSupport s = supports_rhs_tiles(p);
   EXPERTQMM_CHECK(s.ok, "gather_qmm", "rhs_tiles does not support ", p.describe(), " (",
                   fallback_name(s.reason), ")");
@@ -98,7 +173,24 @@ void run_rhs_tiles(const detail::GatherQmmProblem& p, void* out, int bm) {
     if (bm == 0 ? p.M < v.min_m : v.bm != bm) continue;
     const int64_t ctas = (p.B * p.M + v.bm - 1) / v.bm * col_blocks;
     if (bm == 0 && v.bm > 16 && ctas < device_sm_count()) continue;
-    v.launch(make_tile_args(p, out));
+    const TileArgs args = make_tile_args(p, out);
+    const int64_t slices = bm == 0 && v.launch_split_k ? rhs_tiles_split_slices(p) : 1;
+    if (slices > 1) {
+      const size_t bytes = static_cast<size_t>(slices * p.B * p.M * p.N) * sizeof(float);
+      Tensor temp;
+      float* partial = static_cast<float*>(p.split_k_scratch);
+      if (partial) {
+        // the caller's scratch (sized by gather_qmm_split_k_bytes)
+      } else if (ws) {
+        partial = static_cast<float*>(ws->get(kRhsTilesSplitSlot, bytes));
+      } else {
+        temp = Tensor::empty({static_cast<int64_t>(bytes / sizeof(float))}, DType::f32, Device::cuda);
+        partial = temp.data_as<float>();
+      }
+      v.launch_split_k(args, device::SplitK{partial, static_cast<int>(slices)});
+      return;
+    }
+    v.launch(args);
     return;
   }
   throw Error("gather_qmm", detail::cat("rhs_tiles has no kernel for dtype=", dtype_name(p.dtype),
@@ -149,9 +241,9 @@ TileArgs make_tile_args(const detail::GatherQmmProblem& p, void* out) {
 
 RouteSupport supports_rhs_tiles(const detail::GatherQmmProblem& p) { return supports_tile_operands(p); }
 
-void call_rhs_tiles(const detail::GatherQmmProblem& p, void* out, Workspace*) { run_rhs_tiles(p, out, 0); }
-void call_rhs_tiles_bm16(const detail::GatherQmmProblem& p, void* out, Workspace*) { run_rhs_tiles(p, out, 16); }
-void call_rhs_tiles_bm32(const detail::GatherQmmProblem& p, void* out, Workspace*) { run_rhs_tiles(p, out, 32); }
-void call_rhs_tiles_bm64(const detail::GatherQmmProblem& p, void* out, Workspace*) { run_rhs_tiles(p, out, 64); }
+void call_rhs_tiles(const detail::GatherQmmProblem& p, void* out, Workspace* ws) { run_rhs_tiles(p, out, 0, ws); }
+void call_rhs_tiles_bm16(const detail::GatherQmmProblem& p, void* out, Workspace* ws) { run_rhs_tiles(p, out, 16, ws); }
+void call_rhs_tiles_bm32(const detail::GatherQmmProblem& p, void* out, Workspace* ws) { run_rhs_tiles(p, out, 32, ws); }
+void call_rhs_tiles_bm64(const detail::GatherQmmProblem& p, void* out, Workspace* ws) { run_rhs_tiles(p, out, 64, ws); }
 
 }  // namespace expertqmm::cuda

@@ -37,6 +37,8 @@ struct GatherQmmRoute {
 // plus one) go to qmv (Fallback::shape): at decode sizes most plan tiles would hold one row.
 // Workspace slot holding the plan (header + tiles); slots 14 and 15 belong to the MoE path.
 constexpr int kExpertTilesPlanSlot = 0;
+// Workspace slot holding rhs_tiles' split-K fp32 slices (at most 4 MB, see rhs_tiles_split_slices).
+constexpr int kRhsTilesSplitSlot = 1;
 // The predicate without the on/off setting (the selector applies that).
 RouteSupport supports_expert_tiles(const detail::GatherQmmProblem& p);
 void call_expert_tiles(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
@@ -65,6 +67,13 @@ RouteSupport supports_tile_operands(const detail::GatherQmmProblem& p);
 device::TileArgs make_tile_args(const detail::GatherQmmProblem& p, void* out);
 RouteSupport supports_rhs_tiles(const detail::GatherQmmProblem& p);
 void call_rhs_tiles(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
+// K slices of rhs_tiles' BM=16 tiles for p (1: unsplit), when the selector picks BM=16: enough
+// CTAs for the GPU (a few-column problem with many rows, e.g. the router's projection), at least
+// 4 k tiles per slice, at most 16 slices and 4 MB of fp32 slices, N % 4 == 0.
+int64_t rhs_tiles_split_slices(int64_t rows, int64_t N, int64_t K);
+inline int64_t rhs_tiles_split_slices(const detail::GatherQmmProblem& p) {
+  return rhs_tiles_split_slices(p.B * p.M, p.N, p.K);
+}
 // rhs_tiles with a pinned tile height (16, 32 or 64) instead of the table's choice; for tests.
 void call_rhs_tiles_bm16(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
 void call_rhs_tiles_bm32(const detail::GatherQmmProblem& p, void* out, Workspace* ws);

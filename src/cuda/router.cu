@@ -149,6 +149,10 @@ void route_into(const Tensor& h, const RouterWeights& router, int32_t* indices, 
   const size_t scales_off = cast_scales ? layout.reserve(static_cast<size_t>(proj_groups) * dtype_size(logit_dtype)) : 0;
   const size_t biases_off = cast_scales ? layout.reserve(static_cast<size_t>(proj_groups) * dtype_size(logit_dtype)) : 0;
   const size_t logits_off = layout.reserve(static_cast<size_t>(T * E) * dtype_size(logit_dtype));
+  // The projection's split-K slices (rhs_tiles at many tokens) live here too: the router's arena
+  // is reused later by the MoE layer's larger combine accumulator, so they cost no peak memory.
+  const size_t split_bytes = quantized ? gather_qmm_split_k_bytes(T, E, H) : 0;
+  const size_t split_off = split_bytes ? layout.reserve(split_bytes) : 0;
   void* base = ws.get(kRouterArenaSlot, layout.bytes());
   void* r = arena_at(base, r_off);
   void* logits = arena_at(base, logits_off);
@@ -185,7 +189,9 @@ void route_into(const Tensor& h, const RouterWeights& router, int32_t* indices, 
       scales = Tensor::view(s, q.scales.shape(), logit_dtype, Device::cuda);
       biases = Tensor::view(b, q.biases.shape(), logit_dtype, Device::cuda);
     }
-    gather_qmm_into(single_matrix_problem(r_in_logit_dtype, T, H, logit_dtype, q, scales, biases), logits, &ws);
+    detail::GatherQmmProblem p = single_matrix_problem(r_in_logit_dtype, T, H, logit_dtype, q, scales, biases);
+    if (split_bytes) p.split_k_scratch = arena_at(base, split_off);
+    gather_qmm_into(p, logits, &ws);
   } else {
     const Tensor proj = router.proj_dense.contiguous();
     dispatch_float(h_dtype, op, [&](auto rtag) {

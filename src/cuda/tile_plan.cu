@@ -8,59 +8,51 @@ namespace {
 using detail::ExpertTile;
 using detail::TilePlanHeader;
 
-constexpr int kPlanThreads = 128;
+constexpr int kPlanThreads = 1024;
 static_assert((kPlanThreads & (kPlanThreads - 1)) == 0, "the emit search assumes a power-of-two block");
 
-// First index in ids[0, n) whose id is >= value; ids are non-decreasing (checked before the call).
-__device__ __forceinline__ int32_t lower_bound_rows(const int32_t* __restrict__ ids, int64_t n, int64_t value) {
-  int64_t lo = 0, hi = n;
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (ids[mid] < value)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
-  return static_cast<int32_t>(lo);
-}
-
-// Tiles of an expert with `rows` rows: ceil(rows / 64), written so rows near 2^31 cannot overflow.
+// Tiles of an expert with `rows` rows: ceil(rows / kTileRowsFull), written so rows near 2^31 cannot overflow.
 __device__ __forceinline__ int32_t tiles_of(int32_t rows) {
   return rows / detail::kTileRowsFull + (rows % detail::kTileRowsFull != 0);
 }
 
 // Pointers and layout:
-//   ids    (n,) int32, the expert of each sorted row; read-only, checked before any search
-//   tiles  (max_tiles(n, E),) ExpertTile {expert, row_begin, rows <= 64, bm}; [0, tile_count) written
+//   ids    (n,) int32, the expert of each sorted row; read-only
+//   tiles  (max_tiles(n, E),) ExpertTile {expert, row_begin, rows <= 128, bm}; [0, tile_count) written
 //   header (1,) TilePlanHeader {tile_count, sorted, retract_reasons}, written last by thread 0
 //
-// Work split: ONE block of 128 threads does everything, so the verdict and the plan need no
-// inter-block sync and no host round trip. Phase 1: thread t checks rows t, t+128, ... for
-// ids[i] > ids[i+1] and ids outside [0, E); two block votes (__syncthreads_or) give the verdict, and
-// a retracted plan writes only the header. Phase 2 walks the experts in rounds of 128: in a round
-// thread t owns expert round_base + t, binary-searches its first row (lower_bound; its end is the
-// next expert's lower_bound, i.e. its upper_bound, searched by thread t+1 or by thread 0 for the
-// round's last expert), and counts ceil(rows/64) tiles (floor(rows/64) full ones and one tail). A Hillis-Steele inclusive scan over the 128
-// counts in shared memory (7 steps, ping-pong buffers) gives each expert its first tile slot in the
-// round; rounds are appended at a running base, so tiles come out ordered by expert, then row.
-// The threads then emit the round's tiles in a strided loop over tile slots (not over experts, so
-// one expert holding every row does not serialize on one thread): slot s finds its expert by a
-// binary search over the 128 scanned first slots and derives row_begin, rows and bm from it (bm:
-// the class of the tile's row count, tile_bm_for_rows, the same rule as the CPU builder).
+// Work split: ONE block of 1024 threads does everything, so the verdict and the plan need no
+// inter-block sync and no host round trip. Phase 1: thread t visits the row boundaries i = t,
+// t+1024, ... (between rows i-1 and i): it checks ids[i-1] > ids[i] and ids outside [0, E); two
+// block votes (__syncthreads_or) give the verdict, and a retracted plan writes only the header.
+// Then, for i = 0 .. n, it writes first_row[e] = i for every expert e in (ids[i-1], ids[i]]
+// (ids[-1] = -1, ids[n] = E): the first row of each expert (its lower bound in the sorted ids)
+// with no search, each entry written once. Phase 2 walks the experts in rounds of 1024:
+// thread t owns expert round_base + t and counts ceil(rows/128) tiles (floor(rows/128) full ones and
+// one tail); a Hillis-Steele inclusive scan over the counts in shared memory (10 steps, ping-pong
+// buffers) gives each expert its first tile slot in the round; rounds are appended at a running
+// base, so tiles come out ordered by expert, then row. The threads then emit the round's tiles in
+// a strided loop over tile slots (not over experts, so one expert holding every row does not
+// serialize on one thread): slot s finds its expert by a binary search over the scanned first
+// slots and derives row_begin, rows and bm from it (bm: the class of the tile's row count,
+// tile_bm_for_rows, the same rule as the CPU builder).
+// (A binary search per expert over the ids, as before, was a chain of log2(n) dependent loads:
+// 17.5 us at n = 16384 with 128 threads; bench/NOTES.md step 7b.)
 __global__ void __launch_bounds__(kPlanThreads, 1)
     build_tile_plan_kernel(const int32_t* __restrict__ ids, int64_t n, int E, ExpertTile* __restrict__ tiles,
                            TilePlanHeader* __restrict__ header, unsigned long long* retraction_counter) {
-  __shared__ int32_t row_bound[kPlanThreads + 1];  // first row of experts round_base .. round_base + 128
-  __shared__ int32_t scan[2][kPlanThreads];        // Hillis-Steele ping-pong buffers (tile counts)
-  __shared__ int32_t first_slot[kPlanThreads];     // round-local first tile slot of each expert
+  __shared__ int32_t first_row[detail::kTilePlanMaxExperts + 1];  // (E + 1,): first sorted row of each expert, then n
+  __shared__ int32_t scan[2][kPlanThreads];                        // Hillis-Steele ping-pong buffers (tile counts)
+  __shared__ int32_t first_slot[kPlanThreads];                     // round-local first tile slot of each expert
   const int tid = threadIdx.x;
 
-  // Phase 1: verdict.
+  // Phase 1: verdict, then first rows (only for sorted, in-range ids: then the ranges (ids[i-1],
+  // ids[i]] partition [0, E] and the writes total E + 1; unsorted ids could make them n * E).
   int unsorted = 0, out_of_range = 0;
   for (int64_t i = tid; i < n; i += kPlanThreads) {
     const int32_t id = ids[i];
     out_of_range |= id < 0 || id >= E;
-    if (i + 1 < n) unsorted |= id > ids[i + 1];
+    if (i > 0) unsorted |= ids[i - 1] > id;
   }
   unsorted = __syncthreads_or(unsorted);
   out_of_range = __syncthreads_or(out_of_range);
@@ -73,18 +65,20 @@ __global__ void __launch_bounds__(kPlanThreads, 1)
     }
     return;
   }
+  for (int64_t i = tid; i <= n; i += kPlanThreads) {
+    const int32_t id = i < n ? ids[i] : E;
+    const int32_t prev = i > 0 ? ids[i - 1] : -1;
+    for (int32_t e = prev + 1; e <= id; ++e) first_row[e] = static_cast<int32_t>(i);
+  }
+  __syncthreads();
 
-  // Phase 2: count, scan and emit, 128 experts per round.
+  // Phase 2: count, scan and emit, 1024 experts per round.
   int32_t tile_base = 0;  // tiles emitted by earlier rounds (same value in every thread)
   for (int round_base = 0; round_base < E; round_base += kPlanThreads) {
+    // Rows of expert e: first_row[e + 1] - first_row[e]; experts past E own none.
+    const int32_t* row_bound = first_row + round_base;  // (min(kPlanThreads, E - round_base) + 1,)
     const int expert = round_base + tid;
-    row_bound[tid] = expert < E ? lower_bound_rows(ids, n, expert) : static_cast<int32_t>(n);
-    if (tid == 0) {
-      const int next = round_base + kPlanThreads;
-      row_bound[kPlanThreads] = next < E ? lower_bound_rows(ids, n, next) : static_cast<int32_t>(n);
-    }
-    __syncthreads();
-    const int32_t my_tiles = tiles_of(row_bound[tid + 1] - row_bound[tid]);
+    const int32_t my_tiles = expert < E ? tiles_of(row_bound[tid + 1] - row_bound[tid]) : 0;
 
     int buf = 0;
     scan[buf][tid] = my_tiles;

@@ -83,6 +83,15 @@ struct TileArgs {
   bool paired_store;   // N even and out 4-byte aligned: store two outputs per 32-bit write
 };
 
+// Split-K (tile_gemm<..., kSplitK = true> only): the CTA with blockIdx.z == z of `slices` computes
+// k tiles [z * k_tiles / slices, (z + 1) * k_tiles / slices) and writes its fp32 sums to
+// partial (slices, rows, N); a second kernel adds the slices in order and rounds. Kept out of
+// TileArgs so that the unsplit kernels' parameters (and code) stay as they were.
+struct SplitK {
+  float* partial;
+  int slices;
+};
+
 // Shared-memory layout of one tile_gemm for a config and bit width (bytes).
 template <class Cfg, int kBits>
 struct TileLayout {
@@ -107,9 +116,11 @@ struct TileLayout {
 // [store_begin, store_end). Must be called by all Cfg::THREADS threads with the same arguments;
 // `smem` holds TileLayout<Cfg, kBits>::kSmemBytes. An out-of-range expert or lhs id is recorded
 // in the fault word and its rows are skipped. Ends with a barrier, so calls may follow each other.
-template <class Cfg, class T, int kBits>
+// kSplitK: only the k tiles of slice blockIdx.z, stored unrounded to split_k.partial (see SplitK).
+template <class Cfg, class T, int kBits, bool kSplitK = false>
 __device__ __forceinline__ void tile_gemm(const TileArgs& a, int expert, int64_t row0, int load_rows,
-                                          int store_begin, int store_end, int n_block, unsigned char* smem) {
+                                          int store_begin, int store_end, int n_block, unsigned char* smem,
+                                          SplitK split_k = {nullptr, 1}) {
   using L = TileLayout<Cfg, kBits>;
   const int tid = threadIdx.x;
   if (expert < 0 || expert >= a.E) {
@@ -138,7 +149,12 @@ __device__ __forceinline__ void tile_gemm(const TileArgs& a, int expert, int64_t
   const uint32_t* w_expert = a.w + static_cast<int64_t>(expert) * a.N * a.words_per_row;
   const int64_t param_expert = static_cast<int64_t>(expert) * a.N * a.groups_per_row;
   const bool two_groups_per_tile = a.group_shift == 5;  // group_size 32 inside a 64-wide k tile
-  const int k_tiles = a.K / Cfg::BK;
+  int kt_begin = 0, k_tiles = a.K / Cfg::BK;  // this CTA's k tiles: [kt_begin, kt_begin + k_tiles)
+  if constexpr (kSplitK) {
+    const int all = k_tiles, z = static_cast<int>(blockIdx.z);
+    kt_begin = z * all / split_k.slices;
+    k_tiles = (z + 1) * all / split_k.slices - kt_begin;
+  }
 
   auto stage_base = [&](int stage) { return smem + L::kRowInfoBytes + stage * L::kStageBytes; };
 
@@ -239,7 +255,7 @@ __device__ __forceinline__ void tile_gemm(const TileArgs& a, int expert, int64_t
 
 #pragma unroll
   for (int s = 0; s < Cfg::STAGES - 1; ++s) {
-    if (s < k_tiles) load_stage(s, s);
+    if (s < k_tiles) load_stage(s, kt_begin + s);
     cp_async_commit();  // empty groups keep the group count uniform
   }
 
@@ -247,7 +263,7 @@ __device__ __forceinline__ void tile_gemm(const TileArgs& a, int expert, int64_t
     cp_async_wait<Cfg::STAGES - 2>();
     __syncthreads();  // tile kt visible to all; stage (kt-1) % STAGES free for reuse
     const int next = kt + Cfg::STAGES - 1;
-    if (next < k_tiles) load_stage(next % Cfg::STAGES, next);
+    if (next < k_tiles) load_stage(next % Cfg::STAGES, kt_begin + next);
     cp_async_commit();
 
     const unsigned char* base = stage_base(kt % Cfg::STAGES);
@@ -260,7 +276,7 @@ __device__ __forceinline__ void tile_gemm(const TileArgs& a, int expert, int64_t
     // per k tile: the tile's single group sits in the staged word's half given by its parity.
     // With group_size 32 the word holds two groups: the low one serves k16 steps 0-1, and the
     // high one is read at step 2.
-    const int tile_parity = ((kt * Cfg::BK) >> a.group_shift) & 1;
+    const int tile_parity = (((kt_begin + kt) * Cfg::BK) >> a.group_shift) & 1;
     uint32_t col_scale[Cfg::N8_TILES], col_bias[Cfg::N8_TILES];
     auto read_params = [&](bool second_group) {
 #pragma unroll
@@ -335,8 +351,14 @@ __device__ __forceinline__ void tile_gemm(const TileArgs& a, int expert, int64_t
       for (int h = 0; h < 2; ++h) {
         const int local = mt * 16 + g + 8 * h;
         if (local < store_begin || local >= store_end || row_offset[local] < 0 || col >= a.N) continue;
-        T* o = out + (row0 + local) * a.N + col;
         const float v0 = acc[mt][j][2 * h], v1 = acc[mt][j][2 * h + 1];
+        if constexpr (kSplitK) {
+          float* o = split_k.partial + (static_cast<int64_t>(blockIdx.z) * a.rows + row0 + local) * a.N + col;
+          o[0] = v0;
+          if (col + 1 < a.N) o[1] = v1;
+          continue;
+        }
+        T* o = out + (row0 + local) * a.N + col;
         if (a.paired_store) {
           *reinterpret_cast<uint32_t*>(o) = Elem<T>::pack2(v0, v1);  // N even: col + 1 < N
         } else {
@@ -376,11 +398,11 @@ __device__ __forceinline__ void for_each_expert_run(const TileArgs& a, int64_t t
 }
 
 // for_each_expert_run with tile_gemm as the callee.
-template <class Cfg, class T, int kBits>
+template <class Cfg, class T, int kBits, bool kSplitK = false>
 __device__ __forceinline__ void tile_gemm_runs(const TileArgs& a, int64_t tile, int n_block, unsigned char* smem,
-                                               int* tile_expert) {
+                                               int* tile_expert, SplitK split_k = {nullptr, 1}) {
   for_each_expert_run<Cfg::BM>(a, tile, tile_expert, [&](int expert, int64_t row0, int load_rows, int begin, int end) {
-    tile_gemm<Cfg, T, kBits>(a, expert, row0, load_rows, begin, end, n_block, smem);
+    tile_gemm<Cfg, T, kBits, kSplitK>(a, expert, row0, load_rows, begin, end, n_block, smem, split_k);
   });
 }
 
