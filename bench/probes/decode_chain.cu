@@ -23,14 +23,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CHECK(x)                                                                          \
-  do {                                                                                    \
-    cudaError_t e_ = (x);                                                                 \
-    if (e_ != cudaSuccess) {                                                              \
-      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      std::exit(1);                                                                       \
-    }                                                                                     \
-  } while (0)
+#include "probe_check.cuh"
 
 constexpr int kH = 2816, kI = 704, kE = 128, kTopK = 8;
 constexpr int kThreads = 128;

@@ -13,14 +13,7 @@
 #include <cstdio>
 #include <vector>
 
-#define CHECK(x)                                                                          \
-  do {                                                                                    \
-    cudaError_t e_ = (x);                                                                 \
-    if (e_ != cudaSuccess) {                                                              \
-      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      std::exit(1);                                                                       \
-    }                                                                                     \
-  } while (0)
+#include "probe_check.cuh"
 
 constexpr int kRows = 128, kThreads = 256, kPitch = 1408;
 
