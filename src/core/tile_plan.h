@@ -10,11 +10,11 @@
 namespace expertqmm::detail {
 
 // Tile classes, ascending: a tile of `rows` rows runs through the GEMM of the first class whose
-// max_rows >= rows, with that class's row-tile height bm. An expert with c rows gets floor(c / 64)
-// full tiles of the last class, then at most one tail tile of c % 64 rows in its class. More
-// classes mean less padding on tails but one more GEMM instantiation; these three are the heights
-// of the tile_gemm configurations (16: MLX's height; 32 and 64 spread each dequantized weight
-// fragment over 2 and 4 mmas).
+// max_rows >= rows, with that class's row-tile height bm. An expert with c rows gets floor(c / 128)
+// full tiles of the last class, then at most one tail tile of c % 128 rows in its class. More
+// classes mean less padding on tails but one more GEMM instantiation; the four are the heights of
+// the tile GEMMs (16: MLX's height; 32 and 64 spread each dequantized weight fragment over 2 and 4
+// mmas; 128: one wgmma width on Hopper, two 64-row pieces for tile_gemm).
 struct TileClass {
   int32_t bm;        // the GEMM's row-tile height
   int32_t max_rows;  // largest tile of this class (== bm: a tile never pads past its own class)

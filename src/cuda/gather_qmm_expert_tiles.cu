@@ -4,7 +4,7 @@
 // expert's weight slice is read once per tile, with no pass per run as in rhs_tiles.
 //
 // The sortedness promise is checked, never trusted, and without a host synchronization: the plan
-// builder (one 128-thread block) votes on the ids and, when they are not non-decreasing (or out of
+// builder (one 1024-thread block) votes on the ids and, when they are not non-decreasing (or out of
 // range), retracts the plan (tile_count 0, sorted 0). The GEMM kernel then reads the verdict: a
 // valid plan runs its tiles; a retracted one makes the same CTAs run the generic rhs_tiles
 // algorithm (16-row tiles, one pass per run of equal ids), which is correct for any order, and

@@ -10,7 +10,7 @@
 namespace expertqmm::cuda {
 
 // Builds the plan of the sorted ids (device int32 [n]) over E experts on stream s, with no host
-// synchronization: one kernel of one 128-thread block writes tiles[0 .. header->tile_count) and
+// synchronization: one kernel of one 1024-thread block writes tiles[0 .. header->tile_count) and
 // *header. `tiles` must hold detail::max_tiles(n, E) entries. If the ids are not non-decreasing or
 // not all in [0, E), the plan is retracted on the device (header: tile_count 0, sorted 0, reasons
 // set; no tile written) and, when retraction_counter is not null, *retraction_counter is
