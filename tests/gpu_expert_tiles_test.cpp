@@ -205,7 +205,8 @@ TEST(GpuExpertTiles, OccupancyEdgeCasesSmall) {
 // Both kernels of the route, pinned, on shapes that hit their edges: N not a multiple of the CTA's
 // 128 (wgmma) or 128 (mma.sync) columns, one k tile, group size 128 (one group spans two k tiles),
 // tails of every class, one expert owning every row, empty experts, bf16 and f16; the wgmma kernel
-// in each of its builds (n32, n64, n128, pinned by EXPERTQMM_WGMMA_WIDTH). The wgmma kernel must
+// in each of its builds (n32, n64, n128 with its n96 width for 65-96 rows, pinned by
+// EXPERTQMM_WGMMA_WIDTH). The wgmma kernel must
 // be available on a compute capability 9.0 device (this build carries sm_90a code).
 TEST(GpuExpertTiles, MmaSyncAndWgmmaKernelsMatchOnEdgeShapesSmall) {
   EXPERTQMM_REQUIRE_GPU();
@@ -230,6 +231,9 @@ TEST(GpuExpertTiles, MmaSyncAndWgmmaKernelsMatchOnEdgeShapesSmall) {
     std::vector<int32_t> sparse(65, 1);
     sparse.insert(sparse.end(), 17, static_cast<int32_t>(sh.E - 1));  // the experts between are empty
     cases.push_back(sparse);
+    std::vector<int32_t> n96(96, 0);  // the n128 build's n96 width: 96 rows, then 97 (n128)
+    n96.insert(n96.end(), 97, static_cast<int32_t>(sh.E - 1));
+    cases.push_back(n96);
     for (const auto& ids : cases)
       for (DType dtype : {DType::bf16, DType::f16}) {
         const RowsCase c = make_rows_case(dtype == DType::f16 ? q_f16 : q_bf16, ids, dtype);
