@@ -17,6 +17,7 @@ namespace {
 using device::Elem;
 using device::small_uint_to_float;
 using device::word_dot;
+using device::word_x;
 
 constexpr int kQmvWarps = 8;
 constexpr int kQmvThreads = 32 * kQmvWarps;
@@ -195,14 +196,7 @@ __global__ void __launch_bounds__(kQmvThreads, kQmvMinCtasPerSm) qmv_kernel(QmvA
 #pragma unroll
       for (int wi = 0; wi < kVecWords; ++wi) {
         float xv[kValsPerWord];
-#pragma unroll
-        for (int q = 0; q < kValsPerWord / 4; ++q) {
-          const float4 f = reinterpret_cast<const float4*>(xc + wi * kValsPerWord)[q];
-          xv[4 * q] = f.x;
-          xv[4 * q + 1] = f.y;
-          xv[4 * q + 2] = f.z;
-          xv[4 * q + 3] = f.w;
-        }
+        word_x<kBits>(xc, wi, xv);
 #pragma unroll
         for (int i = 0; i < kQmvColsPerWarp; ++i) dot[i] = word_dot<kBits>(batch.words[it][i][wi], xv, dot[i]);
       }

@@ -46,6 +46,7 @@ namespace {
 
 using device::small_uint_to_float;
 using device::word_dot;
+using device::word_x;
 
 constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
@@ -92,20 +93,6 @@ __device__ __forceinline__ void load8(const typename Elem<D>::storage* src, floa
   const typename Elem<D>::storage* e = reinterpret_cast<const typename Elem<D>::storage*>(&raw);
 #pragma unroll
   for (int i = 0; i < 8; ++i) v[i] = Elem<D>::load(e[i]);
-}
-
-// The x values of word wi of a chunk (8 floats for 4-bit, 4 for 8-bit) from a staged row.
-template <int kBits>
-__device__ __forceinline__ void word_x(const float* xc, int wi, float (&xv)[32 / kBits]) {
-  constexpr int kPerWord = 32 / kBits;
-#pragma unroll
-  for (int q = 0; q < kPerWord / 4; ++q) {
-    const float4 f = reinterpret_cast<const float4*>(xc + wi * kPerWord)[q];
-    xv[4 * q] = f.x;
-    xv[4 * q + 1] = f.y;
-    xv[4 * q + 2] = f.z;
-    xv[4 * q + 3] = f.w;
-  }
 }
 
 __device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {

@@ -36,6 +36,21 @@ __device__ __forceinline__ float word_dot(uint32_t w, const float* xv, float dot
   return dot;
 }
 
+// The x values of word wi of a chunk of codes (8 floats for 4-bit, 4 for 8-bit) from a row staged
+// as floats in shared memory (16-byte aligned words), in word_dot's order.
+template <int kBits>
+__device__ __forceinline__ void word_x(const float* xc, int wi, float (&xv)[32 / kBits]) {
+  constexpr int kPerWord = 32 / kBits;
+#pragma unroll
+  for (int q = 0; q < kPerWord / 4; ++q) {
+    const float4 f = reinterpret_cast<const float4*>(xc + wi * kPerWord)[q];
+    xv[4 * q] = f.x;
+    xv[4 * q + 1] = f.y;
+    xv[4 * q + 2] = f.z;
+    xv[4 * q + 3] = f.w;
+  }
+}
+
 // Activation element <-> float; raw 16-bit storage -> float for bf16/f16 scales and biases.
 template <class T>
 struct Elem;
