@@ -135,7 +135,7 @@ const RhsTilesVariant kRhsTilesVariants[] = {
 // of 44 k tiles at ~0.6 us per tile, 27 us at T = 512 and 2048; bench/NOTES.md step 7c), as data:
 // slices to reach kSplitCtasPerSm CTAs per SM, each at least kSplitMinKTiles k tiles, at most
 // kSplitMaxSlices, and the fp32 slices at most kSplitMaxBytes of workspace.
-constexpr int64_t kSplitCtasPerSm = 4;  // RhsTiles16's residency (MIN_CTAS_PER_SM)
+constexpr int64_t kSplitCtasPerSm = RhsTiles16::MIN_CTAS_PER_SM;  // the BM=16 kernel's residency
 constexpr int64_t kSplitMinKTiles = 4;
 constexpr int64_t kSplitMaxSlices = 16;
 constexpr int64_t kSplitMaxBytes = int64_t{4} << 20;
@@ -143,10 +143,10 @@ constexpr int64_t kSplitMaxBytes = int64_t{4} << 20;
 }  // namespace
 
 int64_t rhs_tiles_split_slices(int64_t rows, int64_t N, int64_t K) {
-  const int64_t ctas = std::max<int64_t>(1, (rows + 15) / 16 * ((N + 127) / 128));  // BM=16 tiles x 128-column blocks
+  const int64_t ctas = std::max<int64_t>(1, (rows + RhsTiles16::BM - 1) / RhsTiles16::BM * ((N + RhsTiles16::BN - 1) / RhsTiles16::BN));
   const int64_t want = (kSplitCtasPerSm * device_sm_count() + ctas - 1) / ctas;
   const int64_t by_bytes = kSplitMaxBytes / std::max<int64_t>(1, rows * N * 4);
-  const int64_t slices = std::min({want, K / 64 / kSplitMinKTiles, kSplitMaxSlices, by_bytes});
+  const int64_t slices = std::min({want, K / RhsTiles16::BK / kSplitMinKTiles, kSplitMaxSlices, by_bytes});
   const bool aligned = N % 4 == 0;  // split_k_sum_kernel's float4 slices
   return aligned && slices >= 2 ? slices : 1;
 }
