@@ -110,7 +110,7 @@ __global__ void __launch_bounds__(kPlanThreads, 1)
       out.bm = detail::tile_bm_for_rows(rows);
     }
     tile_base += round_tiles;
-    __syncthreads();  // row_bound, scan and first_slot are rewritten by the next round
+    __syncthreads();  // scan and first_slot are rewritten by the next round
   }
   if (tid == 0) {
     header->tile_count = tile_base;
