@@ -1,5 +1,5 @@
 // Route counters: the attempts == hits + sum(fallbacks) invariant under recorded selections and
-// folded device retractions, reset(), the EXPERTQMM_EXPERT_TILES parser, the API switch, format().
+// folded device retractions, reset(), the API switch, format().
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -174,22 +174,6 @@ TEST(Diagnostics, UnregisteredReaderFoldsNothing) {
   EXPECT_EQ(c.hits, 1u);
   EXPECT_EQ(fallback(c, Fallback::sortedness_retracted), 0u);
   diagnostics::reset();
-}
-
-TEST(Diagnostics, ParsesExpertTilesEnvironmentValues) {
-  EXPECT_EQ(detail::parse_expert_tiles_env(nullptr), RouteSwitch::automatic);
-  EXPECT_EQ(detail::parse_expert_tiles_env("0"), RouteSwitch::off);
-  EXPECT_EQ(detail::parse_expert_tiles_env("1"), RouteSwitch::on);
-  for (const char* bad : {"", "2", "on", "off", "true", " 1", "1 ", "01", "-1"}) {
-    try {
-      detail::parse_expert_tiles_env(bad);
-      ADD_FAILURE() << "accepted '" << bad << "'";
-    } catch (const Error& e) {
-      const std::string msg = e.what();
-      EXPECT_NE(msg.find("EXPERTQMM_EXPERT_TILES"), std::string::npos) << msg;
-      EXPECT_NE(msg.find(std::string("'") + bad + "'"), std::string::npos) << msg;
-    }
-  }
 }
 
 TEST(Diagnostics, ApiSwitchOverridesTheSetting) {

@@ -1,6 +1,7 @@
 // Which backends exist in this build and on this machine, and the CUDA execution settings.
 #pragma once
 #include "expertqmm/dtype.h"
+#include "expertqmm/settings.h"
 
 namespace expertqmm {
 
@@ -9,7 +10,9 @@ bool cuda_available();  // built, and a CUDA device is usable now
 Device best_device();    // cuda when available, else cpu
 const char* cuda_device_name();  // "" when unavailable
 
-// All CUDA work of expertqmm is issued on this stream (a cudaStream_t; nullptr = legacy default).
+// All CUDA work of expertqmm that a thread issues goes on that thread's stream (a cudaStream_t;
+// nullptr, the default of every thread, is the legacy default stream). Per thread, so that threads
+// with their own Workspace and stream run layers side by side.
 void set_cuda_stream(void* stream);
 void* cuda_stream();
 
@@ -19,21 +22,4 @@ void cuda_check();
 
 }  // namespace expertqmm
 
-namespace expertqmm {
-
-// How the GLU product is computed on CUDA (the fusion ladder, DESIGN.md): one kernel (fused) or
-// gelu/silu then multiply as two kernels (separate), kept for comparison.
-enum class ProductMode : uint8_t { fused, separate };
-void set_product_mode(ProductMode mode);
-ProductMode product_mode();
-
-// Deterministic mode: the same output bits on every run. Off (the default, or
-// EXPERTQMM_DETERMINISTIC=0), the CUDA MoE layer may add each expert's down output into its
-// token's fp32 output row with atomics inside the down GEMM (no [T*k, H] buffer, no combine pass),
-// so the order of the k additions varies between runs. On (EXPERTQMM_DETERMINISTIC=1), it writes
-// the down outputs and sums them in slot order in a separate kernel. The CPU backend is always
-// deterministic.
-void set_deterministic(bool on);
-bool deterministic();
-
-}  // namespace expertqmm
+// The settings (product mode, deterministic mode, route switches) live in settings.h.

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "expertqmm/settings.h"
+
 namespace expertqmm {
 
 enum class Fallback : uint8_t {
@@ -38,16 +40,6 @@ void reset();
 std::string format(const std::vector<RouteCounters>& counters);  // a table for humans
 }  // namespace diagnostics
 
-// Forces the expert tile route on or off for this process (overrides EXPERTQMM_EXPERT_TILES,
-// which is read once on first use); `automatic` restores the measured default.
-enum class RouteSwitch : uint8_t { automatic, off, on };
-void set_expert_tiles(RouteSwitch s);
-RouteSwitch expert_tiles_setting();
-
-// Forces the decode MoE layer (the whole moe_layer_into in three kernels when T*k is small,
-// src/cuda/moe_decode.cu) on or off for this process (overrides EXPERTQMM_DECODE_LAYER=0|1, read
-// once on first use); `automatic` is on. Its selections are counted under "moe_decode_layer".
-void set_decode_layer(RouteSwitch s);
-RouteSwitch decode_layer_setting();
+// The route switches (set_expert_tiles, set_decode_layer, ...) live in settings.h.
 
 }  // namespace expertqmm

@@ -1,9 +1,6 @@
-// Route selector counters (include/expertqmm/diagnostics.h, src/core/route_counters.h) and the
-// expert tile route switch.
+// Route selector counters (include/expertqmm/diagnostics.h, src/core/route_counters.h).
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
-#include <cstring>
 #include <iomanip>
 #include <sstream>
 
@@ -26,17 +23,6 @@ AtomicCounters& counters(detail::Primitive p) {
 }
 
 std::atomic<detail::DeviceRetractionReader> g_retraction_reader{nullptr};
-
-constexpr int kNoOverride = -1;
-std::atomic<int> g_expert_tiles_override{kNoOverride};
-
-constexpr const char* kExpertTilesEnv = "EXPERTQMM_EXPERT_TILES";
-std::atomic<int> g_decode_layer_override{kNoOverride};
-constexpr const char* kDecodeLayerEnv = "EXPERTQMM_DECODE_LAYER";
-
-bool valid_switch(RouteSwitch s) {
-  return s == RouteSwitch::automatic || s == RouteSwitch::off || s == RouteSwitch::on;
-}
 }  // namespace
 
 const char* fallback_name(Fallback f) {
@@ -97,22 +83,6 @@ void record_selection(Primitive p, bool requested, bool available, bool hit, Fal
 
 void set_device_retraction_reader(DeviceRetractionReader read_and_reset) {
   g_retraction_reader.store(read_and_reset);
-}
-
-RouteSwitch parse_switch_env(const char* variable, const char* setting, const char* value) {
-  if (value == nullptr) return RouteSwitch::automatic;
-  if (std::strcmp(value, "0") == 0) return RouteSwitch::off;
-  if (std::strcmp(value, "1") == 0) return RouteSwitch::on;
-  throw Error(setting, detail::cat(variable, "='", value,
-                                   "' is not valid: use 0 (off), 1 (on) or leave it unset (automatic)"));
-}
-
-RouteSwitch parse_expert_tiles_env(const char* value) {
-  return parse_switch_env(kExpertTilesEnv, "expert_tiles_setting", value);
-}
-
-RouteSwitch parse_decode_layer_env(const char* value) {
-  return parse_switch_env(kDecodeLayerEnv, "decode_layer_setting", value);
 }
 
 }  // namespace detail
@@ -191,29 +161,5 @@ std::string format(const std::vector<RouteCounters>& counters) {
 }
 
 }  // namespace diagnostics
-
-void set_expert_tiles(RouteSwitch s) {
-  EXPERTQMM_CHECK(valid_switch(s), "set_expert_tiles", "value ", static_cast<int>(s), " is not a RouteSwitch");
-  g_expert_tiles_override.store(static_cast<int>(s));
-}
-
-RouteSwitch expert_tiles_setting() {
-  // Resolved once; an invalid value throws here and again on every later call (nothing is cached).
-  static const RouteSwitch from_env = detail::parse_expert_tiles_env(std::getenv(kExpertTilesEnv));
-  const int api = g_expert_tiles_override.load();
-  return api == kNoOverride ? from_env : static_cast<RouteSwitch>(api);
-}
-
-void set_decode_layer(RouteSwitch s) {
-  EXPERTQMM_CHECK(valid_switch(s), "set_decode_layer", "value ", static_cast<int>(s), " is not a RouteSwitch");
-  g_decode_layer_override.store(static_cast<int>(s));
-}
-
-RouteSwitch decode_layer_setting() {
-  // Resolved once, as expert_tiles_setting().
-  static const RouteSwitch from_env = detail::parse_decode_layer_env(std::getenv(kDecodeLayerEnv));
-  const int api = g_decode_layer_override.load();
-  return api == kNoOverride ? from_env : static_cast<RouteSwitch>(api);
-}
 
 }  // namespace expertqmm

@@ -26,12 +26,4 @@ void record_selection(Primitive p, bool requested, bool available, bool hit, Fal
 using DeviceRetractionReader = uint64_t (*)(bool reset);
 void set_device_retraction_reader(DeviceRetractionReader read_and_reset);
 
-// Parses the value of a 0/1 switch variable: nullptr (unset) -> automatic, "0" -> off, "1" -> on;
-// anything else throws Error(setting, ...) naming the variable and the value.
-RouteSwitch parse_switch_env(const char* variable, const char* setting, const char* value);
-// parse_switch_env for EXPERTQMM_EXPERT_TILES.
-RouteSwitch parse_expert_tiles_env(const char* value);
-// The same for EXPERTQMM_DECODE_LAYER.
-RouteSwitch parse_decode_layer_env(const char* value);
-
 }  // namespace expertqmm::detail

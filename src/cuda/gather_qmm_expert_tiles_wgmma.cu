@@ -28,7 +28,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <cstdlib>
 #include <string>
 
 #include "core/route_counters.h"
@@ -39,6 +38,7 @@
 #include "cuda/gather_qmm_routes.h"
 #include "cuda/gather_qmm_wgmma.h"
 #include "cuda/runtime.cuh"
+#include "expertqmm/settings.h"
 
 namespace expertqmm::cuda {
 
@@ -467,32 +467,18 @@ struct WidthChoice {
 };
 constexpr WidthChoice kWidths[] = {{16, 32}, {32, 64}, {INT64_MAX / 1024, 128}};
 
-// EXPERTQMM_WGMMA_WIDTH=32|64|128 forces one build (benchmarks and tests of each); unset: kWidths;
-// any other value (including empty) is an Error naming the variable, as for the route switches.
-// Read at every launch (cheap next to one), so a test can pin each build in turn.
-int forced_width() {
-  const char* v = std::getenv("EXPERTQMM_WGMMA_WIDTH");
-  if (v == nullptr) return 0;
-  const std::string s(v);
-  if (s == "32" || s == "64" || s == "128") return std::stoi(s);
-  throw Error("gather_qmm", detail::cat("EXPERTQMM_WGMMA_WIDTH must be 32, 64 or 128, not '", s, "'"));
-}
-
 }  // namespace
 
 bool wgmma_available() {
 #if defined(EXPERTQMM_HAVE_SM90A)
-  static const bool available = [] {
-    if (detail::parse_switch_env("EXPERTQMM_WGMMA", "wgmma_available", std::getenv("EXPERTQMM_WGMMA")) ==
-        RouteSwitch::off)
-      return false;
+  static const bool device_has_it = [] {
     int device = 0, major = 0, minor = 0;
     EXPERTQMM_CUDA_CHECK(cudaGetDevice(&device));
     EXPERTQMM_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
     EXPERTQMM_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
     return major == 9 && minor == 0;  // sm_90a code runs on compute capability 9.0 only
   }();
-  return available;
+  return device_has_it && wgmma_setting() != RouteSwitch::off;
 #else
   return false;
 #endif
@@ -506,7 +492,7 @@ bool wgmma_tiles_fit(const detail::GatherQmmProblem& p) {
 
 void launch_expert_tiles_wgmma(const WgmmaTileArgs& p, WgmmaForm form, DType dtype, const ExpertTile* tiles,
                                const TilePlanHeader* header, int64_t tile_slots) {
-  int max_tokens = forced_width();
+  int max_tokens = wgmma_width();  // EXPERTQMM_WGMMA_WIDTH / set_wgmma_width pins a build
   for (const WidthChoice& w : kWidths)
     if (max_tokens == 0 && p.tile.rows <= w.max_rows_per_expert * p.tile.E) max_tokens = w.max_tokens;
   for (const WgmmaVariant& v : kVariants)

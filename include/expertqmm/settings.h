@@ -1,0 +1,61 @@
+// Every process-wide setting of expertqmm, in one place. Each has an EXPERTQMM_* environment
+// variable and an API setter that overrides it. The environment is read once, all variables at
+// once and on every build (a CPU-only build too), the first time any op or getter runs; a bad value
+// of any variable is an Error naming it, then and on every later call.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace expertqmm {
+
+// A route forced on or off, or left to the measured default.
+enum class RouteSwitch : uint8_t { automatic, off, on };
+
+// How the GLU product is computed on CUDA (the fusion ladder, DESIGN.md): one kernel (fused) or
+// gelu/silu then multiply as two kernels (separate), kept for comparison.
+enum class ProductMode : uint8_t { fused, separate };
+
+// EXPERTQMM_EXPERT_TILES=0|1: the expert tile route of gather_qmm off or on (unset: automatic).
+void set_expert_tiles(RouteSwitch s);
+RouteSwitch expert_tiles_setting();
+
+// EXPERTQMM_DECODE_LAYER=0|1: the decode MoE layer (the whole moe_layer_into in three kernels when
+// T*k is small, src/cuda/moe_decode_layer.cu) off or on; `automatic` is on. Its selections are
+// counted under "moe_decode_layer".
+void set_decode_layer(RouteSwitch s);
+RouteSwitch decode_layer_setting();
+
+// EXPERTQMM_DETERMINISTIC=0|1: the same output bits on every run. Off (the default), the CUDA MoE
+// layer may add each expert's down output into its token's fp32 output row with atomics inside the
+// down GEMM (no [T*k, H] buffer, no combine pass), so the order of the k additions varies between
+// runs. On, it writes the down outputs and sums them in slot order in a separate kernel. The CPU
+// backend is always deterministic.
+void set_deterministic(bool on);
+bool deterministic();
+
+// API only (no variable): the GLU product mode.
+void set_product_mode(ProductMode mode);
+ProductMode product_mode();
+
+// EXPERTQMM_WGMMA=0|1: 0 turns the sm_90a wgmma kernels off (the mma.sync kernels run instead), for
+// comparison; unset or 1: used where the build and the device have them.
+void set_wgmma(RouteSwitch s);
+RouteSwitch wgmma_setting();
+
+// EXPERTQMM_WGMMA_WIDTH=32|64|128 pins one build of the wgmma expert-tile GEMM (its token width);
+// 0 / unset: the measured table picks per call.
+void set_wgmma_width(int width);
+int wgmma_width();
+
+// One row per environment variable: its name, the values it takes, the value in force (after API
+// overrides) and what it does. `expertqmm info` prints it; the settings tests iterate it.
+struct SettingInfo {
+  std::string variable;  // "EXPERTQMM_EXPERT_TILES"
+  std::string values;    // "0|1"
+  std::string current;   // "auto", "0", "1", "64", ...
+  std::string what;
+};
+std::vector<SettingInfo> settings_table();
+
+}  // namespace expertqmm

@@ -1,0 +1,156 @@
+// The settings of include/expertqmm/settings.h: one table of EXPERTQMM_* variables, parsed once;
+// API overrides on top. The only file that reads the process environment.
+#include "core/settings.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <mutex>
+
+#include "expertqmm/error.h"
+
+namespace expertqmm {
+
+namespace detail {
+
+namespace {
+
+const char* switch_text(RouteSwitch s) {
+  return s == RouteSwitch::off ? "0" : s == RouteSwitch::on ? "1" : "auto";
+}
+
+// A 0/1 variable: unset -> automatic, "0" -> off, "1" -> on, anything else (empty too) an Error.
+RouteSwitch parse_switch(const char* variable, const std::optional<std::string>& value) {
+  if (!value) return RouteSwitch::automatic;
+  if (*value == "0") return RouteSwitch::off;
+  if (*value == "1") return RouteSwitch::on;
+  throw Error("settings", cat(variable, "='", *value, "' is not valid: use 0 (off), 1 (on) or leave it unset"));
+}
+
+int parse_wgmma_width(const char* variable, const std::optional<std::string>& value) {
+  if (!value) return 0;
+  if (*value == "32" || *value == "64" || *value == "128") return std::stoi(*value);
+  throw Error("settings", cat(variable, "='", *value, "' is not valid: use 32, 64 or 128, or leave it unset"));
+}
+
+// The variables, as data: name, accepted values, what it does, and how it lands in EnvSettings.
+struct Variable {
+  const char* name;
+  const char* values;
+  const char* what;
+  void (*parse)(const char* name, const std::optional<std::string>& value, EnvSettings& into);
+  std::string (*current)();
+};
+
+const Variable kVariables[] = {
+    {"EXPERTQMM_EXPERT_TILES", "0|1", "the expert tile route of gather_qmm off or on (unset: automatic)",
+     [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.expert_tiles = parse_switch(n, v); },
+     [] { return std::string(switch_text(expert_tiles_setting())); }},
+    {"EXPERTQMM_DECODE_LAYER", "0|1", "the three-kernel decode MoE layer off or on (unset: on)",
+     [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.decode_layer = parse_switch(n, v); },
+     [] { return std::string(switch_text(decode_layer_setting())); }},
+    {"EXPERTQMM_DETERMINISTIC", "0|1", "1: the same output bits every run (combine in slot order; unset: 0)",
+     [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.deterministic = parse_switch(n, v); },
+     [] { return std::string(deterministic() ? "1" : "0"); }},
+    {"EXPERTQMM_WGMMA", "0|1", "0: the sm_90a wgmma kernels off, mma.sync instead (unset: on where built and run)",
+     [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.wgmma = parse_switch(n, v); },
+     [] { return std::string(switch_text(wgmma_setting())); }},
+    {"EXPERTQMM_WGMMA_WIDTH", "32|64|128", "pins one token width of the wgmma GEMM (unset: the measured table)",
+     [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.wgmma_width = parse_wgmma_width(n, v); },
+     [] { return wgmma_width() ? std::to_string(wgmma_width()) : std::string("auto"); }},
+};
+
+// The environment, parsed on first use. A bad value is kept as its message and thrown on every read.
+struct ProcessEnv {
+  EnvSettings settings;
+  std::string error;
+};
+const ProcessEnv& process_env() {
+  static const ProcessEnv env = [] {
+    ProcessEnv e;
+    try {
+      e.settings = parse_env_settings(environment_variable);
+    } catch (const Error& err) {
+      e.error = err.what();
+    }
+    return e;
+  }();
+  if (!env.error.empty()) throw Error("settings", env.error);
+  return env;
+}
+const EnvSettings& env() { return process_env().settings; }
+
+// API overrides: -1 = none (the environment decides), else the value.
+constexpr int kNone = -1;
+std::atomic<int> g_expert_tiles{kNone}, g_decode_layer{kNone}, g_deterministic{kNone}, g_wgmma{kNone},
+    g_wgmma_width{kNone};
+std::atomic<ProductMode> g_product_mode{ProductMode::fused};
+
+bool valid_switch(RouteSwitch s) { return s == RouteSwitch::automatic || s == RouteSwitch::off || s == RouteSwitch::on; }
+void set_switch(std::atomic<int>& slot, RouteSwitch s, const char* setter) {
+  EXPERTQMM_CHECK(valid_switch(s), setter, "value ", static_cast<int>(s), " is not a RouteSwitch");
+  slot.store(static_cast<int>(s));
+}
+RouteSwitch read_switch(const std::atomic<int>& slot, RouteSwitch from_env) {
+  const int v = slot.load();
+  return v == kNone ? from_env : static_cast<RouteSwitch>(v);
+}
+
+}  // namespace
+
+EnvSettings parse_env_settings(const EnvLookup& lookup) {
+  EnvSettings s;
+  for (const Variable& v : kVariables) v.parse(v.name, lookup(v.name), s);
+  return s;
+}
+
+std::optional<std::string> environment_variable(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return std::nullopt;
+  return std::string(v);
+}
+
+void check_settings() { (void)process_env(); }
+
+}  // namespace detail
+
+using namespace detail;
+
+void set_expert_tiles(RouteSwitch s) { set_switch(g_expert_tiles, s, "set_expert_tiles"); }
+RouteSwitch expert_tiles_setting() { return read_switch(g_expert_tiles, env().expert_tiles); }
+
+void set_decode_layer(RouteSwitch s) { set_switch(g_decode_layer, s, "set_decode_layer"); }
+RouteSwitch decode_layer_setting() { return read_switch(g_decode_layer, env().decode_layer); }
+
+void set_deterministic(bool on) { g_deterministic.store(on ? 1 : 0); }
+bool deterministic() {
+  const int v = g_deterministic.load();
+  return v == kNone ? env().deterministic == RouteSwitch::on : v == 1;
+}
+
+void set_product_mode(ProductMode mode) {
+  EXPERTQMM_CHECK(mode == ProductMode::fused || mode == ProductMode::separate, "set_product_mode", "value ",
+                  static_cast<int>(mode), " is not a ProductMode");
+  g_product_mode.store(mode);
+}
+ProductMode product_mode() { return g_product_mode.load(); }
+
+void set_wgmma(RouteSwitch s) { set_switch(g_wgmma, s, "set_wgmma"); }
+RouteSwitch wgmma_setting() { return read_switch(g_wgmma, env().wgmma); }
+
+void set_wgmma_width(int width) {
+  EXPERTQMM_CHECK(width == 0 || width == 32 || width == 64 || width == 128, "set_wgmma_width", "width ", width,
+                  " is not 0 (the measured table), 32, 64 or 128");
+  g_wgmma_width.store(width);
+}
+int wgmma_width() {
+  const int v = g_wgmma_width.load();
+  return v == kNone ? env().wgmma_width : v;
+}
+
+std::vector<SettingInfo> settings_table() {
+  std::vector<SettingInfo> rows;
+  for (const Variable& v : kVariables) rows.push_back({v.name, v.values, v.current(), v.what});
+  return rows;
+}
+
+}  // namespace expertqmm

@@ -1,0 +1,141 @@
+// The settings module (include/expertqmm/settings.h, src/core/settings.cpp): every EXPERTQMM_*
+// variable parsed from a given environment, a bad value of each an Error naming it, API overrides,
+// and the table `expertqmm info` prints. Runs on every build: a CPU build validates the variables too.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <string>
+
+#include "core/settings.h"
+#include "expertqmm/error.h"
+
+namespace expertqmm {
+namespace {
+
+using detail::EnvSettings;
+
+// An environment with only the given variables set.
+detail::EnvLookup env_of(std::map<std::string, std::string> vars) {
+  return [vars](const char* name) -> std::optional<std::string> {
+    auto it = vars.find(name);
+    if (it == vars.end()) return std::nullopt;
+    return it->second;
+  };
+}
+
+EnvSettings parse(std::map<std::string, std::string> vars) { return detail::parse_env_settings(env_of(std::move(vars))); }
+
+// Parsing `name=bad` throws an Error that names the variable and quotes the value.
+void expect_rejected(const std::string& name, const std::string& bad) {
+  try {
+    (void)parse({{name, bad}});
+    ADD_FAILURE() << name << " accepted '" << bad << "'";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find(name), std::string::npos) << msg;
+    EXPECT_NE(msg.find("'" + bad + "'"), std::string::npos) << msg;
+  }
+}
+
+const char* const kSwitchBad[] = {"", "2", "on", "off", "true", " 1", "1 ", "01", "-1"};
+
+TEST(Settings, UnsetEnvironmentGivesTheDefaults) {
+  const EnvSettings s = parse({});
+  EXPECT_EQ(s.expert_tiles, RouteSwitch::automatic);
+  EXPECT_EQ(s.decode_layer, RouteSwitch::automatic);
+  EXPECT_EQ(s.deterministic, RouteSwitch::automatic);
+  EXPECT_EQ(s.wgmma, RouteSwitch::automatic);
+  EXPECT_EQ(s.wgmma_width, 0);
+}
+
+TEST(Settings, ExpertTilesVariable) {
+  EXPECT_EQ(parse({{"EXPERTQMM_EXPERT_TILES", "0"}}).expert_tiles, RouteSwitch::off);
+  EXPECT_EQ(parse({{"EXPERTQMM_EXPERT_TILES", "1"}}).expert_tiles, RouteSwitch::on);
+  for (const char* bad : kSwitchBad) expect_rejected("EXPERTQMM_EXPERT_TILES", bad);
+}
+
+TEST(Settings, DecodeLayerVariable) {
+  EXPECT_EQ(parse({{"EXPERTQMM_DECODE_LAYER", "0"}}).decode_layer, RouteSwitch::off);
+  EXPECT_EQ(parse({{"EXPERTQMM_DECODE_LAYER", "1"}}).decode_layer, RouteSwitch::on);
+  for (const char* bad : kSwitchBad) expect_rejected("EXPERTQMM_DECODE_LAYER", bad);
+}
+
+TEST(Settings, DeterministicVariable) {
+  EXPECT_EQ(parse({{"EXPERTQMM_DETERMINISTIC", "0"}}).deterministic, RouteSwitch::off);
+  EXPECT_EQ(parse({{"EXPERTQMM_DETERMINISTIC", "1"}}).deterministic, RouteSwitch::on);
+  for (const char* bad : kSwitchBad) expect_rejected("EXPERTQMM_DETERMINISTIC", bad);
+}
+
+TEST(Settings, WgmmaVariable) {
+  EXPECT_EQ(parse({{"EXPERTQMM_WGMMA", "0"}}).wgmma, RouteSwitch::off);
+  EXPECT_EQ(parse({{"EXPERTQMM_WGMMA", "1"}}).wgmma, RouteSwitch::on);
+  for (const char* bad : kSwitchBad) expect_rejected("EXPERTQMM_WGMMA", bad);
+}
+
+TEST(Settings, WgmmaWidthVariable) {
+  for (int w : {32, 64, 128}) EXPECT_EQ(parse({{"EXPERTQMM_WGMMA_WIDTH", std::to_string(w)}}).wgmma_width, w);
+  for (const char* bad : {"", "0", "48", "96", "n64", "64 ", "256", "-32"}) expect_rejected("EXPERTQMM_WGMMA_WIDTH", bad);
+}
+
+// Every variable of the table is parsed (a bad value of each is caught), and nothing else is.
+TEST(Settings, TableListsEveryVariableAndEachIsValidated) {
+  const std::vector<SettingInfo> table = settings_table();
+  ASSERT_EQ(table.size(), 5u);
+  for (const SettingInfo& row : table) {
+    EXPECT_EQ(row.variable.rfind("EXPERTQMM_", 0), 0u) << row.variable;
+    EXPECT_FALSE(row.values.empty() || row.current.empty() || row.what.empty()) << row.variable;
+    expect_rejected(row.variable, "bogus");
+  }
+  // A variable outside the table is not read: an unknown EXPERTQMM_ name is no error.
+  EXPECT_NO_THROW(parse({{"EXPERTQMM_NOT_A_SETTING", "bogus"}}));
+}
+
+// The first bad variable stops the parse, whichever others are fine.
+TEST(Settings, OneBadVariableAmongGoodOnesIsReported) {
+  try {
+    (void)parse({{"EXPERTQMM_EXPERT_TILES", "1"}, {"EXPERTQMM_WGMMA_WIDTH", "7"}, {"EXPERTQMM_DETERMINISTIC", "0"}});
+    ADD_FAILURE() << "accepted EXPERTQMM_WGMMA_WIDTH=7";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("EXPERTQMM_WGMMA_WIDTH='7'"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Settings, ApiOverridesAndRejectsBadValues) {
+  const int width_before = wgmma_width();
+  set_wgmma_width(64);
+  EXPECT_EQ(wgmma_width(), 64);
+  EXPECT_THROW(set_wgmma_width(48), Error);
+  EXPECT_EQ(wgmma_width(), 64);
+  set_wgmma_width(width_before);
+
+  const RouteSwitch wgmma_before = wgmma_setting();
+  set_wgmma(RouteSwitch::off);
+  EXPECT_EQ(wgmma_setting(), RouteSwitch::off);
+  EXPECT_THROW(set_wgmma(static_cast<RouteSwitch>(9)), Error);
+  set_wgmma(wgmma_before);
+
+  const RouteSwitch decode_before = decode_layer_setting();
+  set_decode_layer(RouteSwitch::off);
+  EXPECT_EQ(decode_layer_setting(), RouteSwitch::off);
+  EXPECT_THROW(set_decode_layer(static_cast<RouteSwitch>(3)), Error);
+  set_decode_layer(decode_before);
+
+  EXPECT_THROW(set_product_mode(static_cast<ProductMode>(5)), Error);
+
+  // The table shows the value in force.
+  set_wgmma_width(128);
+  bool found = false;
+  for (const SettingInfo& row : settings_table())
+    if (row.variable == "EXPERTQMM_WGMMA_WIDTH") found = row.current == "128";
+  EXPECT_TRUE(found);
+  set_wgmma_width(width_before);
+}
+
+// The process environment of the test run is valid (ctest sets none of these), so the checks pass.
+TEST(Settings, ProcessEnvironmentIsValidated) {
+  EXPECT_NO_THROW(detail::check_settings());
+  EXPECT_FALSE(detail::environment_variable("EXPERTQMM_SURELY_UNSET_VARIABLE_FOR_TEST").has_value());
+}
+
+}  // namespace
+}  // namespace expertqmm
