@@ -10,13 +10,14 @@
 #include <sstream>
 #include <string>
 
+#include "core/settings.h"
 #include "expertqmm/backend.h"
 
 namespace {
 
 std::string cli_path() {
-  if (const char* env = std::getenv("EXPERTQMM_CLI"))
-    if (*env) return env;
+  if (const auto env = expertqmm::detail::environment_variable("EXPERTQMM_CLI"))
+    if (!env->empty()) return *env;
   char self[4096];
   const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
   if (n <= 0) return "expertqmm";
@@ -31,9 +32,10 @@ struct Result {
   std::string output;  // stdout and stderr together
 };
 
-Result run_cli(const std::string& args) {
+// env: NAME=VALUE assignments for the child only (e.g. "EXPERTQMM_EXPERT_TILES=2"), or "".
+Result run_cli(const std::string& args, const std::string& env = "") {
   Result r;
-  const std::string cmd = "'" + cli_path() + "' " + args + " 2>&1";
+  const std::string cmd = (env.empty() ? "" : "env " + env + " ") + "'" + cli_path() + "' " + args + " 2>&1";
   FILE* p = popen(cmd.c_str(), "r");
   if (!p) return r;
   char buf[4096];
@@ -204,6 +206,20 @@ TEST_F(Cli, BenchOnCudaWritesJsonAndExport) {
   EXPECT_EQ(count_of(tjson, "\"expert_tiles\": \"auto\""), 1) << tjson;
   EXPECT_EQ(count_of(tjson, "\"expert_tiles\": \"off\""), 1) << tjson;
   std::system(("rm -rf '" + dir + "'").c_str());
+}
+
+// A bad EXPERTQMM_* value stops a CPU run too, with one error naming the variable (the CPU path
+// reads none of them; the settings check in the op front does).
+TEST_F(Cli, BadSettingVariableIsAnErrorOnTheCpu) {
+  for (const char* env : {"EXPERTQMM_EXPERT_TILES=2", "EXPERTQMM_DECODE_LAYER=yes", "EXPERTQMM_DETERMINISTIC=",
+                          "EXPERTQMM_WGMMA=off", "EXPERTQMM_WGMMA_WIDTH=48"}) {
+    const Result r = run_cli("run --preset tiny --tokens 2 --backend cpu", env);
+    const std::string name = std::string(env).substr(0, std::string(env).find('='));
+    EXPECT_NE(r.exit_code, 0) << env << "\n" << r.output;
+    EXPECT_NE(r.output.find(name), std::string::npos) << env << "\n" << r.output;
+  }
+  const Result ok = run_cli("run --preset tiny --tokens 2 --backend cpu", "EXPERTQMM_EXPERT_TILES=0");
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
 }
 
 }  // namespace

@@ -44,12 +44,8 @@ struct BackendOps {
   EXPERTQMM_BACKEND_OPS(EXPERTQMM_BACKEND_OP_POINTER)
 };
 
-// The table of the backend that owns `device`, after the settings check (detail::check_settings:
-// a bad EXPERTQMM_* variable is reported by every op, on every build). A device whose backend is
-// not built is an Error naming `op`.
-const BackendOps& backend_ops(const char* op, Device device);
-
-// Each backend's table; the CUDA one is null in a build without it (src/core/no_cuda.cpp).
+// Each backend's table; the CUDA one is null in a build without it (src/core/no_cuda.cpp). The front
+// picks one with backend_ops() (src/ops/op_checks.h).
 const BackendOps& cpu_backend_ops();
 const BackendOps* cuda_backend_ops();
 

@@ -1,4 +1,6 @@
-// Built only without the CUDA backend: device memory requests fail with a clear error.
+// Built only without the CUDA backend: no CUDA op table, and device memory requests fail with a
+// clear error.
+#include "core/backend_ops.h"
 #include "core/device_memory.h"
 #include "expertqmm/error.h"
 
@@ -18,5 +20,6 @@ void copy_device_to_device(void*, const void*, size_t) { missing("copy_device_to
 bool device_usable() { return false; }
 const char* device_description() { return ""; }
 void device_check() {}
+const BackendOps* cuda_backend_ops() { return nullptr; }
 
 }  // namespace expertqmm::detail

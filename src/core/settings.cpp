@@ -62,7 +62,7 @@ const Variable kVariables[] = {
 // The environment, parsed on first use. A bad value is kept as its message and thrown on every read.
 struct ProcessEnv {
   EnvSettings settings;
-  std::string error;
+  std::optional<Error> error;
 };
 const ProcessEnv& process_env() {
   static const ProcessEnv env = [] {
@@ -70,11 +70,11 @@ const ProcessEnv& process_env() {
     try {
       e.settings = parse_env_settings(environment_variable);
     } catch (const Error& err) {
-      e.error = err.what();
+      e.error = err;
     }
     return e;
   }();
-  if (!env.error.empty()) throw Error("settings", env.error);
+  if (env.error) throw *env.error;
   return env;
 }
 const EnvSettings& env() { return process_env().settings; }

@@ -1,18 +1,12 @@
-// The CPU reference backend: scalar, readable, the executable spec. Inputs arrive validated by
-// src/core (ops.cpp); these functions may assume valid shapes and dtypes.
+// The CPU reference backend: scalar, readable, the executable spec. Its ops are the list of
+// core/backend_ops.h; inputs arrive validated by the op front (src/ops), so these functions may
+// assume valid shapes and dtypes. It leaves the fused layer paths (switch_glu, moe_layer_into,
+// gemma4_ffn_into) to the front, which composes them from these ops in mlx-lm's order.
 #pragma once
-#include "core/gather_qmm_problem.h"
-#include "expertqmm/moe.h"
+#include "core/backend_ops.h"
 
 namespace expertqmm::cpu {
 
-QuantizedWeight quantize(const Tensor& w, QuantSpec spec);
-Tensor dequantize(const Tensor& w, const Tensor& scales, const Tensor& biases, int group_size, int bits);
-Tensor gather_qmm(const detail::GatherQmmProblem& p);
-SortedRows gather_sort(const Tensor& x, const Tensor& indices);
-Tensor scatter_unsort(const Tensor& x, const Tensor& inv_order, const Shape& shape);
-Tensor glu_product(Activation act, const Tensor& gate, const Tensor& up);
-Routing route(const Tensor& h, const RouterWeights& router);
-Tensor weighted_combine(const Tensor& y, const Tensor& weights);
+EXPERTQMM_DECLARE_BACKEND_OPS()
 
 }  // namespace expertqmm::cpu

@@ -1,6 +1,6 @@
 // CPU reference: RMSNorm (mx.fast.rms_norm), add, add-then-scale and the dense linear. fp32 math on
 // the widened inputs, one rounding to the output dtype per MLX op.
-#include "cpu/norm.h"
+#include "cpu/cpu_backend.h"
 
 #include <cmath>
 #include <cstring>
@@ -57,7 +57,8 @@ Tensor add(const Tensor& a, const Tensor& b) {
   return narrow(out, a.shape(), a.dtype());
 }
 
-Tensor add_scaled(const Tensor& a, const Tensor& b, float scalar) {
+Tensor add_scaled(const Tensor& a, const Tensor& b, const Tensor& scalar_tensor) {
+  const float scalar = to_f32(scalar_tensor)[0];
   const std::vector<float> av = to_f32(a), bv = to_f32(b);
   std::vector<float> out(av.size());
   for (size_t i = 0; i < out.size(); ++i) out[i] = round_as(av[i] + bv[i], a.dtype()) * scalar;

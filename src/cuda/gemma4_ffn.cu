@@ -7,7 +7,7 @@
 //   -> f = rms_norm(s, post_ff) -> out = (h + f) * layer_scalar
 // Every buffer is [T, H] or [T, I_dense] in h's dtype (validated by src/core/gemma4_ffn.cpp).
 #include "cuda/gather_qmm.h"
-#include "cuda/gemma4_backend.h"
+#include "cuda/norm.h"
 #include "cuda/moe_internal.h"
 
 namespace expertqmm::cuda {

@@ -1,6 +1,6 @@
 // RMSNorm, add, add-then-scale and a plain dense linear on the GPU (include/expertqmm/gemma4.h).
 // fp32 math on the widened inputs, one rounding to the output dtype per MLX op, as src/cpu/norm.cpp.
-#include "cuda/gemma4_backend.h"
+#include "cuda/norm.h"
 #include "cuda/moe_internal.h"
 
 namespace expertqmm::cuda {

@@ -5,12 +5,9 @@
 #include <cstring>
 
 #include "core/gather_qmm_problem.h"
-#include "core/op_checks.h"
+#include "ops/op_checks.h"
 #include "expertqmm/error.h"
 #include "expertqmm/gemma4.h"
-#ifdef EXPERTQMM_HAVE_CUDA
-#include "cuda/gemma4_backend.h"
-#endif
 
 namespace expertqmm {
 
@@ -134,8 +131,8 @@ size_t Gemma4FfnWeights::nbytes() const {
 
 Tensor gemma4_ffn(const Tensor& h, const Gemma4FfnWeights& w) {
   check_ffn(h, w);
-  if (h.device() == Device::cuda) {
-    Tensor out = Tensor::empty(h.shape(), h.dtype(), Device::cuda);
+  if (detail::backend_ops(kOp, h.device()).gemma4_ffn_into) {
+    Tensor out = Tensor::empty(h.shape(), h.dtype(), h.device());
     Workspace ws;  // owned by this call: the allocating convenience path
     gemma4_ffn_into(out, h, w, ws);
     return out;
@@ -164,15 +161,9 @@ void gemma4_ffn_into(Tensor& out, const Tensor& h, const Gemma4FfnWeights& w, Wo
                   ", got ", out.describe());
   EXPERTQMM_CHECK(out.is_contiguous(), kOp, "out must be contiguous, got ", out.describe());
   if (h.size(0) == 0) return;
-  if (h.device() == Device::cuda) {
-#ifdef EXPERTQMM_HAVE_CUDA
-    cuda::gemma4_ffn_into(out, h.contiguous(), w, ws);
-    return;
-#else
-    detail::no_cuda_backend(kOp);
-#endif
-  }
-  (void)ws;  // the CPU path allocates as it goes
+  const detail::BackendOps& be = detail::backend_ops(kOp, h.device());
+  if (be.gemma4_ffn_into) return be.gemma4_ffn_into(out, h.contiguous(), w, ws);
+  // Composed (the CPU reference): allocates as it goes.
   const Tensor result = gemma4_ffn(h, w);
   std::memcpy(out.data(), result.data(), result.nbytes());
 }

@@ -11,17 +11,13 @@
 #include <vector>
 
 #include "core/gather_qmm_problem.h"
-#include "cpu/cpu_backend.h"
-#include "core/op_checks.h"
+#include "ops/op_checks.h"
 #include "expertqmm/error.h"
-#ifdef EXPERTQMM_HAVE_CUDA
-#include "cuda/cuda_backend.h"
-#endif
 
 namespace expertqmm {
 
 using detail::check_floating;
-using detail::no_cuda_backend;
+using detail::backend_ops;
 
 namespace {
 
@@ -232,14 +228,7 @@ Routing route(const Tensor& h, const RouterWeights& router) {
     empty.weights = Tensor::empty({0, router.top_k}, h.dtype(), h.device());
     return empty;
   }
-  if (h.device() == Device::cuda) {
-#ifdef EXPERTQMM_HAVE_CUDA
-    return cuda::route(h.contiguous(), router);
-#else
-    no_cuda_backend("route");
-#endif
-  }
-  return cpu::route(h, router);
+  return backend_ops("route", h.device()).route(h.contiguous(), router);
 }
 
 Tensor weighted_combine(const Tensor& y, const Tensor& weights) {
@@ -250,14 +239,7 @@ Tensor weighted_combine(const Tensor& y, const Tensor& weights) {
     std::vector<uint8_t> zero(static_cast<size_t>(T * D) * dtype_size(y.dtype()), 0);
     return Tensor::from_host(zero.data(), {T, D}, y.dtype(), y.device());
   }
-  if (y.device() == Device::cuda) {
-#ifdef EXPERTQMM_HAVE_CUDA
-    return cuda::weighted_combine(y.contiguous(), weights.contiguous());
-#else
-    no_cuda_backend("weighted_combine");
-#endif
-  }
-  return cpu::weighted_combine(y, weights);
+  return backend_ops("weighted_combine", y.device()).weighted_combine(y.contiguous(), weights.contiguous());
 }
 
 Tensor switch_glu(const Tensor& x, const Tensor& indices, const SwitchGLUWeights& weights) {
@@ -265,13 +247,8 @@ Tensor switch_glu(const Tensor& x, const Tensor& indices, const SwitchGLUWeights
   const ExpertDims d = check_experts(op, x, weights);
   const int64_t k = check_expert_indices(op, indices, d.T, d.E, x.device());
   if (d.T * k == 0) return Tensor::empty({d.T, k, d.D}, d.out_dtype, x.device());
-  if (x.device() == Device::cuda) {
-#ifdef EXPERTQMM_HAVE_CUDA
-    return cuda::switch_glu(x.contiguous(), indices.contiguous(), weights);
-#else
-    no_cuda_backend(op);
-#endif
-  }
+  const detail::BackendOps& be = backend_ops(op, x.device());
+  if (be.switch_glu) return be.switch_glu(x.contiguous(), indices.contiguous(), weights);
   return switch_glu_composed(x, indices, weights, d, k);
 }
 
@@ -279,15 +256,12 @@ Tensor moe_layer(const Tensor& h, const Tensor& x, const MoeWeights& weights) {
   const char* op = "moe_layer";
   const ExpertDims d = check_moe(op, h, x, weights);
   if (d.T == 0) return Tensor::empty({0, d.D}, d.out_dtype, h.device());
-  if (h.device() == Device::cuda) {
-#ifdef EXPERTQMM_HAVE_CUDA
-    Tensor out = Tensor::empty({d.T, d.D}, d.out_dtype, Device::cuda);
+  const detail::BackendOps& be = backend_ops(op, h.device());
+  if (be.moe_layer_into) {
+    Tensor out = Tensor::empty({d.T, d.D}, d.out_dtype, h.device());
     Workspace ws;  // owned by this call: the allocating convenience path
-    cuda::moe_layer_into(out, h.contiguous(), x.contiguous(), weights, ws);
+    be.moe_layer_into(out, h.contiguous(), x.contiguous(), weights, ws);
     return out;
-#else
-    no_cuda_backend(op);
-#endif
   }
   const Routing r = route(h, weights.router);
   const Tensor y = switch_glu(x, r.indices, weights.experts);
@@ -303,15 +277,9 @@ void moe_layer_into(Tensor& out, const Tensor& h, const Tensor& x, const MoeWeig
   EXPERTQMM_CHECK(out.is_contiguous(), op, "out must be contiguous, got ", out.describe());
   check_on_device(op, "out", out, h.device());
   if (d.T == 0) return;
-  if (h.device() == Device::cuda) {
-#ifdef EXPERTQMM_HAVE_CUDA
-    cuda::moe_layer_into(out, h.contiguous(), x.contiguous(), weights, ws);
-    return;
-#else
-    no_cuda_backend(op);
-#endif
-  }
-  (void)ws;  // the CPU path allocates as it goes
+  const detail::BackendOps& be = backend_ops(op, h.device());
+  if (be.moe_layer_into) return be.moe_layer_into(out, h.contiguous(), x.contiguous(), weights, ws);
+  // Composed (the CPU reference): allocates as it goes.
   const Tensor result = moe_layer(h, x, weights);
   std::memcpy(out.data(), result.data(), result.nbytes());
 }

@@ -6,18 +6,14 @@
 
 #include "core/float16.h"
 #include "core/gather_qmm_problem.h"
-#include "cpu/norm.h"
-#include "core/op_checks.h"
+#include "ops/op_checks.h"
 #include "expertqmm/error.h"
 #include "expertqmm/gemma4.h"
-#ifdef EXPERTQMM_HAVE_CUDA
-#include "cuda/gemma4_backend.h"
-#endif
 
 namespace expertqmm {
 
 using detail::check_floating;
-using detail::no_cuda_backend;
+using detail::backend_ops;
 
 namespace {
 
@@ -35,19 +31,6 @@ void check_pair(const char* op, const Tensor& a, const Tensor& b) {
   check_same_device(op, "a", a, "b", b);
 }
 
-// The one value of a host scalar tensor, as fp32.
-float host_scalar(const Tensor& s) {
-  const std::vector<uint8_t> bytes = s.to_host_bytes();
-  if (s.dtype() == DType::f32) {
-    float f;
-    std::memcpy(&f, bytes.data(), 4);
-    return f;
-  }
-  uint16_t h;
-  std::memcpy(&h, bytes.data(), 2);
-  return s.dtype() == DType::bf16 ? bf16_to_float(h) : f16_to_float(h);
-}
-
 }  // namespace
 
 Tensor rms_norm(const Tensor& x, const Tensor& weight, float eps) {
@@ -60,28 +43,14 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, float eps) {
   check_same_device(op, "x", x, "weight", weight);
   EXPERTQMM_CHECK(std::isfinite(eps) && eps >= 0.f, op, "eps must be finite and >= 0, got ", eps);
   if (x.numel() == 0) return Tensor::empty(x.shape(), x.dtype(), x.device());
-  if (x.device() == Device::cuda) {
-#ifdef EXPERTQMM_HAVE_CUDA
-    return cuda::rms_norm(x, weight, eps);
-#else
-    no_cuda_backend(op);
-#endif
-  }
-  return cpu::rms_norm(x, weight, eps);
+  return backend_ops(op, x.device()).rms_norm(x, weight, eps);
 }
 
 Tensor add(const Tensor& a, const Tensor& b) {
   const char* op = "add";
   check_pair(op, a, b);
   if (a.numel() == 0) return Tensor::empty(a.shape(), a.dtype(), a.device());
-  if (a.device() == Device::cuda) {
-#ifdef EXPERTQMM_HAVE_CUDA
-    return cuda::add(a, b);
-#else
-    no_cuda_backend(op);
-#endif
-  }
-  return cpu::add(a, b);
+  return backend_ops(op, a.device()).add(a, b);
 }
 
 Tensor add_scaled(const Tensor& a, const Tensor& b, const Tensor& scalar) {
@@ -91,14 +60,7 @@ Tensor add_scaled(const Tensor& a, const Tensor& b, const Tensor& scalar) {
   EXPERTQMM_CHECK(scalar.numel() == 1, op, "scalar must hold one value, got ", scalar.describe());
   check_same_device(op, "a", a, "scalar", scalar);
   if (a.numel() == 0) return Tensor::empty(a.shape(), a.dtype(), a.device());
-  if (a.device() == Device::cuda) {
-#ifdef EXPERTQMM_HAVE_CUDA
-    return cuda::add_scaled(a, b, scalar);
-#else
-    no_cuda_backend(op);
-#endif
-  }
-  return cpu::add_scaled(a, b, host_scalar(scalar));
+  return backend_ops(op, a.device()).add_scaled(a, b, scalar);
 }
 
 int64_t Linear::out_features() const {
@@ -134,14 +96,7 @@ Tensor linear(const Tensor& x, const Linear& w) {
   check_same_device(op, "x", x, "weight", w.dense);
   const DType out_dtype = promote_floating(x.dtype(), w.dense.dtype());
   if (x.size(0) == 0 || w.dense.size(0) == 0) return Tensor::empty({x.size(0), w.dense.size(0)}, out_dtype, x.device());
-  if (x.device() == Device::cuda) {
-#ifdef EXPERTQMM_HAVE_CUDA
-    return cuda::dense_linear(x, w.dense, out_dtype);
-#else
-    no_cuda_backend(op);
-#endif
-  }
-  return cpu::dense_linear(x, w.dense, out_dtype);
+  return backend_ops(op, x.device()).dense_linear(x, w.dense, out_dtype);
 }
 
 }  // namespace expertqmm

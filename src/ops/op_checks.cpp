@@ -1,11 +1,16 @@
-#include "core/op_checks.h"
+#include "ops/op_checks.h"
 
+#include "core/settings.h"
 #include "expertqmm/error.h"
 
 namespace expertqmm::detail {
 
-void no_cuda_backend(const std::string& op) {
-  throw Error(op, "the inputs are on cuda but this build of expertqmm has no CUDA backend");
+const BackendOps& backend_ops(const std::string& op, Device device) {
+  check_settings();
+  if (device == Device::cpu) return cpu_backend_ops();
+  const BackendOps* cuda = cuda_backend_ops();
+  EXPERTQMM_CHECK(cuda != nullptr, op, "the inputs are on cuda but this build of expertqmm has no CUDA backend");
+  return *cuda;
 }
 
 void check_floating(const std::string& op, const char* name, const Tensor& t) {

@@ -1,13 +1,17 @@
-// Argument checks shared by the public entry points (ops.cpp, moe.cpp, norm.cpp, gemma4_ffn.cpp).
+// Argument checks and dispatch shared by the op front (ops.cpp, moe.cpp, quant.cpp, norm.cpp,
+// gemma4_ffn.cpp).
 #pragma once
 #include <string>
 
+#include "core/backend_ops.h"
 #include "expertqmm/tensor.h"
 
 namespace expertqmm::detail {
 
-// Throws Error(op): the inputs are on cuda but this build has no CUDA backend.
-[[noreturn]] void no_cuda_backend(const std::string& op);
+// The backend table for inputs on `device` (core/backend_ops.h). Checks the settings first, so a
+// bad EXPERTQMM_* variable is an Error from every op on every build; a device whose backend this
+// build lacks is an Error naming `op`.
+const BackendOps& backend_ops(const std::string& op, Device device);
 
 // Throws Error(op) unless `t` (named `name` in the message) is defined and bf16, f16 or f32.
 void check_floating(const std::string& op, const char* name, const Tensor& t);

@@ -8,17 +8,13 @@
 #include <vector>
 
 #include "core/gather_qmm_problem.h"
-#include "cpu/cpu_backend.h"
-#include "core/op_checks.h"
+#include "ops/op_checks.h"
 #include "expertqmm/error.h"
-#ifdef EXPERTQMM_HAVE_CUDA
-#include "cuda/cuda_backend.h"
-#endif
 
 namespace expertqmm {
 
 using detail::check_floating;
-using detail::no_cuda_backend;
+using detail::backend_ops;
 
 namespace {
 
@@ -63,14 +59,7 @@ Tensor gather_qmm(const Tensor& x, const Tensor& w, const Tensor& scales, const 
   out_shape.push_back(p.N);
   if (p.M == 0 || p.N == 0 || p.B == 0) return Tensor::empty(out_shape, p.dtype, p.device);
   if (p.K == 0) return zeros(out_shape, p.dtype, p.device);  // empty dot products
-  if (p.device == Device::cuda) {
-#ifdef EXPERTQMM_HAVE_CUDA
-    return cuda::gather_qmm(p);
-#else
-    no_cuda_backend("gather_qmm");
-#endif
-  }
-  return cpu::gather_qmm(p);
+  return backend_ops("gather_qmm", p.device).gather_qmm(p);
 }
 
 SortedRows gather_sort(const Tensor& x, const Tensor& indices) {
@@ -99,14 +88,7 @@ SortedRows gather_sort(const Tensor& x, const Tensor& indices) {
     empty.inv_order = Tensor::empty({0}, DType::i32, x.device());
     return empty;
   }
-  if (x.device() == Device::cuda) {
-#ifdef EXPERTQMM_HAVE_CUDA
-    return cuda::gather_sort(x.contiguous(), indices.contiguous());
-#else
-    no_cuda_backend(op);
-#endif
-  }
-  return cpu::gather_sort(x, indices);
+  return backend_ops(op, x.device()).gather_sort(x.contiguous(), indices.contiguous());
 }
 
 Tensor scatter_unsort(const Tensor& x, const Tensor& inv_order, const Shape& shape) {
@@ -127,14 +109,7 @@ Tensor scatter_unsort(const Tensor& x, const Tensor& inv_order, const Shape& sha
   Shape out_shape = shape;
   out_shape.insert(out_shape.end(), x.shape().begin() + 1, x.shape().end());
   if (shape_numel(out_shape) == 0) return Tensor::empty(out_shape, x.dtype(), x.device());
-  if (x.device() == Device::cuda) {
-#ifdef EXPERTQMM_HAVE_CUDA
-    return cuda::scatter_unsort(x.contiguous(), inv_order.contiguous(), shape);
-#else
-    no_cuda_backend(op);
-#endif
-  }
-  return cpu::scatter_unsort(x, inv_order, shape);
+  return backend_ops(op, x.device()).scatter_unsort(x.contiguous(), inv_order.contiguous(), shape);
 }
 
 const char* activation_name(Activation a) {
@@ -155,14 +130,7 @@ Tensor glu_product(Activation act, const Tensor& gate, const Tensor& up) {
                   dtype_name(up.dtype()));
   check_same_device(op, "gate", gate, "up", up);
   if (gate.numel() == 0) return Tensor::empty(gate.shape(), gate.dtype(), gate.device());
-  if (gate.device() == Device::cuda) {
-#ifdef EXPERTQMM_HAVE_CUDA
-    return cuda::glu_product(act, gate.contiguous(), up.contiguous());
-#else
-    no_cuda_backend(op);
-#endif
-  }
-  return cpu::glu_product(act, gate, up);
+  return backend_ops(op, gate.device()).glu_product(act, gate.contiguous(), up.contiguous());
 }
 
 Tensor geglu(const Tensor& gate, const Tensor& up) { return glu_product(Activation::geglu, gate, up); }

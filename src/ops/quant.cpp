@@ -2,11 +2,8 @@
 #include "expertqmm/quant.h"
 
 #include "core/gather_qmm_problem.h"
-#include "cpu/cpu_backend.h"
+#include "ops/op_checks.h"
 #include "expertqmm/error.h"
-#ifdef EXPERTQMM_HAVE_CUDA
-#include "cuda/cuda_backend.h"
-#endif
 
 namespace expertqmm {
 
@@ -27,24 +24,14 @@ QuantizedWeight quantize(const Tensor& w, QuantSpec spec) {
   EXPERTQMM_CHECK(w.size(-1) % spec.group_size == 0, kOp, "the last dim K=", w.size(-1), " of ",
                   shape_str(w.shape()), " is not a multiple of group_size=", spec.group_size);
   const Tensor wc = w.contiguous();
-  if (wc.device() == Device::cpu) return cpu::quantize(wc, spec);
-#ifdef EXPERTQMM_HAVE_CUDA
-  return cuda::quantize(wc, spec);
-#else
-  throw Error(kOp, "w is on cuda but this build of expertqmm has no CUDA backend");
-#endif
+  return detail::backend_ops(kOp, wc.device()).quantize(wc, spec);
 }
 
 Tensor dequantize(const Tensor& w, const Tensor& scales, const Tensor& biases, int group_size, int bits) {
   constexpr const char* kOp = "dequantize";
   detail::check_quantized_triple(kOp, w, scales, biases, group_size, bits);
   const Tensor wc = w.contiguous(), sc = scales.contiguous(), bc = biases.contiguous();
-  if (wc.device() == Device::cpu) return cpu::dequantize(wc, sc, bc, group_size, bits);
-#ifdef EXPERTQMM_HAVE_CUDA
-  return cuda::dequantize(wc, sc, bc, group_size, bits);
-#else
-  throw Error(kOp, "w is on cuda but this build of expertqmm has no CUDA backend");
-#endif
+  return detail::backend_ops(kOp, wc.device()).dequantize(wc, sc, bc, group_size, bits);
 }
 
 }  // namespace expertqmm

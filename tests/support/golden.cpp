@@ -6,12 +6,13 @@
 #include <sstream>
 #include <sys/stat.h>
 
+#include "core/settings.h"
 #include "expertqmm/error.h"
 
 namespace expertqmm::test {
 
 std::string golden_dir() {
-  if (const char* env = std::getenv("EXPERTQMM_GOLDEN_DIR"); env && *env) return env;
+  if (const auto env = expertqmm::detail::environment_variable("EXPERTQMM_GOLDEN_DIR"); env && !env->empty()) return *env;
   return EXPERTQMM_GOLDEN_DIR;
 }
 

@@ -1,5 +1,7 @@
 #include "support/test_util.h"
 
+#include "core/settings.h"
+
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -12,7 +14,7 @@ namespace expertqmm::test {
 
 uint64_t test_seed() {
   static const uint64_t seed = []() -> uint64_t {
-    if (const char* s = std::getenv("EXPERTQMM_TEST_SEED")) return std::strtoull(s, nullptr, 10);
+    if (const auto s = detail::environment_variable("EXPERTQMM_TEST_SEED")) return std::strtoull(s->c_str(), nullptr, 10);
     return static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
   }();
   return seed;

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cli.h"
+#include "core/settings.h"
 #include "expertqmm/backend.h"
 #include "expertqmm/diagnostics.h"
 #include "expertqmm/error.h"
@@ -427,8 +428,8 @@ std::string counters_json(const std::vector<RouteCounters>& counters) {
 }
 
 std::string commit_id() {
-  if (const char* env = std::getenv("EXPERTQMM_COMMIT"))
-    if (*env) return env;
+  if (const auto env = detail::environment_variable("EXPERTQMM_COMMIT"))
+    if (!env->empty()) return *env;
   std::string out;
   if (FILE* p = popen("git rev-parse --verify -q HEAD 2>/dev/null", "r")) {
     char buf[128];

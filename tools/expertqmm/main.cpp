@@ -6,6 +6,7 @@
 #include "cli.h"
 #include "expertqmm/backend.h"
 #include "expertqmm/error.h"
+#include "expertqmm/settings.h"
 
 namespace {
 
@@ -13,6 +14,9 @@ int cmd_info(int, char**) {
   std::printf("expertqmm %s\n", EXPERTQMM_VERSION_STRING);
   std::printf("cuda backend built: %s\n", expertqmm::cuda_built() ? "yes" : "no");
   std::printf("cuda device: %s\n", expertqmm::cuda_available() ? expertqmm::cuda_device_name() : "none");
+  std::printf("settings (environment variable, values, in force):\n");
+  for (const expertqmm::SettingInfo& s : expertqmm::settings_table())  // throws on a bad value
+    std::printf("  %-24s %-10s %-5s %s\n", s.variable.c_str(), s.values.c_str(), s.current.c_str(), s.what.c_str());
   return 0;
 }
 
