@@ -60,13 +60,18 @@ class Workspace {
   ~Workspace();
   Workspace(const Workspace&) = delete;
   Workspace& operator=(const Workspace&) = delete;
-  // Returns a device buffer of at least `bytes` for slot `slot` (grow-only).
+  // Returns a device buffer of at least `bytes` for slot `slot` (grow-only). Slot owners:
+  // src/core/workspace_slots.h.
   void* get(int slot, size_t bytes);
+  // get(), and every byte is zero when the buffer is (re)allocated: for device counters that the
+  // kernels using them leave at zero when they finish.
+  void* get_zeroed(int slot, size_t bytes);
   size_t bytes_held() const;
 
  private:
   struct Slot { void* ptr = nullptr; size_t bytes = 0; };
   Slot slots_[16];
+  bool grow(Slot& s, size_t bytes);  // true when it (re)allocated
 };
 
 // moe_layer writing into a caller-owned `out` [T, H] on the device of h, with scratch from `ws`.

@@ -10,6 +10,7 @@ void device_free(void* p);
 void copy_host_to_device(void* dst, const void* src, size_t bytes);
 void copy_device_to_host(void* dst, const void* src, size_t bytes);
 void copy_device_to_device(void* dst, const void* src, size_t bytes);
+void device_zero(void* dst, size_t bytes);  // stream-ordered on the calling thread's stream
 
 }  // namespace expertqmm::detail
 

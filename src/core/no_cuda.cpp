@@ -17,6 +17,7 @@ void device_free(void*) {}
 void copy_host_to_device(void*, const void*, size_t) { missing("copy_host_to_device"); }
 void copy_device_to_host(void*, const void*, size_t) { missing("copy_device_to_host"); }
 void copy_device_to_device(void*, const void*, size_t) { missing("copy_device_to_device"); }
+void device_zero(void*, size_t) { missing("device_zero"); }
 bool device_usable() { return false; }
 const char* device_description() { return ""; }
 void device_check() {}

@@ -1,6 +1,9 @@
 #include "core/device_memory.h"
+#include "core/workspace_slots.h"
 #include "expertqmm/error.h"
 #include "expertqmm/moe.h"
+
+static_assert(expertqmm::detail::kSlotCount == 16, "Workspace holds 16 slots (include/expertqmm/moe.h)");
 
 namespace expertqmm {
 
@@ -11,19 +14,31 @@ Workspace::~Workspace() {
     if (s.ptr) detail::device_free(s.ptr);
 }
 
+bool Workspace::grow(Slot& s, size_t bytes) {
+  if (bytes <= s.bytes) return false;
+  if (s.ptr) detail::device_free(s.ptr);
+  s.ptr = nullptr;
+  s.bytes = 0;
+  // Round up so that small growth does not reallocate every call.
+  const size_t want = bytes < 4096 ? 4096 : bytes + bytes / 4;
+  s.ptr = detail::device_alloc(want);
+  s.bytes = want;
+  return true;
+}
+
 void* Workspace::get(int slot, size_t bytes) {
-  EXPERTQMM_CHECK(slot >= 0 && slot < static_cast<int>(sizeof(slots_) / sizeof(slots_[0])), "Workspace",
-                  "slot ", slot, " out of range");
+  EXPERTQMM_CHECK(slot >= 0 && slot < detail::kSlotCount, "Workspace", "slot ", slot, " out of range [0, ",
+                  detail::kSlotCount, ")");
   Slot& s = slots_[slot];
-  if (bytes > s.bytes) {
-    if (s.ptr) detail::device_free(s.ptr);
-    s.ptr = nullptr;
-    s.bytes = 0;
-    // Round up so that small growth does not reallocate every call.
-    size_t want = bytes < 4096 ? 4096 : bytes + bytes / 4;
-    s.ptr = detail::device_alloc(want);
-    s.bytes = want;
-  }
+  grow(s, bytes);
+  return s.ptr;
+}
+
+void* Workspace::get_zeroed(int slot, size_t bytes) {
+  EXPERTQMM_CHECK(slot >= 0 && slot < detail::kSlotCount, "Workspace", "slot ", slot, " out of range [0, ",
+                  detail::kSlotCount, ")");
+  Slot& s = slots_[slot];
+  if (grow(s, bytes)) detail::device_zero(s.ptr, s.bytes);
   return s.ptr;
 }
 

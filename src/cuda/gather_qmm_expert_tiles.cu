@@ -171,15 +171,14 @@ namespace {
 
 enum class TileKernel { automatic, mma_sync, wgmma };
 
-// Plan storage: the header, then the tiles (16-byte aligned), in the caller's workspace or a
-// temporary that the stream-ordered caching allocator keeps alive until the kernels have run.
-size_t plan_bytes(const detail::GatherQmmProblem& p) {
-  return 16 + static_cast<size_t>(detail::max_tiles(p.B, static_cast<int>(p.w_batch))) * sizeof(ExpertTile);
+// The plan's storage (tile_plan.cuh): in the caller's workspace or a temporary that the
+// stream-ordered caching allocator keeps alive until the kernels have run.
+size_t plan_bytes(const detail::GatherQmmProblem& p) { return tile_plan_bytes(p.B, static_cast<int>(p.w_batch)); }
+TilePlanView plan_view(const detail::GatherQmmProblem& p, const void* plan) {
+  return tile_plan_view(plan, p.B, static_cast<int>(p.w_batch));
 }
 const void* build_plan_into(const detail::GatherQmmProblem& p, void* base) {
-  launch_build_tile_plan(p.rhs.data_as<const int32_t>(), p.B, static_cast<int>(p.w_batch),
-                         reinterpret_cast<ExpertTile*>(static_cast<unsigned char*>(base) + 16),
-                         static_cast<TilePlanHeader*>(base), current_stream(), nullptr);
+  launch_build_tile_plan_at(p.rhs.data_as<const int32_t>(), p.B, static_cast<int>(p.w_batch), base, current_stream());
   return base;
 }
 
@@ -197,24 +196,22 @@ void run_expert_tiles(const detail::GatherQmmProblem& p, void* out, Workspace* w
   if (plan == nullptr) {
     void* base = nullptr;
     if (ws) {
-      base = ws->get(kExpertTilesPlanSlot, plan_bytes(p));
+      base = ws->get(detail::kSlotTilePlan, plan_bytes(p));
     } else {
       temp = Tensor::empty({static_cast<int64_t>((plan_bytes(p) + 3) / 4)}, DType::i32, Device::cuda);
       base = temp.data();
     }
     plan = build_plan_into(p, base);
   }
-  const auto* header = static_cast<const TilePlanHeader*>(plan);
-  const auto* tiles = reinterpret_cast<const ExpertTile*>(static_cast<const unsigned char*>(plan) + 16);
-  const int64_t tile_slots = detail::max_tiles(p.B, static_cast<int>(p.w_batch));
+  const TilePlanView v = plan_view(p, plan);
   if (kernel == TileKernel::wgmma) {
     WgmmaTileArgs args;
     args.tile = make_tile_args(p, out);
     args.retractions = retraction_counter();
     args.calls = 1;
-    launch_expert_tiles_wgmma(args, WgmmaForm::plain, p.dtype, tiles, header, tile_slots);
+    launch_expert_tiles_wgmma(args, WgmmaForm::plain, p.dtype, v.tiles, v.header, v.tile_slots);
   } else {
-    variant->launch(make_tile_args(p, out), tiles, header, tile_slots);
+    variant->launch(make_tile_args(p, out), v.tiles, v.header, v.tile_slots);
   }
 }
 
@@ -240,7 +237,7 @@ void call_expert_tiles_wgmma(const detail::GatherQmmProblem& p, void* out, Works
 const void* build_expert_tile_plan(const detail::GatherQmmProblem& p, Workspace& ws) {
   EXPERTQMM_CHECK(supports_expert_tiles(p).ok, "gather_qmm", "build_expert_tile_plan: the expert tile route does not take ",
                   p.describe());
-  return build_plan_into(p, ws.get(kExpertTilesPlanSlot, plan_bytes(p)));
+  return build_plan_into(p, ws.get(detail::kSlotTilePlan, plan_bytes(p)));
 }
 
 bool gate_up_glu_fits(const detail::GatherQmmProblem& gate, const detail::GatherQmmProblem& up) {
@@ -265,10 +262,9 @@ bool gate_up_glu_expert_tiles(const detail::GatherQmmProblem& gate, const detail
   args.biases_up = static_cast<const uint16_t*>(up.biases.data());
   args.retractions = retraction_counter();
   args.calls = 2;
-  const auto* header = static_cast<const TilePlanHeader*>(gate.tile_plan);
-  const auto* tiles = reinterpret_cast<const ExpertTile*>(static_cast<const unsigned char*>(gate.tile_plan) + 16);
-  launch_expert_tiles_wgmma(args, act == Activation::geglu ? WgmmaForm::geglu : WgmmaForm::swiglu, gate.dtype, tiles,
-                            header, detail::max_tiles(gate.B, static_cast<int>(gate.w_batch)));
+  const TilePlanView v = plan_view(gate, gate.tile_plan);
+  launch_expert_tiles_wgmma(args, act == Activation::geglu ? WgmmaForm::geglu : WgmmaForm::swiglu, gate.dtype, v.tiles,
+                            v.header, v.tile_slots);
   return true;
 }
 
@@ -288,10 +284,8 @@ bool down_combine_expert_tiles(const detail::GatherQmmProblem& down, const int32
   args.top_k = top_k;
   args.retractions = retraction_counter();
   args.calls = 1;
-  const auto* header = static_cast<const TilePlanHeader*>(down.tile_plan);
-  const auto* tiles = reinterpret_cast<const ExpertTile*>(static_cast<const unsigned char*>(down.tile_plan) + 16);
-  launch_expert_tiles_wgmma(args, WgmmaForm::combine, down.dtype, tiles, header,
-                            detail::max_tiles(down.B, static_cast<int>(down.w_batch)));
+  const TilePlanView v = plan_view(down, down.tile_plan);
+  launch_expert_tiles_wgmma(args, WgmmaForm::combine, down.dtype, v.tiles, v.header, v.tile_slots);
   return true;
 }
 

@@ -161,7 +161,7 @@ namespace {
 // bm == 0: the table's choice for p.M, except that a taller tile whose grid would leave SMs idle
 // gives way to a shorter one (a few-column problem such as the router's projection: N = 128, so
 // BM=64 gives T / 64 CTAs, each over the whole K), and BM=16 splits K when even its grid is small
-// (rhs_tiles_split_slices; fp32 slices in p.split_k_scratch, else ws slot kRhsTilesSplitSlot, else a
+// (rhs_tiles_split_slices; fp32 slices in p.split_k_scratch, else ws slot detail::kSlotSplitK, else a
 // temporary); else the variant with that tile height, unsplit.
 void run_rhs_tiles(const detail::GatherQmmProblem& p, void* out, int bm, Workspace* ws) {
   const RouteSupport s = supports_rhs_tiles(p);
@@ -182,7 +182,7 @@ void run_rhs_tiles(const detail::GatherQmmProblem& p, void* out, int bm, Workspa
       if (partial) {
         // the caller's scratch (sized by gather_qmm_split_k_bytes)
       } else if (ws) {
-        partial = static_cast<float*>(ws->get(kRhsTilesSplitSlot, bytes));
+        partial = static_cast<float*>(ws->get(detail::kSlotSplitK, bytes));
       } else {
         temp = Tensor::empty({static_cast<int64_t>(bytes / sizeof(float))}, DType::f32, Device::cuda);
         partial = temp.data_as<float>();

@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "core/gather_qmm_problem.h"
+#include "core/workspace_slots.h"
 #include "expertqmm/diagnostics.h"
 #include "expertqmm/moe.h"
 
@@ -35,14 +36,10 @@ struct GatherQmmRoute {
 // --- expert_tiles: the sorted tile route (gather_qmm_expert_tiles.cu) ------------------------
 // Sorted problems with fewer rows than kExpertTilesMinRows (defined below: the rows qmv takes,
 // plus one) go to qmv (Fallback::shape): at decode sizes most plan tiles would hold one row.
-// Workspace slot holding the plan (header + tiles); slots 14 and 15 belong to the MoE path.
-constexpr int kExpertTilesPlanSlot = 0;
-// Workspace slot holding rhs_tiles' split-K fp32 slices (at most 4 MB, see rhs_tiles_split_slices).
-constexpr int kRhsTilesSplitSlot = 1;
 // The predicate without the on/off setting (the selector applies that).
 RouteSupport supports_expert_tiles(const detail::GatherQmmProblem& p);
 void call_expert_tiles(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
-// Builds the tile plan of p's rhs ids in ws (slot kExpertTilesPlanSlot) on the current stream and
+// Builds the tile plan of p's rhs ids in ws (slot detail::kSlotTilePlan) on the current stream and
 // returns it for GatherQmmProblem::tile_plan, so that every GEMM of a layer shares one plan.
 // p must satisfy supports_expert_tiles.
 const void* build_expert_tile_plan(const detail::GatherQmmProblem& p, Workspace& ws);

@@ -14,10 +14,6 @@ namespace expertqmm::cuda {
 
 namespace {
 
-// The feed-forward arena's workspace slot: below the router/MoE arenas (14, 15) and above the
-// slot gather_qmm's expert tile plan takes (0).
-constexpr int kFfnArenaSlot = 13;
-
 size_t bytes_of(int64_t count, DType t) { return static_cast<size_t>(count) * dtype_size(t); }
 
 // out [T, N] = x [T, K] @ W^T: quantized through the route selector as one batch of M = T rows
@@ -55,7 +51,7 @@ void gemma4_ffn_into(Tensor& out, const Tensor& h, const Gemma4FfnWeights& w, Wo
   const size_t x2_off = layout.reserve(bytes_of(T * H, dt));
   const size_t moe_off = layout.reserve(bytes_of(T * H, dt));
   const size_t h2_off = layout.reserve(bytes_of(T * H, dt));
-  void* base = ws.get(kFfnArenaSlot, layout.bytes());
+  void* base = ws.get(detail::kSlotFfnArena, layout.bytes());
   auto at = [&](size_t off) { return arena_at(base, off); };
   auto norm = [&](const void* src, const Tensor& weight, void* dst) {
     const Tensor wc = weight.contiguous();

@@ -398,7 +398,7 @@ Tensor switch_glu(const Tensor& x, const Tensor& indices, const SwitchGLUWeights
   ExpertScratch sc;
   // Unsorted rows are already in (token, slot) order: the down GEMM writes straight into out.
   plan_expert_scratch(s, weights, xc, ids_unsigned, /*own_y=*/s.sorted, /*try_fused_combine=*/false, layout, sc);
-  sc.base = ws.get(kMoeArenaSlot, layout.bytes());
+  sc.base = ws.get(detail::kSlotLayerArena, layout.bytes());
   const ExpertResult r = run_experts(s, xc, flat_ids(ids), ids_unsigned, weights, sc, out.data(), ws);
   if (s.sorted) {
     const int64_t row_bytes = static_cast<int64_t>(bytes_of(s.D, s.out_dtype));
@@ -431,12 +431,12 @@ void moe_layer_into(Tensor& out, const Tensor& h, const Tensor& x, const MoeWeig
   ExpertScratch sc;
   plan_expert_scratch(s, weights.experts, x, /*ids_unsigned=*/false, /*own_y=*/true,
                       /*try_fused_combine=*/h.dtype() == s.out_dtype, layout, sc);
-  sc.base = ws.get(kMoeArenaSlot, layout.bytes());
+  sc.base = ws.get(detail::kSlotLayerArena, layout.bytes());
   int32_t* route_indices = sc.i32(indices_off);
   void* route_weights = sc.at(weights_off);
   sc.route_weights = route_weights;
   if (sc.fused_combine)  // before route_into, which then reuses the (larger) slot for its scratch
-    sc.combine_acc_ptr = static_cast<float*>(ws.get(kRouterArenaSlot, bytes_of(s.T * s.D, DType::f32)));
+    sc.combine_acc_ptr = static_cast<float*>(ws.get(detail::kSlotRouterArena, bytes_of(s.T * s.D, DType::f32)));
 
   route_into(h, weights.router, route_indices, route_weights, ws);
   const ExpertResult r = run_experts(s, x, route_indices, /*ids_unsigned=*/false, weights.experts, sc, nullptr, ws);

@@ -27,7 +27,6 @@
 #include <cmath>
 #include <mutex>
 #include <type_traits>
-#include <unordered_map>
 #include <unordered_set>
 
 #include "core/route_counters.h"
@@ -1188,24 +1187,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_down_combine_mma_kernel(Do
 // ---------------------------------------------------------------------------------------------
 // Host side.
 
-// The counter of kernel 1 must be zero when a call starts; kernels leave it zero. One counter per
-// Workspace (a workspace serves one call at a time, as its arena does), from a pool zeroed once.
-constexpr int kCounterPool = 1024;
-unsigned* decode_counter(const Workspace& ws) {
-  static unsigned* pool = [] {
-    unsigned* p = nullptr;
-    EXPERTQMM_CUDA_CHECK(cudaMalloc(&p, kCounterPool * sizeof(unsigned)));
-    EXPERTQMM_CUDA_CHECK(cudaMemset(p, 0, kCounterPool * sizeof(unsigned)));
-    return p;
-  }();
-  static std::mutex mu;
-  static std::unordered_map<const Workspace*, int> slot_of;
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = slot_of.find(&ws);
-  if (it == slot_of.end()) it = slot_of.emplace(&ws, static_cast<int>(slot_of.size() % kCounterPool)).first;
-  return pool + it->second;
-}
-
 size_t router_smem(int64_t T, int64_t H) {
   return static_cast<size_t>((T + 1) * round_up4(padded(static_cast<int>(H)))) * 4;  // scale row + T h rows
 }
@@ -1349,8 +1330,10 @@ void call_decode_layer(Tensor& out, const Tensor& h, const Tensor& x, const MoeW
   const size_t weights_off = layout.reserve(static_cast<size_t>(n) * sizeof(uint16_t));
   const size_t plan_off = layout.reserve(sizeof(DecodePlan));
   const size_t hidden_off = layout.reserve(static_cast<size_t>(n) * I * sizeof(uint16_t));
-  void* base = ws.get(kMoeArenaSlot, layout.bytes());
-  unsigned* counter = decode_counter(ws);
+  void* base = ws.get(detail::kSlotLayerArena, layout.bytes());
+  // Kernel 1's count of finished CTAs: zero when a call starts (the last CTA resets it), one per
+  // workspace (a workspace serves one call at a time, as its arena does).
+  auto* counter = static_cast<unsigned*>(ws.get_zeroed(detail::kSlotCounters, sizeof(unsigned)));
   cudaStream_t stream = current_stream();
   auto* plan = static_cast<DecodePlan*>(arena_at(base, plan_off));
 

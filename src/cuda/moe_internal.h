@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "core/float16.h"
+#include "core/workspace_slots.h"
 #include "cuda/gather_qmm_routes.h"
 #include "cuda/runtime.cuh"
 #include "expertqmm/moe.h"
@@ -63,12 +64,8 @@ void dispatch_float(DType t, const char* op, F&& f) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Workspace slots. The MoE path carves all of its scratch from one slot per call (an arena), the
-// router from another; gather_qmm_into may use the slots below kFirstOpsSlot for its own scratch.
-constexpr int kRouterArenaSlot = 14;
-constexpr int kMoeArenaSlot = 15;
-constexpr int kFirstOpsSlot = 14;
-
+// ---------------------------------------------------------------------------------------------
+// Scratch arenas (the slots themselves: core/workspace_slots.h).
 // Two-pass carving: reserve() offsets while sizing, then base + offset once the slot is fetched.
 class ArenaLayout {
  public:
@@ -127,7 +124,7 @@ void launch_weighted_combine(DType y_dtype, const void* y, int64_t y_rows, const
 
 // router.cu: the Gemma 4 router on the device. Writes indices [T, k] int32 and weights [T, k] in
 // h's dtype (both contiguous device memory owned by the caller); scratch from `ws` (slot
-// kRouterArenaSlot and whatever gather_qmm_into takes). h: [T, H] on the device, rows contiguous.
+// detail::kSlotRouterArena and whatever gather_qmm_into takes). h: [T, H] on the device, rows contiguous.
 void route_into(const Tensor& h, const RouterWeights& router, int32_t* indices, void* weights, Workspace& ws);
 
 // moe_decode.cu: the decode layer, moe_layer_into in three kernels (router with top-k and the
@@ -135,7 +132,7 @@ void route_into(const Tensor& h, const RouterWeights& router, int32_t* indices, 
 // kDecodeMaxRows (token, slot) rows. supports_decode_layer: the first Fallback class that rules a
 // call out (dtype, quantization, topology, shape, alignment); use_decode_layer also applies
 // EXPERTQMM_DECODE_LAYER / set_decode_layer and records the selection (Primitive::moe_decode_layer);
-// call_decode_layer runs it on the current stream, scratch from ws's kMoeArenaSlot, no host sync.
+// call_decode_layer runs it on the current stream, scratch from ws's detail::kSlotLayerArena, no host sync.
 constexpr int64_t kDecodeMaxRows = 64;  // T*k; also T <= 8 and k <= 8 (moe_decode.cu)
 RouteSupport supports_decode_layer(const Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& weights);
 bool use_decode_layer(const Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& weights);

@@ -153,7 +153,7 @@ void route_into(const Tensor& h, const RouterWeights& router, int32_t* indices, 
   // is reused later by the MoE layer's larger combine accumulator, so they cost no peak memory.
   const size_t split_bytes = quantized ? gather_qmm_split_k_bytes(T, E, H) : 0;
   const size_t split_off = split_bytes ? layout.reserve(split_bytes) : 0;
-  void* base = ws.get(kRouterArenaSlot, layout.bytes());
+  void* base = ws.get(detail::kSlotRouterArena, layout.bytes());
   void* r = arena_at(base, r_off);
   void* logits = arena_at(base, logits_off);
   cudaStream_t stream = current_stream();

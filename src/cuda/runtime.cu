@@ -85,6 +85,10 @@ void copy_device_to_device(void* dst, const void* src, size_t bytes) {
   EXPERTQMM_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cuda::current_stream()));
 }
 
+void device_zero(void* dst, size_t bytes) {
+  EXPERTQMM_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, cuda::current_stream()));
+}
+
 bool device_usable() {
   static const bool usable = [] {
     int n = 0;

@@ -20,4 +20,28 @@ void launch_build_tile_plan(const int32_t* ids, int64_t n, int E, detail::Expert
                             detail::TilePlanHeader* header, cudaStream_t s,
                             unsigned long long* retraction_counter = nullptr);
 
+// A plan in one device buffer, as the expert tile route stores it: the header, then the tiles
+// kTilePlanHeaderBytes in (16-byte aligned), room for max_tiles(n, E) of them.
+constexpr size_t kTilePlanHeaderBytes = 16;
+static_assert(sizeof(detail::TilePlanHeader) <= kTilePlanHeaderBytes, "the header fits before the tiles");
+inline size_t tile_plan_bytes(int64_t n, int E) {
+  return kTilePlanHeaderBytes + static_cast<size_t>(detail::max_tiles(n, E)) * sizeof(detail::ExpertTile);
+}
+struct TilePlanView {
+  const detail::TilePlanHeader* header;
+  const detail::ExpertTile* tiles;
+  int64_t tile_slots;  // max_tiles(n, E)
+};
+inline TilePlanView tile_plan_view(const void* plan, int64_t n, int E) {
+  const auto* base = static_cast<const unsigned char*>(plan);
+  return {reinterpret_cast<const detail::TilePlanHeader*>(base),
+          reinterpret_cast<const detail::ExpertTile*>(base + kTilePlanHeaderBytes), detail::max_tiles(n, E)};
+}
+// launch_build_tile_plan into a buffer of tile_plan_bytes(n, E) laid out as above.
+inline void launch_build_tile_plan_at(const int32_t* ids, int64_t n, int E, void* plan, cudaStream_t s) {
+  auto* base = static_cast<unsigned char*>(plan);
+  launch_build_tile_plan(ids, n, E, reinterpret_cast<detail::ExpertTile*>(base + kTilePlanHeaderBytes),
+                         reinterpret_cast<detail::TilePlanHeader*>(base), s, nullptr);
+}
+
 }  // namespace expertqmm::cuda

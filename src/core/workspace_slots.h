@@ -1,0 +1,23 @@
+// The slots of a Workspace (include/expertqmm/moe.h), in one place: which code owns each. A slot
+// is one grow-only device buffer; code that owns a slot carves it with an arena (ArenaLayout) when
+// it needs several pieces. Slots 2-11 are free.
+#pragma once
+
+namespace expertqmm::detail {
+
+enum WorkspaceSlot : int {
+  // gather_qmm called alone (not inside a layer, whose plan holds its own): the expert tile route's
+  // plan (header + tiles) and rhs_tiles' split-K fp32 slices (at most 4 MB).
+  kSlotTilePlan = 0,
+  kSlotSplitK = 1,
+  // Device counters that kernels leave zero once done (Workspace::get_zeroed): the decode layer's
+  // count of finished router CTAs. One per workspace, so that layers on other workspaces (other
+  // threads and streams) never share one.
+  kSlotCounters = 12,
+  kSlotFfnArena = 13,     // gemma4_ffn_into: the dense MLP, norm and residual buffers
+  kSlotRouterArena = 14,  // route_into's scratch; the layer's fp32 combine accumulator once routed
+  kSlotLayerArena = 15,   // the MoE layer plan's buffers (cuda/layer_plan.h)
+  kSlotCount = 16,
+};
+
+}  // namespace expertqmm::detail
