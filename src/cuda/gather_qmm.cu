@@ -68,7 +68,7 @@ bool check_problem(const detail::GatherQmmProblem& p, const void* out) {
 bool expert_tiles_requested() { return expert_tiles_setting() != RouteSwitch::off; }
 
 // Picks the route; with `record`, counts the expert tile route's hit or the class of its miss.
-const GatherQmmRoute& select_route(const detail::GatherQmmProblem& p, bool record) {
+const GatherQmmRoute& pick_route(const detail::GatherQmmProblem& p, bool record) {
   const bool requested = expert_tiles_requested();
   const RouteSupport tiles = supports_expert_tiles(p);
   const bool hit = requested && tiles.ok;
@@ -95,7 +95,16 @@ int device_sm_count() {
 
 void gather_qmm_into(const detail::GatherQmmProblem& p, void* out, Workspace* ws) {
   if (!check_problem(p, out)) return;
-  select_route(p, /*record=*/true).call(p, out, ws);
+  pick_route(p, /*record=*/true).call(p, out, ws);
+}
+
+const GatherQmmRoute& select_gather_qmm_route(const detail::GatherQmmProblem& p) { return pick_route(p, true); }
+
+bool is_expert_tiles(const GatherQmmRoute& route) { return &route == &kRoutes[0]; }
+
+void run_gather_qmm_route(const GatherQmmRoute& route, const detail::GatherQmmProblem& p, void* out, Workspace* ws) {
+  if (!check_problem(p, out)) return;
+  route.call(p, out, ws);
 }
 
 detail::GatherQmmProblem single_matrix_problem(const void* x, int64_t T, int64_t K, DType dtype,
@@ -139,7 +148,7 @@ std::vector<std::string> gather_qmm_route_names() {
   return names;
 }
 
-std::string gather_qmm_selected_route(const detail::GatherQmmProblem& p) { return select_route(p, false).name; }
+std::string gather_qmm_selected_route(const detail::GatherQmmProblem& p) { return pick_route(p, false).name; }
 
 void gather_qmm_into_route(const std::string& route, const detail::GatherQmmProblem& p, void* out, Workspace* ws) {
   const GatherQmmRoute* found = nullptr;

@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "core/gather_qmm_problem.h"
+#include "cuda/gather_qmm_routes.h"
 #include "expertqmm/moe.h"
 
 namespace expertqmm::cuda {
@@ -11,6 +12,13 @@ namespace expertqmm::cuda {
 // Runs the route selector on `p` and writes out [B, M, N] in p.dtype on the current stream.
 // No host synchronization; scratch comes from `ws` (nullptr: the op allocates its own).
 void gather_qmm_into(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
+
+// The same selection in two steps, for the layer plan (layer_plan.cu): the route the selector picks
+// for p, counted once (the expert tile route's hit, or the class of its miss), whether or not the
+// plan then fuses the GEMM into a neighbour; and a run of p on that route with no second choice.
+const GatherQmmRoute& select_gather_qmm_route(const detail::GatherQmmProblem& p);
+bool is_expert_tiles(const GatherQmmRoute& route);
+void run_gather_qmm_route(const GatherQmmRoute& route, const detail::GatherQmmProblem& p, void* out, Workspace* ws);
 
 // The problem of out [T, N] = x [T, K] @ dequant(q)^T with one weight matrix: x (T, K) in `dtype`
 // on the device is one batch of M = T rows (B = 1, identity indices), N = q's rows. scales/biases

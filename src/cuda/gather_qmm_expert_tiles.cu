@@ -234,27 +234,19 @@ void call_expert_tiles_wgmma(const detail::GatherQmmProblem& p, void* out, Works
   run_expert_tiles(p, out, ws, TileKernel::wgmma);
 }
 
-const void* build_expert_tile_plan(const detail::GatherQmmProblem& p, Workspace& ws) {
-  EXPERTQMM_CHECK(supports_expert_tiles(p).ok, "gather_qmm", "build_expert_tile_plan: the expert tile route does not take ",
-                  p.describe());
-  return build_plan_into(p, ws.get(detail::kSlotTilePlan, plan_bytes(p)));
-}
+void build_expert_tile_plan(const detail::GatherQmmProblem& p, void* plan) { build_plan_into(p, plan); }
 
 bool gate_up_glu_fits(const detail::GatherQmmProblem& gate, const detail::GatherQmmProblem& up) {
   const bool same = gate.N == up.N && gate.K == up.K && gate.w_batch == up.w_batch && gate.bits == up.bits &&
                     gate.group_size == up.group_size && gate.dtype == up.dtype && gate.B == up.B;
-  return same && expert_tiles_setting() != RouteSwitch::off && supports_expert_tiles(gate).ok &&
-         supports_expert_tiles(up).ok && wgmma_tiles_fit(gate) && wgmma_tiles_fit(up);
+  return same && wgmma_tiles_fit(gate) && wgmma_tiles_fit(up);
 }
 
-bool gate_up_glu_expert_tiles(const detail::GatherQmmProblem& gate, const detail::GatherQmmProblem& up, Activation act,
-                              void* hidden) {
-  if (!gate_up_glu_fits(gate, up) || gate.tile_plan == nullptr || gate.tile_plan != up.tile_plan ||
-      !is_aligned(hidden, 16))
-    return false;
-  // Two gather_qmm calls served by the tile route.
-  for (int i = 0; i < 2; ++i)
-    detail::record_selection(detail::Primitive::gather_qmm, true, true, true, Fallback::disabled);
+void launch_gate_up_glu(const detail::GatherQmmProblem& gate, const detail::GatherQmmProblem& up, Activation act,
+                        void* hidden) {
+  // Invariants of the layer plan, not choices: it fused only GEMMs that fit, over one shared plan.
+  EXPERTQMM_CHECK(gate.tile_plan != nullptr && gate.tile_plan == up.tile_plan && is_aligned(hidden, 16),
+                  "gather_qmm", "the fused gate/up GEMM needs one shared tile plan and a 16-byte aligned output");
   WgmmaTileArgs args;
   args.tile = make_tile_args(gate, hidden);
   args.w_up = static_cast<const uint32_t*>(up.w.data());
@@ -265,17 +257,14 @@ bool gate_up_glu_expert_tiles(const detail::GatherQmmProblem& gate, const detail
   const TilePlanView v = plan_view(gate, gate.tile_plan);
   launch_expert_tiles_wgmma(args, act == Activation::geglu ? WgmmaForm::geglu : WgmmaForm::swiglu, gate.dtype, v.tiles,
                             v.header, v.tile_slots);
-  return true;
 }
 
-bool down_combine_fits(const detail::GatherQmmProblem& down) {
-  return expert_tiles_setting() != RouteSwitch::off && supports_expert_tiles(down).ok && wgmma_tiles_fit(down);
-}
+bool down_combine_fits(const detail::GatherQmmProblem& down) { return wgmma_tiles_fit(down); }
 
-bool down_combine_expert_tiles(const detail::GatherQmmProblem& down, const int32_t* slot_of_row, const void* weights,
-                               int top_k, float* acc) {
-  if (!down_combine_fits(down) || down.tile_plan == nullptr || !is_aligned(acc, 16)) return false;
-  detail::record_selection(detail::Primitive::gather_qmm, true, true, true, Fallback::disabled);
+void launch_down_combine(const detail::GatherQmmProblem& down, const int32_t* slot_of_row, const void* weights,
+                         int top_k, float* acc) {
+  EXPERTQMM_CHECK(down.tile_plan != nullptr && is_aligned(acc, 16), "gather_qmm",
+                  "the down GEMM with the combine needs the layer's tile plan and a 16-byte aligned accumulator");
   WgmmaTileArgs args;
   args.tile = make_tile_args(down, nullptr);
   args.combine_slot = slot_of_row;
@@ -286,7 +275,6 @@ bool down_combine_expert_tiles(const detail::GatherQmmProblem& down, const int32
   args.calls = 1;
   const TilePlanView v = plan_view(down, down.tile_plan);
   launch_expert_tiles_wgmma(args, WgmmaForm::combine, down.dtype, v.tiles, v.header, v.tile_slots);
-  return true;
 }
 
 }  // namespace expertqmm::cuda

@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "cuda/device/dequant.cuh"
+#include "cuda/device/staging.cuh"
 #include "cuda/gather_qmm_routes.h"
 #include "cuda/runtime.cuh"
 
@@ -18,6 +19,8 @@ using device::Elem;
 using device::small_uint_to_float;
 using device::word_dot;
 using device::word_x;
+using device::padded;
+using device::round_up4;
 
 constexpr int kQmvWarps = 8;
 constexpr int kQmvThreads = 32 * kQmvWarps;
@@ -45,11 +48,8 @@ struct QmvArgs {
   bool x_vec;      // every x row starts 16-byte aligned: stage with 16-byte loads
 };
 
-// x is staged as float with 4 floats of padding after every 32, so that lanes reading
-// consecutive chunks (8 to 32 values each) start in different bank groups.
-__host__ __device__ constexpr int padded_index(int k) { return k + ((k >> 5) << 2); }
-__host__ __device__ constexpr int round_up4(int v) { return (v + 3) & ~3; }
-
+// x is staged as float with 4 floats of padding after every 32 (device/staging.cuh: padded), so
+// that lanes reading consecutive chunks (8 to 32 values each) start in different bank groups.
 
 // One lane's weights for a batch: kQmvChunksPerLane chunks of each of the warp's 4 columns, with
 // the scale and bias of each chunk's group. Columns past N and chunks past the row read nothing and
@@ -118,7 +118,7 @@ __global__ void __launch_bounds__(kQmvThreads, kQmvMinCtasPerSm) qmv_kernel(QmvA
   constexpr int kUnitsPerChunk = kValsPerChunk / kUnit;
   extern __shared__ __align__(16) float qmv_smem[];
   float* xs = qmv_smem;                                    // padded (K,) float
-  float* unit_sum = xs + round_up4(padded_index(a.K));     // (K / kUnit,) float
+  float* unit_sum = xs + round_up4(padded(a.K));     // (K / kUnit,) float
   float* partial = unit_sum + round_up4(a.K / kUnit);      // (k_split, cols_per_cta) float
 
   const int row = blockIdx.y;
@@ -171,7 +171,7 @@ __global__ void __launch_bounds__(kQmvThreads, kQmvMinCtasPerSm) qmv_kernel(QmvA
     for (int v = 0; v < kUnit; ++v) {
       sum += xv[v];
       // kUnit is 4 or 8, so value v sits at k % 4 == v % 4.
-      xs[padded_index(u * kUnit + v)] = kBits == 4 ? xv[v] * (1.0f / static_cast<float>(1 << (4 * (v & 3)))) : xv[v];
+      xs[padded(u * kUnit + v)] = kBits == 4 ? xv[v] * (1.0f / static_cast<float>(1 << (4 * (v & 3)))) : xv[v];
     }
     unit_sum[u] = sum;
   }
@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(kQmvThreads, kQmvMinCtasPerSm) qmv_kernel(QmvA
       if (c >= a.num_chunks) break;  // later chunks of the lane are past the row too
       // One word's x values at a time (8 or 4 floats), shared by the 4 columns: keeps the x
       // registers to one word's worth while the batch's weights are live.
-      const float* xc = xs + padded_index(c * kValsPerChunk);
+      const float* xc = xs + padded(c * kValsPerChunk);
       constexpr int kValsPerWord = 32 / kBits;
       float dot[kQmvColsPerWarp];
 #pragma unroll
@@ -263,7 +263,7 @@ const QmvVariant kQmvVariants[] = {
 
 // xs, unit_sum (at most K / 4 units: 8-bit single-word chunks) and the split-K partials.
 size_t qmv_smem_bytes(int64_t K) {
-  return sizeof(float) * (round_up4(padded_index(static_cast<int>(K))) + round_up4(static_cast<int>(K / 4)) +
+  return sizeof(float) * (round_up4(padded(static_cast<int>(K))) + round_up4(static_cast<int>(K / 4)) +
                           kQmvPartials);
 }
 

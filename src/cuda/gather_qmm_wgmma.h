@@ -44,24 +44,24 @@ bool wgmma_tiles_fit(const detail::GatherQmmProblem& p);
 void launch_expert_tiles_wgmma(const WgmmaTileArgs& p, WgmmaForm form, DType dtype, const detail::ExpertTile* tiles,
                                const detail::TilePlanHeader* header, int64_t tile_slots);
 
-// The gate/up GEMMs of a SwitchGLU layer and the GLU product in one wgmma launch:
-// hidden[r] = T(act(T(x[lhs[r]] gate[rhs[r]]^T)) * T(x[lhs[r]] up[rhs[r]]^T)) (fused product mode).
-// gate and up must share shapes, dtype, quantization and one prebuilt tile_plan; hidden is
-// (B, N) contiguous. Counts two gather_qmm hits. Returns false, launching and counting nothing,
-// when the route is switched off or the problems do not fit the wgmma kernel.
-// The shape, dtype, quantization and switch checks of gate_up_glu_expert_tiles, without the plan
-// and output pointers: callers plan their scratch with it.
-bool gate_up_glu_fits(const detail::GatherQmmProblem& gate, const detail::GatherQmmProblem& up);
-bool gate_up_glu_expert_tiles(const detail::GatherQmmProblem& gate, const detail::GatherQmmProblem& up, Activation act,
-                              void* hidden);
+// The layer plan (layer_plan.cu) decides the fusions below, once, and counts their GEMMs through
+// the route selector; these launch what it decided.
 
-// The down GEMM of an MoE layer with the weighted combine in its epilogue:
-// acc[t, :] += w[s] * T(hidden[r] down[rhs[r]]^T) for sorted row r of flat slot s = slot_of_row[r],
-// t = s / top_k. acc: (T, N) fp32, zeroed by the caller; weights: (T * top_k,) in down.dtype.
-// Needs down.tile_plan. Counts one gather_qmm hit. Returns false (nothing launched or counted)
-// when down_combine_fits is false.
+// Whether gate and up can run as one wgmma launch with the GLU product in its epilogue: the same
+// shapes, dtype and quantization, and wgmma_tiles_fit for both (the plan has already chosen the
+// expert tile route for both).
+bool gate_up_glu_fits(const detail::GatherQmmProblem& gate, const detail::GatherQmmProblem& up);
+// hidden[r] = T(act(T(x[lhs[r]] gate[rhs[r]]^T)) * T(x[lhs[r]] up[rhs[r]]^T)), hidden (B, N)
+// contiguous and 16-byte aligned; gate and up share one prebuilt tile_plan.
+void launch_gate_up_glu(const detail::GatherQmmProblem& gate, const detail::GatherQmmProblem& up, Activation act,
+                        void* hidden);
+
+// Whether the down GEMM can carry the weighted combine in its epilogue (wgmma_tiles_fit).
 bool down_combine_fits(const detail::GatherQmmProblem& down);
-bool down_combine_expert_tiles(const detail::GatherQmmProblem& down, const int32_t* slot_of_row, const void* weights,
-                               int top_k, float* acc);
+// acc[t, :] += w[s] * T(hidden[r] down[rhs[r]]^T) for sorted row r of flat slot s = slot_of_row[r],
+// t = s / top_k. acc: (T, N) fp32, zeroed by the caller, 16-byte aligned; weights: (T * top_k,) in
+// down.dtype. Needs down.tile_plan.
+void launch_down_combine(const detail::GatherQmmProblem& down, const int32_t* slot_of_row, const void* weights,
+                         int top_k, float* acc);
 
 }  // namespace expertqmm::cuda

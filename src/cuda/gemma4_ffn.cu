@@ -71,7 +71,7 @@ void gemma4_ffn_into(Tensor& out, const Tensor& h, const Gemma4FfnWeights& w, Wo
   norm(h.data(), w.pre_feedforward_layernorm_2, at(x2_off));
   const Tensor x2 = Tensor::view(at(x2_off), {T, H}, dt, Device::cuda);
   Tensor moe_out = Tensor::view(at(moe_off), {T, H}, dt, Device::cuda);
-  moe_layer_into(moe_out, h, x2, w.moe, ws);
+  cuda::moe_layer_into(moe_out, h, x2, w.moe, ws);
   norm(at(moe_off), w.post_feedforward_layernorm_2, at(h2_off));
 
   // out = (h + post_ff(h1 + h2)) * layer_scalar; the sum reuses d, the norm reuses x1.

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "core/float16.h"
+#include "cuda/device/elem.cuh"
 #include "core/workspace_slots.h"
 #include "cuda/gather_qmm_routes.h"
 #include "cuda/runtime.cuh"
@@ -14,40 +14,7 @@
 
 namespace expertqmm::cuda {
 
-// ---------------------------------------------------------------------------------------------
-// Element types. Conversions go through core/float16.h so that the device rounds exactly as the
-// CPU backend does (round to nearest even; bf16/f16 stored as uint16_t).
-template <DType D>
-struct Elem;
-template <>
-struct Elem<DType::bf16> {
-  using storage = uint16_t;
-  static __host__ __device__ __forceinline__ float load(storage v) { return bf16_to_float(v); }
-  static __host__ __device__ __forceinline__ storage store(float f) { return float_to_bf16(f); }
-};
-template <>
-struct Elem<DType::f16> {
-  using storage = uint16_t;
-  static __host__ __device__ __forceinline__ float load(storage v) { return f16_to_float(v); }
-  static __host__ __device__ __forceinline__ storage store(float f) { return float_to_f16(f); }
-};
-template <>
-struct Elem<DType::f32> {
-  using storage = float;
-  static __host__ __device__ __forceinline__ float load(storage v) { return v; }
-  static __host__ __device__ __forceinline__ storage store(float f) { return f; }
-};
-
-// Rounds an fp32 value to the precision of D and back (identity for f32).
-template <DType D>
-__host__ __device__ __forceinline__ float round_to(float f) {
-  return Elem<D>::load(Elem<D>::store(f));
-}
-
-// Elements per 16-byte vector.
-template <DType D>
-constexpr int kVec16 = 16 / static_cast<int>(sizeof(typename Elem<D>::storage));
-
+// Element types: cuda/device/elem.cuh (Elem<D>, round_to, kVec16).
 template <DType D>
 using DTypeTag = std::integral_constant<DType, D>;
 
@@ -127,15 +94,20 @@ void launch_weighted_combine(DType y_dtype, const void* y, int64_t y_rows, const
 // detail::kSlotRouterArena and whatever gather_qmm_into takes). h: [T, H] on the device, rows contiguous.
 void route_into(const Tensor& h, const RouterWeights& router, int32_t* indices, void* weights, Workspace& ws);
 
-// moe_decode.cu: the decode layer, moe_layer_into in three kernels (router with top-k and the
+// moe_decode_layer.cu: the decode layer, moe_layer_into in three kernels (router with top-k and the
 // expert grouping; gate/up with the GLU product; down with the weighted combine) for at most
 // kDecodeMaxRows (token, slot) rows. supports_decode_layer: the first Fallback class that rules a
-// call out (dtype, quantization, topology, shape, alignment); use_decode_layer also applies
-// EXPERTQMM_DECODE_LAYER / set_decode_layer and records the selection (Primitive::moe_decode_layer);
-// call_decode_layer runs it on the current stream, scratch from ws's detail::kSlotLayerArena, no host sync.
-constexpr int64_t kDecodeMaxRows = 64;  // T*k; also T <= 8 and k <= 8 (moe_decode.cu)
+// call out (dtype, quantization, topology, shape, alignment); the layer plan (layer_plan.cu) applies
+// the setting and records the choice. call_decode_layer runs it on the current stream with the
+// scratch laid out by decode_scratch in the layer arena (slot kSlotLayerArena), no host sync.
+constexpr int64_t kDecodeMaxRows = 64;  // T*k; also T <= 8 and k <= 8 (moe_decode.h)
+struct DecodeScratch {
+  size_t logits = 0, indices = 0, weights = 0, plan = 0, hidden = 0;  // offsets in the arena
+  size_t bytes = 0;
+};
 RouteSupport supports_decode_layer(const Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& weights);
-bool use_decode_layer(const Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& weights);
-void call_decode_layer(Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& weights, Workspace& ws);
+DecodeScratch decode_scratch(int64_t T, int64_t k, int64_t E, int64_t I);
+void call_decode_layer(const DecodeScratch& scratch, Tensor& out, const Tensor& h, const Tensor& x,
+                       const MoeWeights& weights, Workspace& ws);
 
 }  // namespace expertqmm::cuda

@@ -21,14 +21,6 @@ namespace {
 constexpr int kNormThreads = 256;
 constexpr int kWarpsPerCta = 8;
 
-__device__ __forceinline__ float load_any(const void* p, DType dtype, int64_t i) {
-  switch (dtype) {
-    case DType::bf16: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
-    case DType::f16: return f16_to_float(static_cast<const uint16_t*>(p)[i]);
-    default: return static_cast<const float*>(p)[i];
-  }
-}
-
 // r[t, i] = T(h[t, i] * inv_rms(t) * (scale[i] * root_size)), inv_rms = 1 / sqrt(sum(h^2)/H + eps).
 //   h      (T, H) of D, rows h_row_stride apart;  scale (H) of S;  r (T, H) of D contiguous
 // Work split: one CTA of 256 threads per token; thread i owns elements i, i + 256, ... of the row.

@@ -50,7 +50,7 @@ void check_linear(const char* name, const Linear& l, int64_t out, int64_t in, co
                     dtype_name(h.dtype()), "; the CUDA path needs its scales (or dense weight) in h's dtype");
 }
 
-// Checks what the feed-forward part itself owns; the router and experts are checked by moe_layer.
+// Checks every input of the feed-forward part, the router and experts included.
 void check_ffn(const Tensor& h, const Gemma4FfnWeights& w) {
   EXPERTQMM_CHECK(h.defined(), kOp, "h is undefined");
   EXPERTQMM_CHECK(is_floating(h.dtype()), kOp, "h must be bfloat16, float16 or float32, got ", h.describe());
@@ -72,6 +72,11 @@ void check_ffn(const Tensor& h, const Gemma4FfnWeights& w) {
   check_linear("mlp.gate_proj", w.mlp.gate, I, H, h);
   check_linear("mlp.up_proj", w.mlp.up, I, H, h);
   check_linear("mlp.down_proj", w.mlp.down, H, I, h);
+  // The router and experts, as moe_layer checks them (the CUDA block runs the layer without the front).
+  const DType moe_out = detail::check_moe_weights(kOp, h, w.moe);
+  if (dev == Device::cuda)
+    EXPERTQMM_CHECK(moe_out == h.dtype(), kOp, "the experts would produce ", dtype_name(moe_out), " from h ",
+                    dtype_name(h.dtype()), "; the CUDA path needs their scales in h's dtype");
 }
 
 QuantizedWeight quantized_to(const QuantizedWeight& q, Device device) {

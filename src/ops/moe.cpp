@@ -220,6 +220,10 @@ ExpertDims check_moe(const char* op, const Tensor& h, const Tensor& x, const Moe
 
 }  // namespace
 
+DType detail::check_moe_weights(const char* op, const Tensor& h, const MoeWeights& w) {
+  return check_moe(op, h, h, w).out_dtype;
+}
+
 Routing route(const Tensor& h, const RouterWeights& router) {
   const RouterDims d = check_router("route", h, router);
   if (d.T == 0) {

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "core/backend_ops.h"
+#include "expertqmm/moe.h"
 #include "expertqmm/tensor.h"
 
 namespace expertqmm::detail {
@@ -12,6 +13,10 @@ namespace expertqmm::detail {
 // bad EXPERTQMM_* variable is an Error from every op on every build; a device whose backend this
 // build lacks is an Error naming `op`.
 const BackendOps& backend_ops(const std::string& op, Device device);
+
+// The checks of moe_layer(h, x = h-shaped, w) for a caller that runs the layer inside a larger block
+// (gemma4_ffn); returns the layer's output dtype.
+DType check_moe_weights(const char* op, const Tensor& h, const MoeWeights& w);
 
 // Throws Error(op) unless `t` (named `name` in the message) is defined and bf16, f16 or f32.
 void check_floating(const std::string& op, const char* name, const Tensor& t);

@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "cuda/device/elem.cuh"
+
 namespace expertqmm::cuda::device {
 
 // Exact float of an unsigned integer below 2^23 without I2F (a quarter-rate conversion on sm_90):
@@ -51,40 +53,7 @@ __device__ __forceinline__ void word_x(const float* xc, int wi, float (&xv)[32 /
   }
 }
 
-// Activation element <-> float; raw 16-bit storage -> float for bf16/f16 scales and biases.
-template <class T>
-struct Elem;
-
-template <>
-struct Elem<__nv_bfloat16> {
-  static __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-  static __device__ __forceinline__ __nv_bfloat16 from_float(float f) { return __float2bfloat16_rn(f); }
-  static __device__ __forceinline__ float raw_to_float(uint32_t bits16) { return __uint_as_float(bits16 << 16); }
-  // Two floats to one register of two values, `lo` in the low half (one rounding each).
-  static __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-};
-
-template <>
-struct Elem<__half> {
-  static __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-  static __device__ __forceinline__ __half from_float(float f) { return __float2half_rn(f); }
-  static __device__ __forceinline__ float raw_to_float(uint32_t bits16) {
-    return __half2float(__ushort_as_half(static_cast<unsigned short>(bits16)));
-  }
-  static __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-};
-
-template <>
-struct Elem<float> {
-  static __device__ __forceinline__ float to_float(float v) { return v; }
-  static __device__ __forceinline__ float from_float(float f) { return f; }
-};
+// Elem<T> (element conversions by CUDA type): device/elem.cuh.
 
 // Two codes with one scale and bias to a register of two T: T(float(s) * q + float(b)), fp32 math
 // with a single fused rounding, then one rounding to T (MLX v0.32.1+ tile dequantization).

@@ -1,0 +1,242 @@
+// The layer plan (layer_plan.h): every decision of an MoE layer call on CUDA, made here once.
+#include "cuda/layer_plan.h"
+
+#include "core/route_counters.h"
+#include "cuda/gather_qmm.h"
+#include "cuda/gather_qmm_wgmma.h"
+#include "cuda/tile_plan.cuh"
+
+namespace expertqmm::cuda {
+
+namespace {
+
+constexpr int64_t kSortThreshold = 64;  // mlx-lm SwitchGLU sorts when indices.size >= 64
+
+size_t bytes_of(int64_t count, DType t) { return static_cast<size_t>(count) * dtype_size(t); }
+
+Tensor view(void* p, const Shape& shape, DType dtype, const Shape& strides = {}) {
+  return Tensor::view(p, shape, dtype, Device::cuda, strides);
+}
+
+// The arena piece at `offset` from `base`.
+void* at(void* base, size_t offset) { return static_cast<char*>(base) + offset; }
+int32_t* i32_at(void* base, size_t offset) { return static_cast<int32_t*>(at(base, offset)); }
+
+// A nominal arena base for planning: as aligned as any real one (ArenaLayout::kAlign).
+void* nominal_base() { return reinterpret_cast<void*>(uintptr_t{ArenaLayout::kAlign}); }
+
+// scales/biases of q as a GEMM reads them: the weight's own, or the arena's copies cast to the
+// problem's dtype (offsets s_off / b_off).
+void gemm_params(const QuantizedWeight& q, bool cast, DType dtype, void* base, size_t s_off, size_t b_off,
+                 Tensor& scales, Tensor& biases) {
+  if (!cast) {
+    scales = q.scales.contiguous();
+    biases = q.biases.contiguous();
+    return;
+  }
+  scales = view(at(base, s_off), q.scales.shape(), dtype);
+  biases = view(at(base, b_off), q.biases.shape(), dtype);
+}
+
+// The gather_qmm problem over the n (token, slot) rows with M = 1: row b multiplies x row lhs[b]
+// (lhs null: row b) by expert rhs[b]'s weight. x holds x_rows rows of K values, x_row_stride apart.
+detail::GatherQmmProblem expert_problem(const QuantizedWeight& q, const Tensor& scales, const Tensor& biases,
+                                        DType dtype, void* x, int64_t x_rows, int64_t x_row_stride, int64_t K, int64_t N,
+                                        int64_t n, int32_t* lhs, int32_t* rhs, bool sorted, const void* plan) {
+  detail::GatherQmmProblem p;
+  p.M = 1;
+  p.N = N;
+  p.K = K;
+  p.bits = q.bits;
+  p.group_size = q.group_size;
+  p.transpose = true;
+  p.sorted_indices = sorted;
+  p.batch = {n};
+  p.B = n;
+  p.x_batch = x_rows;
+  p.w_batch = q.w.size(0);
+  p.dtype = dtype;
+  p.device = Device::cuda;
+  p.x = view(x, {x_rows, 1, K}, dtype, {x_row_stride, K, 1});
+  p.x_batch_stride = x_row_stride;
+  p.w = q.w.contiguous();
+  p.scales = scales;
+  p.biases = biases;
+  p.lhs_is_identity = lhs == nullptr;
+  if (lhs) p.lhs = view(lhs, {n}, DType::i32);
+  p.rhs_is_identity = false;
+  p.rhs = view(rhs, {n}, DType::i32);
+  p.tile_plan = plan;
+  return p;
+}
+
+// Reserves the buffers every experts-path plan has, whatever the fusions: the routing outputs (when
+// the layer routes), the sort, the casts, the hidden rows.
+void reserve_fixed(LayerPlan& p, const SwitchGLUWeights& w, bool routes, DType route_weight_dtype,
+                   ArenaLayout& layout) {
+  const ExpertShape& s = p.shape;
+  ExpertScratch& sc = p.scratch;
+  if (routes) {
+    sc.route_indices = layout.reserve(bytes_of(s.n, DType::i32));
+    sc.route_weights = layout.reserve(bytes_of(s.n, route_weight_dtype));
+  }
+  sc.token_of_row = layout.reserve(bytes_of(s.n, DType::i32));
+  if (s.sorted) {
+    sc.sorted_ids = layout.reserve(bytes_of(s.n, DType::i32));
+    sc.order = layout.reserve(bytes_of(s.n, DType::i32));
+    sc.positions = layout.reserve(bytes_of(s.n, DType::i32));
+    sc.inv_order = layout.reserve(bytes_of(s.n, DType::i32));
+    sc.sort_temp_bytes = sort_temp_bytes(s.n, p.ids_unsigned);
+    sc.sort_temp = layout.reserve(sc.sort_temp_bytes);
+  }
+  p.cast_x = s.x_dtype != s.hidden_dtype;
+  if (p.cast_x) sc.x_cast = layout.reserve(bytes_of(s.T * s.D, s.hidden_dtype));
+  p.cast_gate_up = s.gate_up_scales_dtype != s.hidden_dtype;
+  if (p.cast_gate_up) {
+    const QuantizedWeight* parts[2] = {s.fused ? &w.gate_up : &w.gate, s.fused ? nullptr : &w.up};
+    for (int i = 0; i < 2; ++i) {
+      if (!parts[i]) continue;
+      sc.gu_scales[i] = layout.reserve(bytes_of(parts[i]->scales.numel(), s.hidden_dtype));
+      sc.gu_biases[i] = layout.reserve(bytes_of(parts[i]->biases.numel(), s.hidden_dtype));
+    }
+  }
+  sc.hidden = layout.reserve(bytes_of(s.n * s.I, s.hidden_dtype));
+  p.cast_hidden = s.hidden_dtype != s.out_dtype;
+  if (p.cast_hidden) sc.hidden_cast = layout.reserve(bytes_of(s.n * s.I, s.out_dtype));
+  p.cast_down = s.down_scales_dtype != s.out_dtype;
+  if (p.cast_down) {
+    sc.down_scales = layout.reserve(bytes_of(w.down.scales.numel(), s.out_dtype));
+    sc.down_biases = layout.reserve(bytes_of(w.down.biases.numel(), s.out_dtype));
+  }
+}
+
+// Picks every GEMM's route (the selector counts each once), the tile plan and the fusions, then
+// reserves what they need. x: the layer input; ids: see layer_gemms. try_combine: the caller can
+// hand the down GEMM route weights in the output dtype (moe_layer_into). own_y: the down output
+// needs an arena buffer (not when the caller's output takes it as it is).
+void plan_experts(LayerPlan& p, const Tensor& x, const int32_t* ids, const SwitchGLUWeights& w, bool try_combine,
+                  bool own_y, ArenaLayout& layout) {
+  const ExpertShape& s = p.shape;
+  p.mode = product_mode();  // read once: the plan and the launches agree
+  LayerGemms g = layer_gemms(p, x, ids, w, nominal_base());
+  // The selector's choice for each GEMM, in mlx-lm's order (up, gate, down). The GEMMs of one layer
+  // share their sorted ids, so when the tile route takes the first, one plan serves them all.
+  if (s.fused) {
+    p.gate_up_route = &select_gather_qmm_route(g.gate_up);
+    p.tiles = is_expert_tiles(*p.gate_up_route);
+  } else {
+    p.up_route = &select_gather_qmm_route(g.up);
+    p.gate_route = &select_gather_qmm_route(g.gate);
+    p.tiles = is_expert_tiles(*p.up_route);
+    p.glu_fused = p.mode == ProductMode::fused && !p.cast_x && !p.cast_gate_up && p.tiles &&
+                  is_expert_tiles(*p.gate_route) && gate_up_glu_fits(g.gate, g.up);
+  }
+  p.down_route = &select_gather_qmm_route(g.down);
+  p.combine_fused = try_combine && !deterministic() && s.sorted && !p.cast_hidden && !p.cast_down && p.tiles &&
+                    is_expert_tiles(*p.down_route) && down_combine_fits(g.down);
+  if (p.glu_fused) p.up_route = p.gate_route = nullptr;
+  if (p.combine_fused) p.down_route = nullptr;
+
+  ExpertScratch& sc = p.scratch;
+  if (p.tiles) sc.tile_plan = layout.reserve(tile_plan_bytes(s.n, static_cast<int>(s.E)));
+  if (s.fused) {
+    sc.gate_up_out = layout.reserve(bytes_of(s.n * 2 * s.I, s.hidden_dtype));
+  } else if (!p.glu_fused) {  // the fused kernel never materializes gate and up
+    sc.gate_out = layout.reserve(bytes_of(s.n * s.I, s.hidden_dtype));
+    sc.up_out = layout.reserve(bytes_of(s.n * s.I, s.hidden_dtype));
+  }
+  if (p.mode == ProductMode::separate) sc.intermediate = layout.reserve(bytes_of(s.n * s.I, s.hidden_dtype));
+  if (own_y && !p.combine_fused) sc.y = layout.reserve(bytes_of(s.n * s.D, s.out_dtype));
+  // The fused combine's accumulator lives in the router's slot, dead once the routing is written.
+  if (p.combine_fused) p.combine_acc_bytes = bytes_of(s.T * s.D, DType::f32);
+}
+
+}  // namespace
+
+ExpertShape expert_shape(const Tensor& x, int64_t k, const SwitchGLUWeights& w) {
+  ExpertShape s;
+  s.T = x.size(0);
+  s.D = x.size(1);
+  s.k = k;
+  s.n = s.T * k;
+  s.fused = w.fused();
+  const QuantizedWeight& first = s.fused ? w.gate_up : w.gate;
+  s.E = first.w.size(0);
+  s.I = s.fused ? first.w.size(1) / 2 : first.w.size(1);
+  s.sorted = s.n >= kSortThreshold;
+  s.x_dtype = x.dtype();
+  s.gate_up_scales_dtype = first.scales.dtype();
+  s.down_scales_dtype = w.down.scales.dtype();
+  s.hidden_dtype = promote_floating(s.x_dtype, s.gate_up_scales_dtype);
+  s.out_dtype = promote_floating(s.hidden_dtype, s.down_scales_dtype);
+  EXPERTQMM_CHECK(s.n <= INT32_MAX && s.T <= INT32_MAX, "switch_glu", "T*k=", s.n, " rows exceed int32 indexing");
+  return s;
+}
+
+LayerGemms layer_gemms(const LayerPlan& p, const Tensor& x, const int32_t* ids, const SwitchGLUWeights& w,
+                       void* base) {
+  const ExpertShape& s = p.shape;
+  const ExpertScratch& sc = p.scratch;
+  int32_t* token_of_row = i32_at(base, sc.token_of_row);
+  int32_t* rhs = s.sorted ? i32_at(base, sc.sorted_ids)
+                          : ids ? const_cast<int32_t*>(ids) : i32_at(base, sc.route_indices);
+  void* x_rows = p.cast_x ? at(base, sc.x_cast) : x.data();
+  const int64_t x_stride = p.cast_x || s.D <= 1 ? s.D : x.stride(0);
+  const void* plan = p.tiles ? at(base, sc.tile_plan) : nullptr;
+  LayerGemms g;
+  Tensor scales, biases;
+  if (s.fused) {
+    gemm_params(w.gate_up, p.cast_gate_up, s.hidden_dtype, base, sc.gu_scales[0], sc.gu_biases[0], scales, biases);
+    g.gate_up = expert_problem(w.gate_up, scales, biases, s.hidden_dtype, x_rows, s.T, x_stride, s.D, 2 * s.I, s.n,
+                               token_of_row, rhs, s.sorted, plan);
+  } else {
+    gemm_params(w.up, p.cast_gate_up, s.hidden_dtype, base, sc.gu_scales[1], sc.gu_biases[1], scales, biases);
+    g.up = expert_problem(w.up, scales, biases, s.hidden_dtype, x_rows, s.T, x_stride, s.D, s.I, s.n, token_of_row,
+                          rhs, s.sorted, plan);
+    gemm_params(w.gate, p.cast_gate_up, s.hidden_dtype, base, sc.gu_scales[0], sc.gu_biases[0], scales, biases);
+    g.gate = expert_problem(w.gate, scales, biases, s.hidden_dtype, x_rows, s.T, x_stride, s.D, s.I, s.n,
+                            token_of_row, rhs, s.sorted, plan);
+  }
+  // down: row b of hidden (already in row order) times expert rhs[b]
+  void* down_in = at(base, p.cast_hidden ? sc.hidden_cast : sc.hidden);
+  gemm_params(w.down, p.cast_down, s.out_dtype, base, sc.down_scales, sc.down_biases, scales, biases);
+  g.down = expert_problem(w.down, scales, biases, s.out_dtype, down_in, s.n, s.I, s.I, s.D, s.n, nullptr, rhs, s.sorted,
+                          plan);
+  return g;
+}
+
+LayerPlan plan_moe_layer(const Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& w) {
+  LayerPlan p;
+  p.shape = expert_shape(x, w.router.top_k, w.experts);
+  const ExpertShape& s = p.shape;
+  // Decode sizes: the whole layer in three kernels when it supports the call (counted under
+  // Primitive::moe_decode_layer; a miss falls to the experts path below).
+  const bool requested = decode_layer_setting() != RouteSwitch::off;
+  const RouteSupport decode = supports_decode_layer(out, h, x, w);
+  detail::record_selection(detail::Primitive::moe_decode_layer, requested, decode.ok, requested && decode.ok,
+                           !requested ? Fallback::disabled : decode.reason);
+  if (requested && decode.ok) {
+    p.path = LayerPath::decode;
+    p.decode = decode_scratch(s.T, s.k, s.E, s.I);
+    return p;
+  }
+  ArenaLayout layout;
+  reserve_fixed(p, w.experts, /*routes=*/true, h.dtype(), layout);
+  plan_experts(p, x, nullptr, w.experts, /*try_combine=*/h.dtype() == s.out_dtype, /*own_y=*/true, layout);
+  p.scratch.bytes = layout.bytes();
+  return p;
+}
+
+LayerPlan plan_switch_glu(const Tensor& x, const Tensor& indices, const SwitchGLUWeights& w) {
+  LayerPlan p;
+  p.shape = expert_shape(x, indices.size(1), w);
+  p.ids_unsigned = indices.dtype() == DType::u32;
+  ArenaLayout layout;
+  reserve_fixed(p, w, /*routes=*/false, DType::bf16, layout);
+  // Unsorted rows are already in (token, slot) order: the down GEMM then writes straight into out.
+  plan_experts(p, x, indices.data_as<const int32_t>(), w, /*try_combine=*/false, /*own_y=*/p.shape.sorted, layout);
+  p.scratch.bytes = layout.bytes();
+  return p;
+}
+
+}  // namespace expertqmm::cuda

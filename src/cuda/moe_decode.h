@@ -1,0 +1,269 @@
+// The decode MoE layer: moe_layer_into for small T (T*k <= kDecodeMaxRows) in three kernels, so
+// that a CUDA graph of the layer holds three dependent nodes instead of nine:
+//   1. decode_router_kernel        RMS norm of h -> router projection -> (last CTA) top-k + softmax
+//                                   and a plan that groups the T*k (token, slot) rows by expert
+//   2. decode_gate_up_glu_kernel   per (expert group, column block): gate and up for every row
+//                                   routed to the expert, then the GLU product -> hidden [n, I]
+//   3. decode_down_combine_kernel  per (token, column block): the k slots' down GEMVs, weighted and
+//                                   summed in slot order in fp32, one rounding -> out [T, H]
+// Kernels 2 and 3 exist twice: on tensor cores for 4-bit experts (the Gemma layer) and scalar for
+// 8-bit experts (8-bit MLX checkpoints, bench preset gemma4-26b-a4b-q8).
+// Files: this header (the arguments, the plan and what the kernels share), moe_decode_router.cu,
+// moe_decode_gate_up.cu and moe_decode_down.cu (tensor cores), moe_decode_scalar.cu (8-bit), and
+// moe_decode_layer.cu (the host: support check and launches).
+// Numerics are the general path's (src/cuda/moe.cu): the router rounds r and the logits to h's
+// dtype and routes with device/route_topk.cuh (the same code as route_into); gate and up are
+// qmv dot products (MLX gather_qmv: sum over groups or chunks of s * sum(x * q) + b * sum(x) in
+// fp32, the dequantized weight never rounded), rounded to the activation dtype before the GLU (as the fused
+// product of launch_glu_product); the down outputs stay fp32 into the combine (one rounding, where
+// the general path rounds y to the dtype first), summed in slot order as launch_weighted_combine.
+// Only summation orders differ, so routing agrees with route_into except at logit near-ties.
+//
+// supports_decode_layer takes: T <= 8, k <= 8, T*k <= 64; bf16 or f16 activations with the same
+// dtype for h, x, out and every scale/bias; 4- or 8-bit experts with group 32/64/128 (separate or
+// fused gate_up); a router that is 4/8-bit with group 32/64/128 or dense, in the activation dtype;
+// 16-byte aligned rows. Everything else goes to the general path (one Fallback class per miss,
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "cuda/device/dequant.cuh"
+#include "cuda/device/elem.cuh"
+#include "cuda/device/mma.cuh"
+#include "cuda/device/staging.cuh"
+#include "cuda/moe_internal.h"
+#include "cuda/runtime.cuh"
+#include "expertqmm/ops.h"
+
+namespace expertqmm::cuda::decode {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kDecodeMaxTokens = 8;  // T: the router stages every token's r in shared memory
+constexpr int kDecodeMaxTopK = 8;    // k: one warp per slot in the down/combine kernel
+constexpr size_t kDecodeMaxSmem = 160 * 1024;  // dynamic shared memory of any decode kernel (sm_80: 163 KB)
+
+// The expert-group plan that the router's last CTA leaves for the gate/up kernel: the n = T*k flat
+// rows (t*k + j) sorted by expert (stable), one group per distinct expert in increasing id order.
+struct DecodePlan {
+  int32_t groups;                    // distinct experts
+  int32_t expert[kDecodeMaxRows];    // [g] expert id of group g
+  int32_t begin[kDecodeMaxRows];     // [g] first entry of group g in row[]
+  int32_t count[kDecodeMaxRows];     // [g] rows routed to the expert
+  int32_t row[kDecodeMaxRows];       // flat rows ordered by (expert, row)
+};
+
+
+// ---------------------------------------------------------------------------------------------
+// Kernel 1: router.
+struct RouterArgs {
+  const uint16_t* h;  // (T, H) of D, rows h_stride elements apart
+  int64_t h_stride;
+  const void* scale;  // (H) of scale_dtype: the RMS norm weight
+  DType scale_dtype;
+  float root_size, eps;
+  const void* proj;          // quantized: (E, H*bits/32) uint32 codes; dense: (E, H) of D
+  const uint16_t* proj_scales;  // (E, H/group) of D (quantized only)
+  const uint16_t* proj_biases;
+  int groups_per_row, group_shift;
+  const void* per_expert_scale;  // (E) of pes_dtype
+  DType pes_dtype;
+  int T, H, E, k;
+  float* logits;       // (T, E) scratch: the logits, already rounded to D
+  unsigned* counter;   // CTAs done; 0 between calls (the last CTA resets it)
+  int32_t* indices;    // (T, k) out
+  uint16_t* weights;   // (T, k) of D out
+  DecodePlan* plan;    // out
+};
+
+
+// ---------------------------------------------------------------------------------------------
+// Kernel 2: gate, up and the GLU product.
+struct GateUpArgs {
+  const uint16_t* x;  // (T, H) of D, rows x_stride elements apart
+  int64_t x_stride;
+  // gate and up weight rows: expert e, column n is row e * rows_per_expert + row0 + n of
+  // w (rows of H*bits/32 uint32) and of scales/biases (rows of H/group of D). Separate tensors:
+  // rows_per_expert = I, row0 = 0; one fused gate_up: 2I, gate row0 = 0, up row0 = I.
+  const uint32_t* gate_w;
+  const uint16_t* gate_s;
+  const uint16_t* gate_b;
+  const uint32_t* up_w;
+  const uint16_t* up_s;
+  const uint16_t* up_b;
+  int64_t gate_rows_per_expert, up_rows_per_expert;
+  int gate_row0, up_row0;
+  int groups_per_row, group_shift;
+  int H, I, E, k;
+  int rows_per_pass;  // activation rows staged at once: min(kGuRowsPerPass, T) (an expert has <= T rows)
+  const DecodePlan* plan;
+  uint16_t* hidden;  // (n, I) of D: row t*k + j = act(gate) * up of slot (t, j)
+  uint32_t* faults;
+};
+
+
+// ---------------------------------------------------------------------------------------------
+// Kernel 3: down and the weighted combine.
+struct DownArgs {
+  const uint16_t* hidden;  // (n, I) of D
+  const uint32_t* w;       // (E, H, I*bits/32) codes
+  const uint16_t* s;       // (E, H, I/group) of D
+  const uint16_t* b;
+  int groups_per_row, group_shift;
+  const int32_t* indices;   // (T, k)
+  const uint16_t* weights;  // (T, k) of D
+  int H, I, E, k;
+  uint16_t* out;  // (T, H) of D
+  uint32_t* faults;
+};
+
+// The slot bookkeeping both down kernels end with. Lane 0 of slot warp j records the slot's weight
+// and whether its expert id is valid (an invalid one is a fault, and the slot is skipped).
+__device__ __forceinline__ void record_slot(const DownArgs& a, float (&weight)[kWarps], int (&ok)[kWarps], int j,
+                                            float w, bool valid, int e) {
+  weight[j] = w;
+  ok[j] = valid;
+  if (!valid) record_fault(a.faults, kFaultExpertOutOfRange, static_cast<uint32_t>(e), static_cast<uint32_t>(a.E));
+}
+
+// Thread c < kCols of CTA (t, column block col0), after the barrier: out[t, col0 + c] = the slots'
+// partials times their weights, added in slot order in fp32, one rounding (launch_weighted_combine's
+// arithmetic).
+template <DType D, int kCols>
+__device__ __forceinline__ void store_slot_sum(const DownArgs& a, int t, int col0, int c,
+                                               const float (&partial)[kWarps][kCols], const float (&weight)[kWarps],
+                                               const int (&ok)[kWarps]) {
+  if (c < kCols && col0 + c < a.H) {
+    float sum = 0.f;
+    for (int j = 0; j < a.k; ++j)
+      if (ok[j]) sum = __fadd_rn(sum, __fmul_rn(weight[j], partial[j][c]));
+    a.out[static_cast<int64_t>(t) * a.H + col0 + c] = Elem<D>::store(sum);
+  }
+}
+
+
+// ---------------------------------------------------------------------------------------------
+// Kernels 2 and 3 on tensor cores, for 4-bit experts (the Gemma layer; 8-bit experts use the
+// kernels above).
+//
+// Why: the kernels above spend ~4.4 instructions per weight value and activation row (mask, magic,
+// subtract, fma; ncu at T=1: 7.3M warp instructions for 17.8 MB, issue-bound behind a 1.33-wave
+// latency chain). Here mma.sync m16n8k16 does the multiply-adds: A (16 x 16) holds the biased codes
+// M + q of 16 weight rows (exact in D: M = 128 for bf16, 1024 for f16), B (16 x 8) up to 8
+// activation rows, C fp32; a weight value costs ~1 instruction (shift and mask-or per pair) however
+// many rows use it.
+//
+// k order. A dot product may sum k in any order, so inside each quantization group of G values
+// lane t of a quad takes k in [t G/4, (t + 1) G/4) (G/32 whole code words) and the mma steps take
+// them in the order biased_code_pairs produces: word w gives the pairs (0,4) (1,5) (2,6) (3,7);
+// step 2w has a0/a1 (k slots 2t, 2t+1, rows g / g+8) <- pair (0,4) and a2/a3 (slots 2t+8, 2t+9)
+// <- (1,5), step 2w+1 (2,6) and (3,7). Activations are staged in the same order (every 8 values as
+// 0,4,1,5,2,6,3,7: packed_x_order), so B of steps 2w and 2w+1 is one 16-byte shared load at the
+// lane's word (b0 b1, then b2 b3). A group's G/16 steps see only its own codes, so the mma yields
+// c = sum(x (M + q)) per (weight row, activation row), and the group's scale and bias are applied in
+// fp32 as acc += s * c + (b - M s) * sum(x) = s * sum(x q) + b * sum(x), MLX's qmv formula (the
+// dequantized weight is never rounded; M * s * sum(x) cancels in fp32, ~2^-19 relative for bf16);
+// the group sums of x come from the staging.
+template <DType D>
+using MmaType = std::conditional_t<D == DType::bf16, __nv_bfloat16, __half>;
+
+constexpr int kTcRows = 16;       // weight rows per mma tile
+constexpr int kTcMaxN = 8;        // activation rows per mma (T <= 8)
+constexpr int kTcRowPad = 32;     // bytes after each staged code row (bank spread, 16-byte aligned)
+
+__host__ __device__ constexpr int tc_code_row_bytes(int K) { return K / 2 + kTcRowPad; }
+__host__ __device__ constexpr int tc_x_row_elems(int K) { return K + 8; }  // +16 bytes: rows in other banks
+
+// Eight activations (one 16-byte unit) reordered to 0,4,1,5,2,6,3,7 (the mma k order above).
+__device__ __forceinline__ uint4 packed_x_order(const uint4& v) {
+  return make_uint4(__byte_perm(v.x, v.z, 0x5410u), __byte_perm(v.x, v.z, 0x7632u),
+                    __byte_perm(v.y, v.w, 0x5410u), __byte_perm(v.y, v.w, 0x7632u));
+}
+
+// Stages unit u (values 8u .. 8u+7) of an activation row: the reordered unit into xs_row, and its
+// group's sum of x into sx_row[u / (G/8)] (fp32, the unit sums added by shuffles over the G/8 lanes
+// holding one group: every lane of the warp must call this, live == false contributing nothing).
+template <DType D, int G>
+__device__ __forceinline__ void stage_tc_unit(uint16_t* xs_row, float* sx_row, int u, bool live, const uint4& v) {
+  float sum = 0.f;
+  if (live) {
+    const typename Elem<D>::storage* e = reinterpret_cast<const typename Elem<D>::storage*>(&v);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) sum += Elem<D>::load(e[i]);
+    *reinterpret_cast<uint4*>(xs_row + 8 * u) = packed_x_order(v);
+  }
+#pragma unroll
+  for (int off = G / 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  if (live && (u & (G / 8 - 1)) == 0) sx_row[u / (G / 8)] = sum;
+}
+
+// The G/32 code words of lane t in group grp of a staged code row.
+template <int G>
+__device__ __forceinline__ void tc_words(const unsigned char* row, int grp, int t, uint32_t (&w)[G / 32]) {
+  const unsigned char* p = row + grp * (G / 2) + t * (G / 8);
+  if constexpr (G == 128) {
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    w[0] = v.x, w[1] = v.y, w[2] = v.z, w[3] = v.w;
+  } else if constexpr (G == 64) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    w[0] = v.x, w[1] = v.y;
+  } else {
+    w[0] = *reinterpret_cast<const uint32_t*>(p);
+  }
+}
+
+// sum(x q) of one group for a 16-row tile: rows g, g+8 of the staged code rows `lo` / `hi` against
+// the activation rows of xb (B registers, word by word), into c (zeroed by the caller).
+template <DType D, int G>
+__device__ __forceinline__ void tc_group_dot(const unsigned char* lo, const unsigned char* hi, int grp, int t,
+                                             const uint4 (&xb)[G / 32], float (&c)[4]) {
+  using T = MmaType<D>;
+  uint32_t wl[G / 32], wh[G / 32];
+  tc_words<G>(lo, grp, t, wl);
+  tc_words<G>(hi, grp, t, wh);
+#pragma unroll
+  for (int w = 0; w < G / 32; ++w) {
+    uint32_t pl[4], ph[4];
+    device::biased_code_pairs<T>(wl[w], pl);
+    device::biased_code_pairs<T>(wh[w], ph);
+    const uint32_t a0[4] = {pl[0], ph[0], pl[1], ph[1]};
+    device::Mma<T>::run(c, a0, xb[w].x, xb[w].y);
+    const uint32_t a1[4] = {pl[2], ph[2], pl[3], ph[3]};
+    device::Mma<T>::run(c, a1, xb[w].z, xb[w].w);
+  }
+}
+
+
+// The 16-bit value 1 in both halves of a register (the A operand of the sum-of-x mma).
+template <DType D>
+constexpr uint32_t kTcOnePair = D == DType::bf16 ? 0x3F803F80u : 0x3C003C00u;
+
+// ---------------------------------------------------------------------------------------------
+// The kernels' launches (grid and shared memory from the arguments; on `stream`) and the dynamic
+// shared memory each needs (the layer checks these against kDecodeMaxSmem before it picks the path).
+
+// Kernel 1 (moe_decode_router.cu); proj_bits 0: a dense projection in D, else 4 or 8.
+size_t router_smem(int64_t T, int64_t H);
+void launch_router(DType dtype, int proj_bits, const RouterArgs& a, size_t smem, cudaStream_t stream);
+// Kernel 2 on tensor cores, 4-bit experts, group G in {32, 64, 128} (moe_decode_gate_up.cu); n = T*k.
+size_t gate_up_mma_smem(int64_t H, int G);
+void launch_gate_up_mma(DType dtype, int G, Activation act, const GateUpArgs& a, int n, size_t smem,
+                        cudaStream_t stream);
+// Kernel 3 on tensor cores, 4-bit experts (moe_decode_down.cu).
+size_t down_mma_smem(int64_t k, int64_t I, int G);
+void launch_down_mma(DType dtype, int G, const DownArgs& a, int T, size_t smem, cudaStream_t stream);
+// Kernels 2 and 3 for 8-bit experts (moe_decode_scalar.cu).
+int gate_up_scalar_rows_per_pass(int64_t T);  // GateUpArgs::rows_per_pass
+size_t gate_up_scalar_smem(int64_t T, int64_t H);
+void launch_gate_up_scalar(DType dtype, Activation act, const GateUpArgs& a, int n, size_t smem, cudaStream_t stream);
+size_t down_scalar_smem(int64_t k, int64_t I);
+void launch_down_scalar(DType dtype, const DownArgs& a, int T, size_t smem, cudaStream_t stream);
+
+// Lets `kernel` take up to kDecodeMaxSmem of dynamic shared memory (once per kernel).
+void allow_smem(const void* kernel);
+
+}  // namespace expertqmm::cuda::decode

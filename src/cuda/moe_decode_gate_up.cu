@@ -1,0 +1,214 @@
+// Kernel 2 of the decode layer (moe_decode.h) on tensor cores, for 4-bit experts: gate and up of
+// every row routed to an expert, then the GLU product.
+#include "cuda/moe_decode.h"
+#include "cuda/device/cp_async.cuh"
+#include "cuda/device/glu.cuh"
+
+namespace expertqmm::cuda::decode {
+
+namespace {
+
+using device::chunk_dots;
+using device::chunk_sum;
+using device::load8;
+using device::padded;
+using device::raw_param;
+using device::round_up4;
+using device::small_uint_to_float;
+using device::stage_unit;
+using device::staged_floats;
+using device::word_dot;
+using device::word_of;
+using device::word_x;
+
+// Shared memory of the tensor-core gate/up kernel (bytes), with its region offsets.
+struct GateUpTcLayout {
+  int code_row, groups;
+  size_t codes, scales, biases, total;
+  __host__ __device__ GateUpTcLayout(int H, int G) {
+    code_row = tc_code_row_bytes(H);
+    groups = H / G;
+    const size_t code_bytes = static_cast<size_t>(2 * kTcRows) * code_row;
+    const size_t red_bytes = static_cast<size_t>(kWarps) * 2 * kTcRows * kTcMaxN * sizeof(float);
+    codes = 0;
+    scales = code_bytes > red_bytes ? code_bytes : red_bytes;  // the reduction reuses the codes' space
+    biases = scales + static_cast<size_t>(2 * kTcRows) * groups * sizeof(uint16_t);
+    total = biases + static_cast<size_t>(2 * kTcRows) * groups * sizeof(uint16_t);
+  }
+};
+
+
+// Work split: grid (ceil(I / 16), min(n, E)), 256 threads, __launch_bounds__(256, 2). CTA (x, g)
+// takes expert group g of the plan (CTAs past the plan's group count exit at once) and output
+// columns [16x, 16x + 16): two 16-row mma tiles, gate rows (staged rows 0..15) and up rows
+// (16..31) of those columns, times the group's activation rows (<= 8: the mma's n).
+//   1. plan entry (one L2 round trip), then everything the CTA needs is requested at once: the 32
+//      code rows by cp.async into shared memory in two commit groups (the first and second half
+//      of the K groups; 8 threads per row, 16-byte chunks) with the scales and biases (raw, by
+//      cp.async in the first group: the contiguous 16-row spans). Gemma: 45 KB of codes per CTA.
+//   2. K is split across the warps: warp w takes groups w, w+8, ... of the first half as soon as
+//      it has landed, then of the second half. B is read straight from global memory (the T <= 8
+//      activation rows are shared by every CTA: L1/L2 hits), the lane's 16-byte unit per code word
+//      reordered in registers, one group ahead (the first before the wait for the codes); B column
+//      n is the group's row n. Per group: both tiles' G/16 mma steps, and G/16 more with A = 1 for
+//      sum(x) of each column (the bias term), so no activation staging and no barrier for it.
+//   3. the 8 warps' fp32 partials go through shared memory (the codes' space) and thread i < 16n
+//      sums them in warp order for (column i % 16, row i / 16): gate and up rounded to D, then the
+//      GLU, one rounding, into hidden[row, column].
+// Occupancy (Gemma, bf16, G=64): shared memory 46 KB codes + 5.6 KB scales/biases, 72 registers:
+// 3 CTAs (24 warps) per SM at any T; T=1: the 352 CTAs are one wave.
+template <DType D, int G, Activation A>
+__global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_mma_kernel(GateUpArgs a) {
+  extern __shared__ __align__(16) unsigned char tc_smem[];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const DecodePlan& plan = *a.plan;
+  const int g_idx = blockIdx.y;
+  if (g_idx >= plan.groups) return;  // uniform
+  const int e = plan.expert[g_idx];
+  const int begin = plan.begin[g_idx];
+  int count = plan.count[g_idx];
+  if (e < 0 || e >= a.E) {
+    if (threadIdx.x == 0 && blockIdx.x == 0)
+      record_fault(a.faults, kFaultExpertOutOfRange, static_cast<uint32_t>(e), static_cast<uint32_t>(a.E));
+    return;
+  }
+  count = min(count, kTcMaxN);  // a plan group holds <= T <= 8 rows: the mma's n
+  constexpr float kBias = device::kCodeBias<MmaType<D>>;
+  const GateUpTcLayout L(a.H, G);
+  unsigned char* codes = tc_smem + L.codes;
+  uint16_t* sc = reinterpret_cast<uint16_t*>(tc_smem + L.scales);  // raw D, (32 staged rows, groups)
+  uint16_t* bi = reinterpret_cast<uint16_t*>(tc_smem + L.biases);
+  const int col0 = blockIdx.x * kTcRows;
+  const int chunks = a.H / 32;                             // 16-byte chunks per code row
+  const int half_groups = L.groups / 2;
+  const int half_chunks = half_groups * (G / 32);
+
+  // 1a. codes: thread (r = tid / 8, j = tid % 8) copies chunks j, j + 8, ... of staged row r (r < 16:
+  //     gate, else up), the first half of the K groups as one commit group, the second as another.
+  //     Column blocks are whole: I is a multiple of 32 for 4-bit experts (down's K).
+  const int64_t gate_first = static_cast<int64_t>(e) * a.gate_rows_per_expert + a.gate_row0 + col0;
+  const int64_t up_first = static_cast<int64_t>(e) * a.up_rows_per_expert + a.up_row0 + col0;
+  {
+    constexpr int kPerRow = kThreads / (2 * kTcRows);  // 8 threads per staged row
+    const int r = tid / kPerRow, j = tid % kPerRow;
+    const uint4* src = reinterpret_cast<const uint4*>(r < kTcRows ? a.gate_w : a.up_w) +
+                       ((r < kTcRows ? gate_first : up_first) + r % kTcRows) * chunks;
+    unsigned char* dst = codes + r * L.code_row;
+    for (int c = j; c < half_chunks; c += kPerRow) device::cp_async_16(dst + 16 * c, src + c, true);
+    // 1b. the scales and biases of the two 16-row spans (contiguous, 32 * groups bytes each, 16-byte
+    //     aligned: supports_decode_layer), raw, with the first half.
+    const int span_chunks = 2 * L.groups;
+    for (int i = tid; i < 4 * span_chunks; i += kThreads) {
+      const int which = i / span_chunks, c = i - which * span_chunks;  // which: gate s, gate b, up s, up b
+      const uint16_t* base = which == 0 ? a.gate_s : which == 1 ? a.gate_b : which == 2 ? a.up_s : a.up_b;
+      const int64_t first = (which < 2 ? gate_first : up_first) * L.groups;
+      uint16_t* to = (which & 1 ? bi : sc) + (which >> 1) * kTcRows * L.groups;
+      device::cp_async_16(to + 8 * c, base + first + 8 * c, true);
+    }
+    device::cp_async_commit();
+    for (int c = half_chunks + j; c < chunks; c += kPerRow) device::cp_async_16(dst + 16 * c, src + c, true);
+    device::cp_async_commit();
+  }
+  // 1c. the lane's activation row: B column g is the group's row g (token tok); units of 8 values,
+  //     the lane's first unit of group grp is grp * G/8 + t * G/32.
+  const bool live_n = g < count;
+  const int64_t tok = live_n ? plan.row[begin + g] / a.k : 0;
+  const uint4* xg = reinterpret_cast<const uint4*>(a.x + tok * a.x_stride) + t * (G / 32);
+  auto load_x = [&](int grp, uint4 (&xb)[G / 32]) {
+#pragma unroll
+    for (int w = 0; w < G / 32; ++w)
+      xb[w] = live_n ? packed_x_order(__ldg(xg + grp * (G / 8) + w)) : make_uint4(0u, 0u, 0u, 0u);
+  };
+  const uint32_t ones[4] = {kTcOnePair<D>, kTcOnePair<D>, kTcOnePair<D>, kTcOnePair<D>};
+
+  // 2. K split across warps; each half as soon as it has landed.
+  float acc[2][4] = {};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int grp_begin = (h == 0 ? 0 : half_groups) + warp, grp_end = h == 0 ? half_groups : L.groups;
+    uint4 xb[G / 32];
+    if (grp_begin < grp_end) load_x(grp_begin, xb);  // in flight while the codes land
+    if (h == 0) device::cp_async_wait<1>();
+    else device::cp_async_wait<0>();
+    __syncthreads();
+    for (int grp = grp_begin; grp < grp_end; grp += kWarps) {
+      uint4 xn[G / 32];
+      if (grp + kWarps < grp_end) load_x(grp + kWarps, xn);
+      float xsum[4] = {0.f, 0.f, 0.f, 0.f};  // sum(x) of columns 2t, 2t+1 (c0, c1)
+#pragma unroll
+      for (int w = 0; w < G / 32; ++w) {
+        device::Mma<MmaType<D>>::run(xsum, ones, xb[w].x, xb[w].y);
+        device::Mma<MmaType<D>>::run(xsum, ones, xb[w].z, xb[w].w);
+      }
+#pragma unroll
+      for (int tile = 0; tile < 2; ++tile) {
+        const int r = tile * kTcRows + g;
+        float c[4] = {0.f, 0.f, 0.f, 0.f};
+        tc_group_dot<D, G>(codes + r * L.code_row, codes + (r + 8) * L.code_row, grp, t, xb, c);
+        const float s0 = raw_param<D>(sc[r * L.groups + grp]), s1 = raw_param<D>(sc[(r + 8) * L.groups + grp]);
+        const float b0 = fmaf(-kBias, s0, raw_param<D>(bi[r * L.groups + grp]));  // b - M s: c holds sum(x (M + q))
+        const float b1 = fmaf(-kBias, s1, raw_param<D>(bi[(r + 8) * L.groups + grp]));
+        acc[tile][0] = fmaf(s0, c[0], fmaf(b0, xsum[0], acc[tile][0]));
+        acc[tile][1] = fmaf(s0, c[1], fmaf(b0, xsum[1], acc[tile][1]));
+        acc[tile][2] = fmaf(s1, c[2], fmaf(b1, xsum[0], acc[tile][2]));
+        acc[tile][3] = fmaf(s1, c[3], fmaf(b1, xsum[1], acc[tile][3]));
+      }
+#pragma unroll
+      for (int w = 0; w < G / 32; ++w) xb[w] = xn[w];
+    }
+  }
+
+  // 3. partials (warp, staged row, activation row) in the codes' space, summed in warp order.
+  __syncthreads();
+  float* red = reinterpret_cast<float*>(codes);  // [kWarps][32 staged rows][kTcMaxN]
+#pragma unroll
+  for (int tile = 0; tile < 2; ++tile) {
+    float* rw = red + (warp * 2 * kTcRows + tile * kTcRows + g) * kTcMaxN + 2 * t;
+    rw[0] = acc[tile][0];
+    rw[1] = acc[tile][1];
+    rw[8 * kTcMaxN] = acc[tile][2];
+    rw[8 * kTcMaxN + 1] = acc[tile][3];
+  }
+  __syncthreads();
+  for (int i = tid; i < kTcRows * count; i += kThreads) {
+    const int j = i % kTcRows, n = i / kTcRows;
+    float gate = 0.f, up = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      gate += red[(w * 2 * kTcRows + j) * kTcMaxN + n];
+      up += red[(w * 2 * kTcRows + kTcRows + j) * kTcMaxN + n];
+    }
+    const int64_t out_row = plan.row[begin + n];
+    a.hidden[out_row * a.I + col0 + j] = Elem<D>::store(device::glu<A>(round_to<D>(gate), round_to<D>(up)));
+  }
+}
+
+
+}  // namespace
+
+size_t gate_up_mma_smem(int64_t H, int G) { return GateUpTcLayout(static_cast<int>(H), G).total; }
+
+void launch_gate_up_mma(DType dtype, int G, Activation act, const GateUpArgs& a, int n, size_t smem,
+                        cudaStream_t stream) {
+  const dim3 grid(ceil_div(a.I, kTcRows), static_cast<unsigned>(std::min(n, a.E)));
+  auto launch = [&](auto kernel) {
+    allow_smem(reinterpret_cast<const void*>(kernel));
+    kernel<<<grid, kThreads, smem, stream>>>(a);
+    EXPERTQMM_CUDA_CHECK_LAUNCH(decode_gate_up_glu_mma_kernel);
+  };
+  auto with_group = [&](auto dtag, auto gtag) {
+    constexpr DType DT = decltype(dtag)::value;
+    constexpr int GS = decltype(gtag)::value;
+    if (act == Activation::geglu) launch(decode_gate_up_glu_mma_kernel<DT, GS, Activation::geglu>);
+    else launch(decode_gate_up_glu_mma_kernel<DT, GS, Activation::swiglu>);
+  };
+  auto with_dtype = [&](auto dtag) {
+    if (G == 32) with_group(dtag, std::integral_constant<int, 32>{});
+    else if (G == 64) with_group(dtag, std::integral_constant<int, 64>{});
+    else with_group(dtag, std::integral_constant<int, 128>{});
+  };
+  if (dtype == DType::bf16) with_dtype(std::integral_constant<DType, DType::bf16>{});
+  else with_dtype(std::integral_constant<DType, DType::f16>{});
+}
+
+}  // namespace expertqmm::cuda::decode

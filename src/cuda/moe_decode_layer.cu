@@ -1,0 +1,234 @@
+// The decode MoE layer's host side (moe_decode.h has the kernels' story): which calls it takes,
+// its scratch, and the three launches.
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+#include <unordered_set>
+
+#include "cuda/moe_decode.h"
+#include "cuda/moe_internal.h"
+
+namespace expertqmm::cuda {
+
+namespace decode {
+
+void allow_smem(const void* kernel) {
+  static std::mutex mu;
+  static std::unordered_set<const void*> done;
+  std::lock_guard<std::mutex> lock(mu);
+  if (!done.insert(kernel).second) return;
+  EXPERTQMM_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kDecodeMaxSmem)));
+}
+
+}  // namespace decode
+
+using namespace decode;
+
+namespace {
+
+bool rows_aligned(const Tensor& t) {
+  return is_aligned(t.data(), 16) && (t.size(0) <= 1 || t.stride(0) % 8 == 0);
+}
+
+// A quantized weight [E, N, K*bits/32] that the decode kernels can read: 4/8-bit, group 32/64/128,
+// scales and biases in `dtype`, contiguous, 16-byte aligned rows.
+RouteSupport check_weight(const QuantizedWeight& q, int64_t E, int64_t N, int64_t K, DType dtype) {
+  if (!q.defined() || !q.scales.defined() || !q.biases.defined()) return route_miss(Fallback::quantization);
+  if (q.bits != 4 && q.bits != 8) return route_miss(Fallback::quantization);
+  if (q.group_size != 32 && q.group_size != 64 && q.group_size != 128) return route_miss(Fallback::quantization);
+  if (q.scales.dtype() != dtype || q.biases.dtype() != dtype) return route_miss(Fallback::dtype);
+  if (q.w.dtype() != DType::u32 && q.w.dtype() != DType::i32) return route_miss(Fallback::quantization);
+  const bool batched = E > 0;
+  const int64_t dims = batched ? 3 : 2;
+  if (q.w.ndim() != dims || q.scales.ndim() != dims || q.biases.ndim() != dims) return route_miss(Fallback::topology);
+  if (batched && (q.w.size(0) != E || q.scales.size(0) != E)) return route_miss(Fallback::topology);
+  if (q.w.size(-2) != N || q.w.size(-1) * 32 != K * q.bits) return route_miss(Fallback::topology);
+  if (K % q.group_size != 0 || q.scales.size(-1) != K / q.group_size || q.biases.shape() != q.scales.shape() ||
+      q.scales.size(-2) != N)
+    return route_miss(Fallback::topology);
+  if (!q.w.is_contiguous() || !q.scales.is_contiguous() || !q.biases.is_contiguous())
+    return route_miss(Fallback::alignment);
+  if (K % (128 / q.bits) != 0 || !is_aligned(q.w.data(), 16)) return route_miss(Fallback::alignment);
+  return route_ok();
+}
+
+}  // namespace
+
+
+RouteSupport supports_decode_layer(const Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& w) {
+  const RouterWeights& rt = w.router;
+  const SwitchGLUWeights& ex = w.experts;
+  const int64_t T = x.size(0), H = x.size(1);
+  const int64_t k = rt.top_k;
+  if (T < 1 || T > kDecodeMaxTokens || k < 1 || k > kDecodeMaxTopK || T * k > kDecodeMaxRows)
+    return route_miss(Fallback::shape);
+  const DType D = x.dtype();
+  if (D != DType::bf16 && D != DType::f16) return route_miss(Fallback::dtype);
+  if (h.dtype() != D || out.dtype() != D) return route_miss(Fallback::dtype);
+  if (h.ndim() != 2 || h.size(0) != T || h.size(1) != H || (H > 1 && (h.stride(1) != 1 || x.stride(1) != 1)))
+    return route_miss(Fallback::topology);
+  if (H % 32 != 0 || H > INT32_MAX / 4) return route_miss(Fallback::shape);
+  if (!rows_aligned(h) || !rows_aligned(x) || !is_aligned(out.data(), 16)) return route_miss(Fallback::alignment);
+
+  // Experts.
+  const QuantizedWeight& first = ex.fused() ? ex.gate_up : ex.gate;
+  if (!first.defined() || first.w.ndim() != 3) return route_miss(Fallback::topology);
+  const int64_t E = first.w.size(0);
+  const int64_t I = ex.fused() ? first.w.size(1) / 2 : first.w.size(1);
+  if (E < 1 || E > INT32_MAX || I < 1 || I > INT32_MAX / 8 || k > E) return route_miss(Fallback::shape);
+  RouteSupport s;
+  if (ex.fused()) {
+    if (first.w.size(1) != 2 * I) return route_miss(Fallback::topology);
+    if (!(s = check_weight(ex.gate_up, E, 2 * I, H, D)).ok) return s;
+  } else {
+    if (!(s = check_weight(ex.gate, E, I, H, D)).ok) return s;
+    if (!(s = check_weight(ex.up, E, I, H, D)).ok) return s;
+    if (ex.gate.bits != ex.up.bits || ex.gate.group_size != ex.up.group_size) return route_miss(Fallback::quantization);
+  }
+  if (!(s = check_weight(ex.down, E, H, I, D)).ok) return s;
+  // 4-bit experts run on the tensor-core kernels, which copy scale and bias spans in 16-byte units.
+  for (const QuantizedWeight* q : {&first, &ex.up, &ex.down})
+    if (q->defined() && q->bits == 4 && (!is_aligned(q->scales.data(), 16) || !is_aligned(q->biases.data(), 16)))
+      return route_miss(Fallback::alignment);
+  if (I % 8 != 0) return route_miss(Fallback::alignment);
+  if (ex.activation != Activation::geglu && ex.activation != Activation::swiglu) return route_miss(Fallback::topology);
+
+  // Router.
+  if (!rt.scale.defined() || !is_floating(rt.scale.dtype()) || rt.scale.numel() != H || !rt.scale.is_contiguous())
+    return route_miss(Fallback::dtype);
+  if (!is_aligned(rt.scale.data(), 16)) return route_miss(Fallback::alignment);  // read in 16-byte units
+  if (!rt.per_expert_scale.defined() || !is_floating(rt.per_expert_scale.dtype()) ||
+      rt.per_expert_scale.numel() != E || !rt.per_expert_scale.is_contiguous())
+    return route_miss(Fallback::dtype);
+  if (rt.proj.defined()) {
+    if (!(s = check_weight(rt.proj, 0, E, H, D)).ok) return s;
+  } else {
+    const Tensor& p = rt.proj_dense;
+    if (!p.defined() || p.dtype() != D) return route_miss(Fallback::dtype);
+    if (p.ndim() != 2 || p.size(0) != E || p.size(1) != H) return route_miss(Fallback::topology);
+    if (!p.is_contiguous() || !is_aligned(p.data(), 16)) return route_miss(Fallback::alignment);
+  }
+
+  const size_t gate_up_bytes =
+      first.bits == 4 ? gate_up_mma_smem(H, first.group_size) : gate_up_scalar_smem(T, H);
+  const size_t down_bytes = ex.down.bits == 4 ? down_mma_smem(k, I, ex.down.group_size) : down_scalar_smem(k, I);
+  if (router_smem(T, H) > kDecodeMaxSmem || gate_up_bytes > kDecodeMaxSmem || down_bytes > kDecodeMaxSmem)
+    return route_miss(Fallback::shape);
+  return route_ok();
+}
+
+
+DecodeScratch decode_scratch(int64_t T, int64_t k, int64_t E, int64_t I) {
+  DecodeScratch sc;
+  ArenaLayout layout;
+  const int64_t n = T * k;
+  sc.logits = layout.reserve(static_cast<size_t>(T * E) * sizeof(float));
+  sc.indices = layout.reserve(static_cast<size_t>(n) * sizeof(int32_t));
+  sc.weights = layout.reserve(static_cast<size_t>(n) * sizeof(uint16_t));
+  sc.plan = layout.reserve(sizeof(DecodePlan));
+  sc.hidden = layout.reserve(static_cast<size_t>(n * I) * sizeof(uint16_t));
+  sc.bytes = layout.bytes();
+  return sc;
+}
+
+void call_decode_layer(const DecodeScratch& sc, Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& w,
+                       Workspace& ws) {
+  const RouterWeights& rt = w.router;
+  const SwitchGLUWeights& ex = w.experts;
+  const int T = static_cast<int>(x.size(0)), H = static_cast<int>(x.size(1)), k = rt.top_k;
+  const int n = T * k;
+  const QuantizedWeight& gate = ex.fused() ? ex.gate_up : ex.gate;
+  const QuantizedWeight& up = ex.fused() ? ex.gate_up : ex.up;
+  const int E = static_cast<int>(gate.w.size(0));
+  const int I = static_cast<int>(ex.fused() ? gate.w.size(1) / 2 : gate.w.size(1));
+  const DType D = x.dtype();
+
+  void* base = ws.get(detail::kSlotLayerArena, sc.bytes);
+  // Kernel 1's count of finished CTAs: zero when a call starts (the last CTA resets it), one per
+  // workspace (a workspace serves one call at a time, as its arena does).
+  auto* counter = static_cast<unsigned*>(ws.get_zeroed(detail::kSlotCounters, sizeof(unsigned)));
+  cudaStream_t stream = current_stream();
+  auto* plan = static_cast<DecodePlan*>(arena_at(base, sc.plan));
+
+  RouterArgs ra{};
+  ra.h = h.data_as<const uint16_t>();
+  ra.h_stride = T > 1 ? h.stride(0) : H;
+  ra.scale = rt.scale.data();
+  ra.scale_dtype = rt.scale.dtype();
+  ra.root_size = 1.0f / std::sqrt(static_cast<float>(H));
+  ra.eps = rt.eps;
+  const bool quantized = rt.proj.defined();
+  ra.proj = quantized ? rt.proj.w.data() : rt.proj_dense.data();
+  if (quantized) {
+    ra.proj_scales = rt.proj.scales.data_as<const uint16_t>();
+    ra.proj_biases = rt.proj.biases.data_as<const uint16_t>();
+    ra.groups_per_row = H / rt.proj.group_size;
+    ra.group_shift = log2_of(rt.proj.group_size);
+  }
+  ra.per_expert_scale = rt.per_expert_scale.data();
+  ra.pes_dtype = rt.per_expert_scale.dtype();
+  ra.T = T;
+  ra.H = H;
+  ra.E = E;
+  ra.k = k;
+  ra.logits = static_cast<float*>(arena_at(base, sc.logits));
+  ra.counter = counter;
+  ra.indices = static_cast<int32_t*>(arena_at(base, sc.indices));
+  ra.weights = static_cast<uint16_t*>(arena_at(base, sc.weights));
+  ra.plan = plan;
+
+  GateUpArgs ga{};
+  ga.x = x.data_as<const uint16_t>();
+  ga.x_stride = T > 1 ? x.stride(0) : H;
+  ga.gate_w = gate.w.data_as<const uint32_t>();
+  ga.gate_s = gate.scales.data_as<const uint16_t>();
+  ga.gate_b = gate.biases.data_as<const uint16_t>();
+  ga.up_w = up.w.data_as<const uint32_t>();
+  ga.up_s = up.scales.data_as<const uint16_t>();
+  ga.up_b = up.biases.data_as<const uint16_t>();
+  ga.gate_rows_per_expert = gate.w.size(1);
+  ga.up_rows_per_expert = up.w.size(1);
+  ga.gate_row0 = 0;
+  ga.up_row0 = ex.fused() ? I : 0;
+  ga.groups_per_row = H / gate.group_size;
+  ga.group_shift = log2_of(gate.group_size);
+  ga.H = H;
+  ga.I = I;
+  ga.E = E;
+  ga.k = k;
+  ga.rows_per_pass = gate_up_scalar_rows_per_pass(T);  // scalar kernel only
+  ga.plan = plan;
+  ga.hidden = static_cast<uint16_t*>(arena_at(base, sc.hidden));
+  ga.faults = device_faults();
+
+  DownArgs da{};
+  da.hidden = ga.hidden;
+  da.w = ex.down.w.data_as<const uint32_t>();
+  da.s = ex.down.scales.data_as<const uint16_t>();
+  da.b = ex.down.biases.data_as<const uint16_t>();
+  da.groups_per_row = I / ex.down.group_size;
+  da.group_shift = log2_of(ex.down.group_size);
+  da.indices = ra.indices;
+  da.weights = ra.weights;
+  da.H = H;
+  da.I = I;
+  da.E = E;
+  da.k = k;
+  da.out = out.data_as<uint16_t>();
+  da.faults = ga.faults;
+
+  // 4-bit experts run on the tensor-core kernels, 8-bit ones on the scalar kernels.
+  const int proj_bits = quantized ? rt.proj.bits : 0;
+  launch_router(D, proj_bits, ra, router_smem(T, H), stream);
+  if (gate.bits == 4)
+    launch_gate_up_mma(D, gate.group_size, ex.activation, ga, n, gate_up_mma_smem(H, gate.group_size), stream);
+  else
+    launch_gate_up_scalar(D, ex.activation, ga, n, gate_up_scalar_smem(T, H), stream);
+  if (ex.down.bits == 4)
+    launch_down_mma(D, ex.down.group_size, da, T, down_mma_smem(k, I, ex.down.group_size), stream);
+  else
+    launch_down_scalar(D, da, T, down_scalar_smem(k, I), stream);
+}
+
+}  // namespace expertqmm::cuda

@@ -1,0 +1,334 @@
+// Kernel 1 of the decode layer (moe_decode.h): the router with top-k, softmax and the expert plan.
+#include "cuda/moe_decode.h"
+#include "cuda/device/route_topk.cuh"
+
+namespace expertqmm::cuda::decode {
+
+namespace {
+
+using device::chunk_dots;
+using device::chunk_sum;
+using device::load8;
+using device::padded;
+using device::raw_param;
+using device::round_up4;
+using device::small_uint_to_float;
+using device::stage_unit;
+using device::staged_floats;
+using device::word_dot;
+using device::word_of;
+using device::word_x;
+
+constexpr int kRouterThreads = 256;
+constexpr int kRouterWarps = kRouterThreads / 32;
+constexpr int kRouterChunks = 2;      // 16-byte weight chunks per thread per batch (c = tid + 256 i)
+constexpr int kRouterUnits = 12;      // 16-byte h units per thread per staging batch
+constexpr int kRouterScaleUnits = 2;  // norm-weight units (8 values) per thread per staging batch
+constexpr int kRouterCachedScales = kRouterThreads;  // per_expert_scale prefetched for e < 256
+
+// 8 norm-weight values of unit u as float (bf16/f16: one 16-byte load, f32: two).
+struct ScaleUnit {
+  uint4 lo, hi;
+};
+__device__ __forceinline__ void load_scale_unit(const void* p, DType dt, int u, ScaleUnit& s) {
+  if (dt == DType::f32) {
+    const uint4* q = static_cast<const uint4*>(p) + 2 * u;
+    s.lo = __ldg(q);
+    s.hi = __ldg(q + 1);
+  } else {
+    s.lo = __ldg(static_cast<const uint4*>(p) + u);
+    s.hi = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+__device__ __forceinline__ void scale_unit_floats(const ScaleUnit& s, DType dt, float (&v)[8]) {
+  if (dt == DType::f32) {
+    const float* f0 = reinterpret_cast<const float*>(&s.lo);
+    const float* f1 = reinterpret_cast<const float*>(&s.hi);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[i] = f0[i];
+      v[4 + i] = f1[i];
+    }
+  } else {
+    const uint16_t* e = reinterpret_cast<const uint16_t*>(&s.lo);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = dt == DType::bf16 ? bf16_to_float(e[i]) : f16_to_float(e[i]);
+  }
+}
+
+// Work split: grid E CTAs (one per expert: 128 for Gemma, one wave on 132 SMs), 256 threads.
+// Thread i owns the weight chunks i, i + 256, ... (16 bytes each) of its CTA's expert row: the
+// 8-bit Gemma row of 2816 values is 176 chunks, so threads 0..175 hold one chunk each and the
+// whole 383 KB projection is requested by the first instructions of all 128 CTAs at once (~3 KB
+// per SM: one DRAM round trip, not bandwidth). Order, for latency:
+//   1. the chunk loads (with their scale and bias), and per_expert_scale[tid] (for the top-k);
+//   2. the RMS-norm inputs, issued as one batch: norm weight units (8 values, 16 B) u = tid,
+//      tid + 256, and h units (flat index t*U + u, U = H/8) tid + 256 j, j < 12 (T=8: 2816 units,
+//      11 per thread: one batch); h is written to shared memory as raw floats, scale * root_size
+//      likewise, and each thread sums the squares of its units per token (registers, index order);
+//   3. sums of squares: shuffles, then warp 0..T-1 partials summed in warp order -> inv_rms[t];
+//   4. per chunk and token, r = D(h * inv_rms * (scale * root_size)) computed in registers from
+//      shared memory (route_into's formula; no staged r, no extra barrier), its 8-value unit sums
+//      in index order, and the qmv dot (word_dot); acc[t] += s * dot + b * sum(x);
+//   5. shuffles, then the 8 warps' partials in warp order -> logits[t, e], rounded to D.
+// Each CTA then bumps a device counter (after __threadfence); the CTA that finishes last does the
+// top-k (warp t = token t, device::warp_topk_softmax, indices into shared memory, per_expert_scale
+// from the prefetched copy), writes indices and weights, resets the counter, and builds the
+// DecodePlan from the shared indices: thread b < n counts the rows with a smaller expert id and the
+// earlier rows with the same id, which is row b's place in the stably sorted order; first rows of
+// an expert name groups.
+// Occupancy (ptxas, sm_90a): 119-121 registers, no spills; 1 CTA (8 warps) per SM is all it needs:
+// grid E = 128 <= 132 SMs, one wave. Dynamic shared memory (T + 1) * 3168 floats at H = 2816:
+// 25 KB at T=1, 114 KB at T=8. In flight per SM: the expert row (2.8 KB + 88 B of scales/biases)
+// beside the norm inputs (norm weight 5.6 KB + h 5.6 KB per token: ~14 KB at T=1, ~53 KB at T=8,
+// L2 hits after the first CTA) in one round trip; then the counter atomic, one L2 read of the
+// logits and the top-k in the last CTA (T=8: the 8 tokens on the 8 warps at once).
+template <DType D, int kProj>
+__global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArgs a) {
+  using S = typename Elem<D>::storage;
+  constexpr bool kQuant = kProj != 0;
+  constexpr int kVals = kQuant ? 128 / kProj : 8;  // values per 16-byte chunk
+  constexpr int kUnitsPerChunk = kVals / 8;
+  extern __shared__ __align__(16) float smem[];    // scale*root_size row, then T raw h rows (padded)
+  __shared__ float red[kRouterWarps][kDecodeMaxTokens];
+  __shared__ float inv_rms[kDecodeMaxTokens];
+  __shared__ float pes_s[kRouterCachedScales];
+  __shared__ int is_last;
+  __shared__ int32_t ids[kDecodeMaxRows];
+  __shared__ int first_of_expert[kDecodeMaxRows];
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int e = blockIdx.x;
+  const int Q = a.H / kVals;
+  const int row_floats = round_up4(padded(a.H));
+  float* sr = smem;                // (H) padded: scale * root_size
+  float* hs = smem + row_floats;   // (T, H) padded: raw h
+  const uint4* wrow = static_cast<const uint4*>(a.proj) + static_cast<int64_t>(e) * Q;
+  const uint16_t* srow = kQuant ? a.proj_scales + static_cast<int64_t>(e) * a.groups_per_row : nullptr;
+  const uint16_t* brow = kQuant ? a.proj_biases + static_cast<int64_t>(e) * a.groups_per_row : nullptr;
+
+  // 1. Weight loads first.
+  uint4 wv[kRouterChunks];
+  float ws[kRouterChunks], wb[kRouterChunks];
+  auto load_batch = [&](int c0) {
+#pragma unroll
+    for (int i = 0; i < kRouterChunks; ++i) {
+      const int c = c0 + kRouterThreads * i;
+      if (c < Q) {
+        wv[i] = __ldg(wrow + c);
+        if constexpr (kQuant) {
+          const int g = (c * kVals) >> a.group_shift;
+          ws[i] = raw_param<D>(__ldg(srow + g));
+          wb[i] = raw_param<D>(__ldg(brow + g));
+        }
+      } else {
+        wv[i] = make_uint4(0u, 0u, 0u, 0u);
+        ws[i] = 0.f;
+        wb[i] = 0.f;
+      }
+    }
+  };
+  load_batch(tid);
+  const float pes_mine = tid < a.E ? load_any(a.per_expert_scale, a.pes_dtype, tid) : 0.f;
+
+  // 2. Norm inputs, batched: the norm weight's units and h's units, all loads before any use.
+  const int U = a.H / 8;
+  const int TU = a.T * U;
+  float sq[kDecodeMaxTokens];
+#pragma unroll
+  for (int t = 0; t < kDecodeMaxTokens; ++t) sq[t] = 0.f;
+  for (int base = 0, sbase = 0; base < TU || sbase < U;
+       base += kRouterThreads * kRouterUnits, sbase += kRouterThreads * kRouterScaleUnits) {
+    ScaleUnit su[kRouterScaleUnits];
+#pragma unroll
+    for (int j = 0; j < kRouterScaleUnits; ++j) {
+      const int u = sbase + tid + kRouterThreads * j;
+      if (u < U) load_scale_unit(a.scale, a.scale_dtype, u, su[j]);
+    }
+    uint4 hv[kRouterUnits];
+#pragma unroll
+    for (int j = 0; j < kRouterUnits; ++j) {
+      const int idx = base + tid + kRouterThreads * j;
+      if (idx < TU) {
+        const int t = idx / U, u = idx - t * U;
+        hv[j] = *reinterpret_cast<const uint4*>(a.h + t * a.h_stride + 8 * u);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kRouterScaleUnits; ++j) {
+      const int u = sbase + tid + kRouterThreads * j;
+      if (u < U) {
+        float v[8];
+        scale_unit_floats(su[j], a.scale_dtype, v);
+        float4* dst = reinterpret_cast<float4*>(sr + padded(8 * u));
+        dst[0] = make_float4(__fmul_rn(v[0], a.root_size), __fmul_rn(v[1], a.root_size),
+                             __fmul_rn(v[2], a.root_size), __fmul_rn(v[3], a.root_size));
+        dst[1] = make_float4(__fmul_rn(v[4], a.root_size), __fmul_rn(v[5], a.root_size),
+                             __fmul_rn(v[6], a.root_size), __fmul_rn(v[7], a.root_size));
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kRouterUnits; ++j) {
+      const int idx = base + tid + kRouterThreads * j;
+      if (idx < TU) {
+        const int t = idx / U, u = idx - t * U;
+        const S* hvals = reinterpret_cast<const S*>(&hv[j]);
+        float v[8];
+        float s = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          v[i] = Elem<D>::load(hvals[i]);
+          s = __fadd_rn(s, __fmul_rn(v[i], v[i]));
+        }
+#pragma unroll
+        for (int tt = 0; tt < kDecodeMaxTokens; ++tt)
+          if (tt == t) sq[tt] = __fadd_rn(sq[tt], s);
+        float4* dst = reinterpret_cast<float4*>(hs + t * row_floats + padded(8 * u));
+        dst[0] = make_float4(v[0], v[1], v[2], v[3]);
+        dst[1] = make_float4(v[4], v[5], v[6], v[7]);
+      }
+    }
+  }
+  // 3. inv_rms per token.
+#pragma unroll
+  for (int t = 0; t < kDecodeMaxTokens; ++t) {
+    for (int off = 16; off > 0; off >>= 1) sq[t] = __fadd_rn(sq[t], __shfl_xor_sync(0xffffffffu, sq[t], off));
+    if (lane == 0) red[warp][t] = sq[t];
+  }
+  __syncthreads();
+  if (tid < a.T) {
+    float total = 0.f;
+    for (int w = 0; w < kRouterWarps; ++w) total = __fadd_rn(total, red[w][tid]);
+    inv_rms[tid] = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(total, static_cast<float>(a.H)), a.eps)));
+  }
+  if (tid < kRouterCachedScales) pes_s[tid] = pes_mine;
+  __syncthreads();
+
+  // 4. The expert's logit, token by token (a runtime loop, so the dot code exists once: the kernel
+  //    is fetched cold by every SM), r computed per chunk from shared memory; then lanes reduce by
+  //    shuffles and the warps' partials are summed in warp order.
+  const bool one_batch = Q <= kRouterThreads * kRouterChunks;  // the row stays in registers
+  for (int t = 0; t < a.T; ++t) {
+    const float inv = inv_rms[t];
+    const float* hrow = hs + t * row_floats;
+    float acc = 0.f;
+    for (int c0 = tid;;) {
+      if (!one_batch && !(t == 0 && c0 == tid)) load_batch(c0);
+#pragma unroll
+      for (int i = 0; i < kRouterChunks; ++i) {
+        const int c = c0 + kRouterThreads * i;
+        if (c >= Q) break;
+        float dot = 0.f, sx = 0.f;
+#pragma unroll
+        for (int q = 0; q < kUnitsPerChunk; ++q) {
+          const int i0 = padded(c * kVals + 8 * q);  // 8 values inside one 32-block
+          const float4 h0 = *reinterpret_cast<const float4*>(hrow + i0);
+          const float4 h1 = *reinterpret_cast<const float4*>(hrow + i0 + 4);
+          const float4 s0 = *reinterpret_cast<const float4*>(sr + i0);
+          const float4 s1 = *reinterpret_cast<const float4*>(sr + i0 + 4);
+          const float hv8[8] = {h0.x, h0.y, h0.z, h0.w, h1.x, h1.y, h1.z, h1.w};
+          const float sv8[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
+          float x[8];
+          float usum = 0.f;
+#pragma unroll
+          for (int v = 0; v < 8; ++v) {
+            x[v] = round_to<D>(__fmul_rn(__fmul_rn(hv8[v], inv), sv8[v]));
+            usum += x[v];
+          }
+          sx += usum;
+          if constexpr (kProj == 4) {
+#pragma unroll
+            for (int v = 0; v < 8; ++v) x[v] *= 1.0f / static_cast<float>(1 << (4 * (v & 3)));
+            dot = word_dot<4>(word_of(wv[i], q), x, dot);
+          } else if constexpr (kProj == 8) {
+            dot = word_dot<8>(word_of(wv[i], 2 * q), x, dot);
+            dot = word_dot<8>(word_of(wv[i], 2 * q + 1), x + 4, dot);
+          } else {
+            const S* pv = reinterpret_cast<const S*>(&wv[i]);
+#pragma unroll
+            for (int v = 0; v < 8; ++v) dot += x[v] * Elem<D>::load(pv[v]);
+          }
+        }
+        if constexpr (kQuant) acc += ws[i] * dot + wb[i] * sx;
+        else acc += dot;
+      }
+      c0 += kRouterThreads * kRouterChunks;
+      if (c0 - tid >= Q) break;  // CTA-uniform
+    }
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    if (lane == 0) red[warp][t] = acc;  // red's sums of squares were consumed before the last barrier
+  }
+  __syncthreads();
+  if (tid < a.T) {
+    float total = 0.f;
+    for (int w = 0; w < kRouterWarps; ++w) total += red[w][tid];
+    a.logits[tid * a.E + e] = round_to<D>(total);
+  }
+
+  // The last CTA to finish routes.
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) is_last = atomicAdd(a.counter, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  if (tid == 0) atomicExch(a.counter, 0u);  // ready for the next call (graph replays)
+  for (int t = warp; t < a.T; t += kRouterWarps) {
+    const float* lrow = a.logits + t * a.E;
+    uint16_t* wrow_out = a.weights + t * a.k;
+    device::warp_topk_softmax(
+        [&](int64_t x) { return __ldcg(lrow + x); }, a.E, a.k,
+        [&](int64_t x) { return x < kRouterCachedScales ? pes_s[x] : load_any(a.per_expert_scale, a.pes_dtype, x); },
+        ids + t * a.k, [&](int slot, float w) { wrow_out[slot] = Elem<D>::store(w); });
+  }
+  __syncthreads();
+
+  // The plan: rows grouped by expert (stable counting sort over n <= 64 rows).
+  const int n = a.T * a.k;
+  int32_t mine = -1;
+  int less = 0, before = 0, same = 0;
+  if (tid < n) {
+    mine = ids[tid];
+    a.indices[tid] = mine;
+    for (int b = 0; b < n; ++b) {
+      const int32_t other = ids[b];
+      less += other < mine;
+      if (other == mine) {
+        ++same;
+        before += b < tid;
+      }
+    }
+    first_of_expert[tid] = before == 0;
+    a.plan->row[less + before] = tid;
+  }
+  const int groups = __syncthreads_count(tid < n && before == 0);
+  if (tid < n && before == 0) {
+    int g = 0;
+    for (int b = 0; b < n; ++b) g += first_of_expert[b] && ids[b] < mine;
+    a.plan->expert[g] = mine;
+    a.plan->begin[g] = less;
+    a.plan->count[g] = same;
+  }
+  if (tid == 0) a.plan->groups = groups;
+}
+
+
+}  // namespace
+
+size_t router_smem(int64_t T, int64_t H) {
+  return static_cast<size_t>((T + 1) * round_up4(padded(static_cast<int>(H)))) * 4;  // scale row + T h rows
+}
+
+void launch_router(DType dtype, int proj_bits, const RouterArgs& a, size_t smem, cudaStream_t stream) {
+  auto launch = [&](auto kernel) {
+    allow_smem(reinterpret_cast<const void*>(kernel));
+    kernel<<<static_cast<unsigned>(a.E), kRouterThreads, smem, stream>>>(a);
+    EXPERTQMM_CUDA_CHECK_LAUNCH(decode_router_kernel);
+  };
+  const bool bf16 = dtype == DType::bf16;
+  if (proj_bits == 0) launch(bf16 ? decode_router_kernel<DType::bf16, 0> : decode_router_kernel<DType::f16, 0>);
+  else if (proj_bits == 4) launch(bf16 ? decode_router_kernel<DType::bf16, 4> : decode_router_kernel<DType::f16, 4>);
+  else launch(bf16 ? decode_router_kernel<DType::bf16, 8> : decode_router_kernel<DType::f16, 8>);
+}
+
+}  // namespace expertqmm::cuda::decode
