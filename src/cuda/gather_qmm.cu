@@ -93,6 +93,28 @@ int device_sm_count() {
   return count;
 }
 
+device::QuantView quant_view(const detail::GatherQmmProblem& p) {
+  device::QuantView q;
+  q.w = static_cast<const uint32_t*>(p.w.data());
+  q.scales = static_cast<const uint16_t*>(p.scales.data());
+  q.biases = static_cast<const uint16_t*>(p.biases.data());
+  q.words_per_row = static_cast<int>(p.w_row_words());
+  q.groups_per_row = static_cast<int>(p.groups_per_row());
+  q.group_shift = log2_of(p.group_size);
+  return q;
+}
+
+device::QuantView quant_view(const QuantizedWeight& w, int64_t K) {
+  device::QuantView q;
+  q.w = w.w.data_as<const uint32_t>();
+  q.scales = w.scales.data_as<const uint16_t>();
+  q.biases = w.biases.data_as<const uint16_t>();
+  q.words_per_row = static_cast<int>(K * w.bits / 32);
+  q.groups_per_row = static_cast<int>(K / w.group_size);
+  q.group_shift = log2_of(w.group_size);
+  return q;
+}
+
 void gather_qmm_into(const detail::GatherQmmProblem& p, void* out, Workspace* ws) {
   if (!check_problem(p, out)) return;
   pick_route(p, /*record=*/true).call(p, out, ws);

@@ -249,9 +249,7 @@ void launch_gate_up_glu(const detail::GatherQmmProblem& gate, const detail::Gath
                   "gather_qmm", "the fused gate/up GEMM needs one shared tile plan and a 16-byte aligned output");
   WgmmaTileArgs args;
   args.tile = make_tile_args(gate, hidden);
-  args.w_up = static_cast<const uint32_t*>(up.w.data());
-  args.scales_up = static_cast<const uint16_t*>(up.scales.data());
-  args.biases_up = static_cast<const uint16_t*>(up.biases.data());
+  args.up = quant_view(up);
   args.retractions = retraction_counter();
   args.calls = 2;
   const TilePlanView v = plan_view(gate, gate.tile_plan);

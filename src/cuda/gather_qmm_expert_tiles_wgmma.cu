@@ -159,22 +159,22 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
   // Smem weight row r (0..127): weight set r / 64 and row n0 + r % 64 (glu), or row n0 + r.
   auto weight_row = [&](int r) { return kGlu ? col_block * 64 + (r & 63) : col_block * kCtaRows + r; };
   auto weight_set = [&](int r) { return kGlu && r >= 64 ? 1 : 0; };
-  const int64_t w_expert = static_cast<int64_t>(expert) * a.N * a.words_per_row;
-  const int64_t param_expert = static_cast<int64_t>(expert) * a.N * a.groups_per_row;
+  const int64_t w_expert = static_cast<int64_t>(expert) * a.N * a.q.words_per_row;
+  const int64_t param_expert = static_cast<int64_t>(expert) * a.N * a.q.groups_per_row;
   const unsigned w_row = tid >> 1, w_chunk = tid & 1;
   const int w_n = weight_row(w_row);
   const bool w_valid = w_n < a.N;
-  const uint32_t* w_base = weight_set(w_row) ? p.w_up : a.w;
-  const uint32_t* w_src = w_valid ? w_base + w_expert + static_cast<int64_t>(w_n) * a.words_per_row + w_chunk * 4 : a.w;
+  const uint32_t* w_base = weight_set(w_row) ? p.up.w : a.q.w;
+  const uint32_t* w_src = w_valid ? w_base + w_expert + static_cast<int64_t>(w_n) * a.q.words_per_row + w_chunk * 4 : a.q.w;
   const unsigned w_dst = L::kXBytes + (w_row * kWordsPerRow + (L::w_chunk(w_row, w_chunk) << 2)) * 4;
   const int param_row = tid & (kCtaRows - 1);
   const int param_n = weight_row(param_row);
   const bool param_valid = param_n < a.N;
   const bool is_bias = tid >= kCtaRows;
-  const uint16_t* param_base = weight_set(param_row) ? (is_bias ? p.biases_up : p.scales_up)
-                                                     : (is_bias ? a.biases : a.scales);
+  const uint16_t* param_base = weight_set(param_row) ? (is_bias ? p.up.biases : p.up.scales)
+                                                     : (is_bias ? a.q.biases : a.q.scales);
   const uint16_t* param_src =
-      param_valid ? param_base + param_expert + static_cast<int64_t>(param_n) * a.groups_per_row : a.scales;
+      param_valid ? param_base + param_expert + static_cast<int64_t>(param_n) * a.q.groups_per_row : a.q.scales;
   const unsigned param_dst = L::kXBytes + L::kWBytes + tid * 4;  // ss (128,) then bs (128,)
 
   auto load_stage = [&](unsigned char* stage, int kt) {
@@ -188,7 +188,7 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
     device::cp_async_16(stage + w_dst, w_src + kt * kWordsPerRow, w_valid);
     // The group element el sits in the aligned word at el & ~1: el odd -> read both halves; el even
     // -> its 2 bytes only (the next element may lie past the end of the tensor).
-    const uint16_t* el = param_src + ((kt * kBK) >> a.group_shift);
+    const uint16_t* el = param_src + ((kt * kBK) >> a.q.group_shift);
     const int odd = static_cast<int>((reinterpret_cast<uintptr_t>(el) >> 1) & 1);
     if (param_valid) device::cp_async_4(stage + param_dst, el - odd, odd ? 4 : 2);
     else device::cp_async_4(stage + param_dst, param_src, 0);
@@ -204,7 +204,7 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
   // (4-byte aligned tensors) flipped by the group index's parity.
   auto row_parity = [&](int r) {
     const int n = weight_row(r);
-    return n < a.N ? static_cast<int>((param_expert + static_cast<int64_t>(n) * a.groups_per_row) & 1) : 0;
+    return n < a.N ? static_cast<int>((param_expert + static_cast<int64_t>(n) * a.q.groups_per_row) & 1) : 0;
   };
   const int parity_lo = row_parity(m_lo), parity_hi = row_parity(m_hi);
 
@@ -239,7 +239,7 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
     const uint32_t* ws = reinterpret_cast<const uint32_t*>(base + L::kXBytes);
     const uint32_t* ss = ws + kCtaRows * kWordsPerRow;
     const uint32_t* bs = ss + kCtaRows;
-    const int tile_parity = ((kt * kBK) >> a.group_shift) & 1;
+    const int tile_parity = ((kt * kBK) >> a.q.group_shift) & 1;
     const bool high_lo = (parity_lo ^ tile_parity) != 0, high_hi = (parity_hi ^ tile_parity) != 0;
     const uint32_t s_lo = device::broadcast_half(ss[m_lo], high_lo), b_lo = device::broadcast_half(bs[m_lo], high_lo);
     const uint32_t s_hi = device::broadcast_half(ss[m_hi], high_hi), b_hi = device::broadcast_half(bs[m_hi], high_hi);

@@ -33,16 +33,13 @@ constexpr int64_t kQmvMaxK = 8192;    // x row staged as float in shared memory:
 
 struct QmvArgs {
   const void* x;           // x_batch matrices of (M, K) T, x_batch_stride elements apart
-  const uint32_t* w;       // (E, N, K*bits/32) uint32 codes
-  const uint16_t* scales;  // (E, N, K/group_size) raw T
-  const uint16_t* biases;
+  device::QuantView q;     // (E, N, K*bits/32) codes, (E, N, K/group_size) raw T scales and biases
   const int32_t* lhs;  // (B,) or nullptr (identity)
   const int32_t* rhs;  // (B,) or nullptr (identity)
   void* out;           // (B*M, N) T
   uint32_t* faults;
   int64_t x_batch, x_batch_stride;
   int M, N, K, E;
-  int words_per_row, groups_per_row, group_shift;
   int num_chunks;  // chunks per weight row (K / values per chunk)
   int k_split;     // warps that share one set of columns, each summing a slice of the chunks
   bool x_vec;      // every x row starts 16-byte aligned: stage with 16-byte loads
@@ -69,11 +66,11 @@ struct QmvBatch {
 #pragma unroll
     for (int it = 0; it < kQmvChunksPerLane; ++it) {
       const int c = chunk0 + it * chunk_stride;
-      const int group = (c * vals_per_chunk) >> a.group_shift;
+      const int group = (c * vals_per_chunk) >> a.q.group_shift;
 #pragma unroll
       for (int i = 0; i < kQmvColsPerWarp; ++i) {
         if (c < a.num_chunks && i < cols_left) {
-          const uint32_t* src = w_col0 + i * a.words_per_row + c * kVecWords;
+          const uint32_t* src = w_col0 + i * a.q.words_per_row + c * kVecWords;
           if constexpr (kVecWords == 4) {
             const uint4 v = __ldg(reinterpret_cast<const uint4*>(src));
             words[it][i][0] = v.x;
@@ -83,8 +80,8 @@ struct QmvBatch {
           } else {
             words[it][i][0] = __ldg(src);
           }
-          scale[it][i] = Elem<T>::raw_to_float(__ldg(scale_col0 + i * a.groups_per_row + group));
-          bias[it][i] = Elem<T>::raw_to_float(__ldg(bias_col0 + i * a.groups_per_row + group));
+          scale[it][i] = Elem<T>::raw_to_float(__ldg(scale_col0 + i * a.q.groups_per_row + group));
+          bias[it][i] = Elem<T>::raw_to_float(__ldg(bias_col0 + i * a.q.groups_per_row + group));
         } else {
 #pragma unroll
           for (int v = 0; v < kVecWords; ++v) words[it][i][v] = 0u;
@@ -142,9 +139,9 @@ __global__ void __launch_bounds__(kQmvThreads, kQmvMinCtasPerSm) qmv_kernel(QmvA
   const int col0 = blockIdx.x * cols_per_cta + col_set * kQmvColsPerWarp;
   const int cols_left = a.N - col0;  // may be <= 0: the warp then loads nothing
   const int64_t col_row = expert * a.N + col0;  // (expert, col0) as a row of w / scales / biases
-  const uint32_t* w_col0 = a.w + col_row * a.words_per_row;
-  const uint16_t* scale_col0 = a.scales + col_row * a.groups_per_row;
-  const uint16_t* bias_col0 = a.biases + col_row * a.groups_per_row;
+  const uint32_t* w_col0 = a.q.w + col_row * a.q.words_per_row;
+  const uint16_t* scale_col0 = a.q.scales + col_row * a.q.groups_per_row;
+  const uint16_t* bias_col0 = a.q.biases + col_row * a.q.groups_per_row;
   const int chunk_stride = 32 * a.k_split;  // between one lane's consecutive chunks
   const int batch_stride = kQmvChunksPerLane * chunk_stride;
 
@@ -291,9 +288,7 @@ void call_qmv(const detail::GatherQmmProblem& p, void* out, Workspace*) {
   EXPERTQMM_CHECK(s.ok, "gather_qmm", "qmv does not support ", p.describe(), " (", fallback_name(s.reason), ")");
   QmvArgs a{};
   a.x = p.x.data();
-  a.w = static_cast<const uint32_t*>(p.w.data());
-  a.scales = static_cast<const uint16_t*>(p.scales.data());
-  a.biases = static_cast<const uint16_t*>(p.biases.data());
+  a.q = quant_view(p);
   a.lhs = p.lhs_is_identity ? nullptr : static_cast<const int32_t*>(p.lhs.data());
   a.rhs = p.rhs_is_identity ? nullptr : static_cast<const int32_t*>(p.rhs.data());
   a.out = out;
@@ -304,11 +299,8 @@ void call_qmv(const detail::GatherQmmProblem& p, void* out, Workspace*) {
   a.N = static_cast<int>(p.N);
   a.K = static_cast<int>(p.K);
   a.E = static_cast<int>(p.w_batch);
-  a.words_per_row = static_cast<int>(p.w_row_words());
-  a.groups_per_row = static_cast<int>(p.groups_per_row());
-  a.group_shift = log2_of(p.group_size);
-  const int vec_words = (a.words_per_row % 4 == 0 && is_aligned(p.w.data(), 16)) ? 4 : 1;
-  a.num_chunks = a.words_per_row / vec_words;
+  const int vec_words = (a.q.words_per_row % 4 == 0 && is_aligned(p.w.data(), 16)) ? 4 : 1;
+  a.num_chunks = a.q.words_per_row / vec_words;
   a.x_vec = is_aligned(p.x.data(), 16) && p.x_batch_stride % 8 == 0;  // K % 8 == 0: every row aligned
 
   // Split K across warps while the grid would not fill the resident CTA slots (3 per SM), as long

@@ -218,9 +218,7 @@ RouteSupport supports_tile_operands(const detail::GatherQmmProblem& p) {
 TileArgs make_tile_args(const detail::GatherQmmProblem& p, void* out) {
   TileArgs a{};
   a.x = p.x.data();
-  a.w = static_cast<const uint32_t*>(p.w.data());
-  a.scales = static_cast<const uint16_t*>(p.scales.data());
-  a.biases = static_cast<const uint16_t*>(p.biases.data());
+  a.q = quant_view(p);
   a.lhs = p.lhs_is_identity ? nullptr : static_cast<const int32_t*>(p.lhs.data());
   a.rhs = p.rhs_is_identity ? nullptr : static_cast<const int32_t*>(p.rhs.data());
   a.out = out;
@@ -232,9 +230,6 @@ TileArgs make_tile_args(const detail::GatherQmmProblem& p, void* out) {
   a.N = static_cast<int>(p.N);
   a.K = static_cast<int>(p.K);
   a.E = static_cast<int>(p.w_batch);
-  a.words_per_row = static_cast<int>(p.w_row_words());
-  a.groups_per_row = static_cast<int>(p.groups_per_row());
-  a.group_shift = log2_of(p.group_size);
   a.paired_store = p.N % 2 == 0 && is_aligned(out, 4);
   return a;
 }

@@ -8,6 +8,7 @@
 
 #include "core/gather_qmm_problem.h"
 #include "core/workspace_slots.h"
+#include "cuda/device/quant_view.cuh"
 #include "expertqmm/diagnostics.h"
 #include "expertqmm/moe.h"
 
@@ -80,6 +81,11 @@ RouteSupport supports_simt(const detail::GatherQmmProblem& p);
 void call_simt(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
 
 // --- shared host helpers ----------------------------------------------------------------------
+// p's weight as the kernels read it (device/quant_view.cuh); scales/biases as raw 16-bit pointers
+// (simt reinterprets them as p.dtype). Row geometry must fit int32 (every route's supports_* checks).
+device::QuantView quant_view(const detail::GatherQmmProblem& p);
+// A quantized weight [..., N, K*bits/32] with K values per row, as the decode kernels read it.
+device::QuantView quant_view(const QuantizedWeight& q, int64_t K);
 int device_sm_count();  // multiprocessors of the current device (queried once)
 inline bool is_aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 inline bool fits_int32(int64_t v) { return v >= 0 && v <= std::numeric_limits<int32_t>::max(); }

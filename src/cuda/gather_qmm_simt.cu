@@ -20,17 +20,16 @@ using device::load_param;
 
 struct SimtArgs {
   const void* x;       // x_batch matrices of (M, K) T, x_batch_stride elements apart
-  const uint32_t* w;   // transpose: (E, N, K*bits/32); else (E, K, N*bits/32) uint32 codes
-  const void* scales;  // transpose: (E, N, K/gs); else (E, K, N/gs), in T
-  const void* biases;
+  // transpose: (E, N, K*bits/32) codes, (E, N, K/gs) scales and biases; else (E, K, N*bits/32) and
+  // (E, K, N/gs); scales and biases in T (any float dtype: read through load_param<T>).
+  device::QuantView q;
   const int32_t* lhs;  // (B,) or nullptr (identity)
   const int32_t* rhs;  // (B,) or nullptr (identity)
   void* out;           // (B*M, N) T
   uint32_t* faults;
   int64_t rows, x_batch, x_batch_stride;
   int64_t M, N, K, E;
-  int64_t words_per_row, groups_per_row;
-  int bits, group_shift;
+  int bits;
   bool transpose;
 };
 
@@ -61,20 +60,20 @@ __global__ void simt_kernel(SimtArgs a) {
     float acc = 0.f;
     if (a.transpose) {
       const int64_t wrow = expert * a.N + n;  // row of (E*N, K) codes
-      const uint32_t* codes = a.w + wrow * a.words_per_row;
+      const uint32_t* codes = a.q.w + wrow * a.q.words_per_row;
       for (int64_t k = 0; k < a.K; ++k) {
-        const int64_t pi = wrow * a.groups_per_row + (k >> a.group_shift);
-        const float wv = fmaf(load_param<T>(a.scales, pi), static_cast<float>(extract_code(codes, k, a.bits)),
-                              load_param<T>(a.biases, pi));
+        const int64_t pi = wrow * a.q.groups_per_row + (k >> a.q.group_shift);
+        const float wv = fmaf(load_param<T>(a.q.scales, pi), static_cast<float>(extract_code(codes, k, a.bits)),
+                              load_param<T>(a.q.biases, pi));
         acc = fmaf(Elem<T>::to_float(xrow[k]), wv, acc);
       }
     } else {
       for (int64_t k = 0; k < a.K; ++k) {
         const int64_t wrow = expert * a.K + k;  // row of (E*K, N) codes
-        const int64_t pi = wrow * a.groups_per_row + (n >> a.group_shift);
-        const float wv = fmaf(load_param<T>(a.scales, pi),
-                              static_cast<float>(extract_code(a.w + wrow * a.words_per_row, n, a.bits)),
-                              load_param<T>(a.biases, pi));
+        const int64_t pi = wrow * a.q.groups_per_row + (n >> a.q.group_shift);
+        const float wv = fmaf(load_param<T>(a.q.scales, pi),
+                              static_cast<float>(extract_code(a.q.w + wrow * a.q.words_per_row, n, a.bits)),
+                              load_param<T>(a.q.biases, pi));
         acc = fmaf(Elem<T>::to_float(xrow[k]), wv, acc);
       }
     }
@@ -108,6 +107,7 @@ RouteSupport supports_simt(const detail::GatherQmmProblem& p) {
   if (p.bits < 1 || p.bits > 8) return route_miss(Fallback::quantization);
   if (p.group_size <= 0 || (p.group_size & (p.group_size - 1)) != 0) return route_miss(Fallback::quantization);
   if (p.N < 0 || p.K < 0 || p.M <= 0) return route_miss(Fallback::shape);
+  if (!fits_int32(p.w_row_words()) || !fits_int32(p.groups_per_row())) return route_miss(Fallback::shape);
   return route_ok();
 }
 
@@ -116,9 +116,7 @@ void call_simt(const detail::GatherQmmProblem& p, void* out, Workspace*) {
   EXPERTQMM_CHECK(s.ok, "gather_qmm", "simt does not support ", p.describe(), " (", fallback_name(s.reason), ")");
   SimtArgs a{};
   a.x = p.x.data();
-  a.w = static_cast<const uint32_t*>(p.w.data());
-  a.scales = p.scales.data();
-  a.biases = p.biases.data();
+  a.q = quant_view(p);  // simt reads scales/biases of any float dtype through load_param<T>
   a.lhs = p.lhs_is_identity ? nullptr : static_cast<const int32_t*>(p.lhs.data());
   a.rhs = p.rhs_is_identity ? nullptr : static_cast<const int32_t*>(p.rhs.data());
   a.out = out;
@@ -130,10 +128,7 @@ void call_simt(const detail::GatherQmmProblem& p, void* out, Workspace*) {
   a.N = p.N;
   a.K = p.K;
   a.E = p.w_batch;
-  a.words_per_row = p.w_row_words();
-  a.groups_per_row = p.groups_per_row();
   a.bits = p.bits;
-  a.group_shift = log2_of(p.group_size);
   a.transpose = p.transpose;
   if (a.rows * a.N == 0) return;
   for (const SimtVariant& v : kSimtVariants) {

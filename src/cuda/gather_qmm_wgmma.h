@@ -18,9 +18,7 @@ constexpr bool is_glu(WgmmaForm f) { return f == WgmmaForm::geglu || f == WgmmaF
 // weights of the same shape and layout.
 struct WgmmaTileArgs {
   device::TileArgs tile;
-  const uint32_t* w_up = nullptr;
-  const uint16_t* scales_up = nullptr;
-  const uint16_t* biases_up = nullptr;
+  device::QuantView up;  // glu forms: the up weights (geometry as tile.q)
   // combine only: slot[r] the flat (token, slot) index of sorted row r, weight (tokens * top_k,)
   // raw T bits, out (tokens, N) fp32, zeroed by the caller.
   const int32_t* combine_slot = nullptr;

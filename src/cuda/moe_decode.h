@@ -34,6 +34,7 @@
 #include "cuda/device/dequant.cuh"
 #include "cuda/device/elem.cuh"
 #include "cuda/device/mma.cuh"
+#include "cuda/device/quant_view.cuh"
 #include "cuda/device/staging.cuh"
 #include "cuda/moe_internal.h"
 #include "cuda/runtime.cuh"
@@ -66,10 +67,8 @@ struct RouterArgs {
   const void* scale;  // (H) of scale_dtype: the RMS norm weight
   DType scale_dtype;
   float root_size, eps;
-  const void* proj;          // quantized: (E, H*bits/32) uint32 codes; dense: (E, H) of D
-  const uint16_t* proj_scales;  // (E, H/group) of D (quantized only)
-  const uint16_t* proj_biases;
-  int groups_per_row, group_shift;
+  device::QuantView proj;  // quantized: (E, H*bits/32) codes, (E, H/group) scales and biases of D
+  const void* proj_dense;  // dense: (E, H) of D
   const void* per_expert_scale;  // (E) of pes_dtype
   DType pes_dtype;
   int T, H, E, k;
@@ -89,15 +88,9 @@ struct GateUpArgs {
   // gate and up weight rows: expert e, column n is row e * rows_per_expert + row0 + n of
   // w (rows of H*bits/32 uint32) and of scales/biases (rows of H/group of D). Separate tensors:
   // rows_per_expert = I, row0 = 0; one fused gate_up: 2I, gate row0 = 0, up row0 = I.
-  const uint32_t* gate_w;
-  const uint16_t* gate_s;
-  const uint16_t* gate_b;
-  const uint32_t* up_w;
-  const uint16_t* up_s;
-  const uint16_t* up_b;
+  device::QuantView gate, up;  // the same bits and group size
   int64_t gate_rows_per_expert, up_rows_per_expert;
   int gate_row0, up_row0;
-  int groups_per_row, group_shift;
   int H, I, E, k;
   int rows_per_pass;  // activation rows staged at once: min(kGuRowsPerPass, T) (an expert has <= T rows)
   const DecodePlan* plan;
@@ -110,10 +103,7 @@ struct GateUpArgs {
 // Kernel 3: down and the weighted combine.
 struct DownArgs {
   const uint16_t* hidden;  // (n, I) of D
-  const uint32_t* w;       // (E, H, I*bits/32) codes
-  const uint16_t* s;       // (E, H, I/group) of D
-  const uint16_t* b;
-  int groups_per_row, group_shift;
+  device::QuantView down;  // (E, H, I*bits/32) codes, (E, H, I/group) scales and biases of D
   const int32_t* indices;   // (T, k)
   const uint16_t* weights;  // (T, k) of D
   int H, I, E, k;

@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_down_combine_mma_kernel(Do
 #pragma unroll
     for (int p = 0; p < 2; ++p) {
       const int r = lane / 4 + 8 * p;
-      const uint4* src = reinterpret_cast<const uint4*>(a.w) + (first + r) * chunks;
+      const uint4* src = reinterpret_cast<const uint4*>(a.down.w) + (first + r) * chunks;
       unsigned char* dst = codes + r * L.code_row;
       for (int c = lane % 4; c < chunks; c += 4) device::cp_async_16(dst + 16 * c, src + c, ok);
     }
@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_down_combine_mma_kernel(Do
     for (int i = lane; i < 2 * span_chunks; i += 32) {
       const bool bias = i >= span_chunks;
       const int c = i - (bias ? span_chunks : 0);
-      device::cp_async_16((bias ? bi : sc) + 8 * c, (bias ? a.b : a.s) + first * L.groups + 8 * c, ok);
+      device::cp_async_16((bias ? bi : sc) + 8 * c, (bias ? a.down.biases : a.down.scales) + first * L.groups + 8 * c, ok);
     }
     device::cp_async_commit();
     for (int ubase = 0; ubase < U; ubase += 32 * kUnits) {

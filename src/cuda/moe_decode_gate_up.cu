@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_mma_kernel(Gat
   {
     constexpr int kPerRow = kThreads / (2 * kTcRows);  // 8 threads per staged row
     const int r = tid / kPerRow, j = tid % kPerRow;
-    const uint4* src = reinterpret_cast<const uint4*>(r < kTcRows ? a.gate_w : a.up_w) +
+    const uint4* src = reinterpret_cast<const uint4*>(r < kTcRows ? a.gate.w : a.up.w) +
                        ((r < kTcRows ? gate_first : up_first) + r % kTcRows) * chunks;
     unsigned char* dst = codes + r * L.code_row;
     for (int c = j; c < half_chunks; c += kPerRow) device::cp_async_16(dst + 16 * c, src + c, true);
@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_mma_kernel(Gat
     const int span_chunks = 2 * L.groups;
     for (int i = tid; i < 4 * span_chunks; i += kThreads) {
       const int which = i / span_chunks, c = i - which * span_chunks;  // which: gate s, gate b, up s, up b
-      const uint16_t* base = which == 0 ? a.gate_s : which == 1 ? a.gate_b : which == 2 ? a.up_s : a.up_b;
+      const uint16_t* base = which == 0 ? a.gate.scales : which == 1 ? a.gate.biases : which == 2 ? a.up.scales : a.up.biases;
       const int64_t first = (which < 2 ? gate_first : up_first) * L.groups;
       uint16_t* to = (which & 1 ? bi : sc) + (which >> 1) * kTcRows * L.groups;
       device::cp_async_16(to + 8 * c, base + first + 8 * c, true);

@@ -159,13 +159,8 @@ void call_decode_layer(const DecodeScratch& sc, Tensor& out, const Tensor& h, co
   ra.root_size = 1.0f / std::sqrt(static_cast<float>(H));
   ra.eps = rt.eps;
   const bool quantized = rt.proj.defined();
-  ra.proj = quantized ? rt.proj.w.data() : rt.proj_dense.data();
-  if (quantized) {
-    ra.proj_scales = rt.proj.scales.data_as<const uint16_t>();
-    ra.proj_biases = rt.proj.biases.data_as<const uint16_t>();
-    ra.groups_per_row = H / rt.proj.group_size;
-    ra.group_shift = log2_of(rt.proj.group_size);
-  }
+  if (quantized) ra.proj = quant_view(rt.proj, H);
+  else ra.proj_dense = rt.proj_dense.data();
   ra.per_expert_scale = rt.per_expert_scale.data();
   ra.pes_dtype = rt.per_expert_scale.dtype();
   ra.T = T;
@@ -181,18 +176,12 @@ void call_decode_layer(const DecodeScratch& sc, Tensor& out, const Tensor& h, co
   GateUpArgs ga{};
   ga.x = x.data_as<const uint16_t>();
   ga.x_stride = T > 1 ? x.stride(0) : H;
-  ga.gate_w = gate.w.data_as<const uint32_t>();
-  ga.gate_s = gate.scales.data_as<const uint16_t>();
-  ga.gate_b = gate.biases.data_as<const uint16_t>();
-  ga.up_w = up.w.data_as<const uint32_t>();
-  ga.up_s = up.scales.data_as<const uint16_t>();
-  ga.up_b = up.biases.data_as<const uint16_t>();
+  ga.gate = quant_view(gate, H);
+  ga.up = quant_view(up, H);
   ga.gate_rows_per_expert = gate.w.size(1);
   ga.up_rows_per_expert = up.w.size(1);
   ga.gate_row0 = 0;
   ga.up_row0 = ex.fused() ? I : 0;
-  ga.groups_per_row = H / gate.group_size;
-  ga.group_shift = log2_of(gate.group_size);
   ga.H = H;
   ga.I = I;
   ga.E = E;
@@ -204,11 +193,7 @@ void call_decode_layer(const DecodeScratch& sc, Tensor& out, const Tensor& h, co
 
   DownArgs da{};
   da.hidden = ga.hidden;
-  da.w = ex.down.w.data_as<const uint32_t>();
-  da.s = ex.down.scales.data_as<const uint16_t>();
-  da.b = ex.down.biases.data_as<const uint16_t>();
-  da.groups_per_row = I / ex.down.group_size;
-  da.group_shift = log2_of(ex.down.group_size);
+  da.down = quant_view(ex.down, I);
   da.indices = ra.indices;
   da.weights = ra.weights;
   da.H = H;

@@ -103,9 +103,9 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
   const int row_floats = round_up4(padded(a.H));
   float* sr = smem;                // (H) padded: scale * root_size
   float* hs = smem + row_floats;   // (T, H) padded: raw h
-  const uint4* wrow = static_cast<const uint4*>(a.proj) + static_cast<int64_t>(e) * Q;
-  const uint16_t* srow = kQuant ? a.proj_scales + static_cast<int64_t>(e) * a.groups_per_row : nullptr;
-  const uint16_t* brow = kQuant ? a.proj_biases + static_cast<int64_t>(e) * a.groups_per_row : nullptr;
+  const uint4* wrow = static_cast<const uint4*>(kQuant ? static_cast<const void*>(a.proj.w) : a.proj_dense) + static_cast<int64_t>(e) * Q;
+  const uint16_t* srow = kQuant ? a.proj.scales + static_cast<int64_t>(e) * a.proj.groups_per_row : nullptr;
+  const uint16_t* brow = kQuant ? a.proj.biases + static_cast<int64_t>(e) * a.proj.groups_per_row : nullptr;
 
   // 1. Weight loads first.
   uint4 wv[kRouterChunks];
@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
       if (c < Q) {
         wv[i] = __ldg(wrow + c);
         if constexpr (kQuant) {
-          const int g = (c * kVals) >> a.group_shift;
+          const int g = (c * kVals) >> a.proj.group_shift;
           ws[i] = raw_param<D>(__ldg(srow + g));
           wb[i] = raw_param<D>(__ldg(brow + g));
         }

@@ -81,17 +81,17 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_kernel(GateUpA
 #pragma unroll
     for (int i = 0; i < kGuChunks; ++i) {
       const int c = c0 + 32 * i;
-      const int grp = (c * kVals) >> a.group_shift;
+      const int grp = (c * kVals) >> a.gate.group_shift;
 #pragma unroll
       for (int r = 0; r < kGuWeightRows; ++r) {
         const bool gate = (r & 1) == 0;
         if (valid[r >> 1] && c < Q) {
-          const uint4* wbase = reinterpret_cast<const uint4*>(gate ? a.gate_w : a.up_w);
-          const uint16_t* sbase = gate ? a.gate_s : a.up_s;
-          const uint16_t* bbase = gate ? a.gate_b : a.up_b;
+          const uint4* wbase = reinterpret_cast<const uint4*>(gate ? a.gate.w : a.up.w);
+          const uint16_t* sbase = gate ? a.gate.scales : a.up.scales;
+          const uint16_t* bbase = gate ? a.gate.biases : a.up.biases;
           wv[i][r] = __ldg(wbase + wr[r] * Q + c);
-          wsb[i][r] = __byte_perm(__ldg(sbase + wr[r] * a.groups_per_row + grp),
-                                  __ldg(bbase + wr[r] * a.groups_per_row + grp), 0x5410u);
+          wsb[i][r] = __byte_perm(__ldg(sbase + wr[r] * a.gate.groups_per_row + grp),
+                                  __ldg(bbase + wr[r] * a.gate.groups_per_row + grp), 0x5410u);
         } else {
           wv[i][r] = make_uint4(0u, 0u, 0u, 0u);
           wsb[i][r] = 0u;  // scale and bias +0
@@ -244,20 +244,20 @@ __global__ void __launch_bounds__(kThreads, 2) decode_down_combine_kernel(DownAr
       live[m] = ok && col < a.H;
       wr[m] = live[m] ? static_cast<int64_t>(e) * a.H + col : 0;
     }
-    const uint4* wbase = reinterpret_cast<const uint4*>(a.w);
+    const uint4* wbase = reinterpret_cast<const uint4*>(a.down.w);
     uint4 wv[kDnChunks][kDnColSets];
     float ws[kDnChunks][kDnColSets], wb[kDnChunks][kDnColSets];
     auto load_batch = [&](int c0) {
 #pragma unroll
       for (int i = 0; i < kDnChunks; ++i) {
         const int c = c0 + kDnLanesPerRow * i;
-        const int grp = (c * kVals) >> a.group_shift;
+        const int grp = (c * kVals) >> a.down.group_shift;
 #pragma unroll
         for (int m = 0; m < kDnColSets; ++m) {
           if (live[m] && c < Q) {
             wv[i][m] = __ldg(wbase + wr[m] * Q + c);
-            ws[i][m] = raw_param<D>(__ldg(a.s + wr[m] * a.groups_per_row + grp));
-            wb[i][m] = raw_param<D>(__ldg(a.b + wr[m] * a.groups_per_row + grp));
+            ws[i][m] = raw_param<D>(__ldg(a.down.scales + wr[m] * a.down.groups_per_row + grp));
+            wb[i][m] = raw_param<D>(__ldg(a.down.biases + wr[m] * a.down.groups_per_row + grp));
           } else {
             wv[i][m] = make_uint4(0u, 0u, 0u, 0u);
             ws[i][m] = 0.f;

@@ -37,6 +37,7 @@
 
 #include "cuda/device/cp_async.cuh"
 #include "cuda/device/dequant.cuh"
+#include "cuda/device/quant_view.cuh"
 #include "cuda/device/mma.cuh"
 #include "cuda/runtime.cuh"
 
@@ -66,9 +67,7 @@ struct TileConfig {
 // Everything tile_gemm needs of the problem; built on the host by make_tile_args.
 struct TileArgs {
   const void* x;
-  const uint32_t* w;
-  const uint16_t* scales;
-  const uint16_t* biases;
+  QuantView q;         // (E, N, K*bits/32) codes, (E, N, K/group) scales and biases
   const int32_t* lhs;  // (B,) or nullptr for identity
   const int32_t* rhs;  // (B,) or nullptr for identity (read by the calling kernel, not tile_gemm)
   void* out;
@@ -77,9 +76,6 @@ struct TileArgs {
   int64_t x_batch;         // number of x matrices (lhs range)
   int64_t x_batch_stride;  // elements
   int M, N, K, E;
-  int words_per_row;   // K * bits / 32
-  int groups_per_row;  // K / group_size
-  int group_shift;     // log2(group_size)
   bool paired_store;   // N even and out 4-byte aligned: store two outputs per 32-bit write
 };
 
@@ -146,9 +142,9 @@ __device__ __forceinline__ void tile_gemm(const TileArgs& a, int expert, int64_t
 
   const T* x = static_cast<const T*>(a.x);
   const int n0 = n_block * Cfg::BN;
-  const uint32_t* w_expert = a.w + static_cast<int64_t>(expert) * a.N * a.words_per_row;
-  const int64_t param_expert = static_cast<int64_t>(expert) * a.N * a.groups_per_row;
-  const bool two_groups_per_tile = a.group_shift == 5;  // group_size 32 inside a 64-wide k tile
+  const uint32_t* w_expert = a.q.w + static_cast<int64_t>(expert) * a.N * a.q.words_per_row;
+  const int64_t param_expert = static_cast<int64_t>(expert) * a.N * a.q.groups_per_row;
+  const bool two_groups_per_tile = a.q.group_shift == 5;  // group_size 32 inside a 64-wide k tile
   int kt_begin = 0, k_tiles = a.K / Cfg::BK;  // this CTA's k tiles: [kt_begin, kt_begin + k_tiles)
   if constexpr (kSplitK) {
     const int all = k_tiles, z = static_cast<int>(blockIdx.z);
@@ -181,17 +177,17 @@ __device__ __forceinline__ void tile_gemm(const TileArgs& a, int expert, int64_t
   static_assert(Cfg::THREADS % L::kChunksPerRow == 0, "each thread copies the same chunk of its rows");
   constexpr int kWRowStep = Cfg::THREADS / L::kChunksPerRow;
   const int w_row0 = tid / L::kChunksPerRow;
-  const uint32_t* w_src = w_expert + static_cast<int64_t>(n0 + w_row0) * a.words_per_row + (tid % L::kChunksPerRow) * 4;
-  const int64_t w_copy_stride = static_cast<int64_t>(kWRowStep) * a.words_per_row;
+  const uint32_t* w_src = w_expert + static_cast<int64_t>(n0 + w_row0) * a.q.words_per_row + (tid % L::kChunksPerRow) * 4;
+  const int64_t w_copy_stride = static_cast<int64_t>(kWRowStep) * a.q.words_per_row;
   const uint16_t* param_src[kParamCopies];  // the row's first group element
   bool param_valid[kParamCopies];
 #pragma unroll
   for (int i = 0; i < kParamCopies; ++i) {
     const int c = tid + i * Cfg::THREADS;
     const int n = n0 + c % Cfg::BN;
-    const uint16_t* param = c < Cfg::BN ? a.scales : a.biases;
+    const uint16_t* param = c < Cfg::BN ? a.q.scales : a.q.biases;
     param_valid[i] = c < kParamWords && n < a.N;
-    param_src[i] = param_valid[i] ? param + param_expert + static_cast<int64_t>(n) * a.groups_per_row : param;
+    param_src[i] = param_valid[i] ? param + param_expert + static_cast<int64_t>(n) * a.q.groups_per_row : param;
   }
 
   auto load_stage = [&](int stage, int kt) {
@@ -213,12 +209,12 @@ __device__ __forceinline__ void tile_gemm(const TileArgs& a, int expert, int64_t
       const int row = w_row0 + i * kWRowStep, chunk = tid % L::kChunksPerRow;
       const bool valid = n0 + row < a.N;
       cp_async_16(ws + row * L::kWordsPerRow + (L::w_chunk(row, chunk) << 2),
-                  valid ? w_src + i * w_copy_stride + kt * L::kWordsPerRow : a.w, valid);
+                  valid ? w_src + i * w_copy_stride + kt * L::kWordsPerRow : a.q.w, valid);
     }
     // Group element el of a row lives in the 4-byte word at el & ~1 (scales and biases are 4-byte
     // aligned). Read exactly the bytes of the needed groups: el odd -> both halves (el-1, el); el
     // even -> el, plus el+1 when the tile spans two groups; the unread half is zero-filled.
-    const int group = (kt * Cfg::BK) >> a.group_shift;
+    const int group = (kt * Cfg::BK) >> a.q.group_shift;
 #pragma unroll
     for (int i = 0; i < kParamCopies; ++i) {
       const int c = tid + i * Cfg::THREADS;
@@ -242,7 +238,7 @@ __device__ __forceinline__ void tile_gemm(const TileArgs& a, int expert, int64_t
 #pragma unroll
   for (int j = 0; j < Cfg::N8_TILES; ++j) {
     const int n = n0 + warp_col + 8 * j + g;
-    col_parity[j] = n < a.N ? static_cast<int>((param_expert + static_cast<int64_t>(n) * a.groups_per_row) & 1) : 0;
+    col_parity[j] = n < a.N ? static_cast<int>((param_expert + static_cast<int64_t>(n) * a.q.groups_per_row) & 1) : 0;
   }
 
   float acc[Cfg::M16_TILES][Cfg::N8_TILES][4];
@@ -276,7 +272,7 @@ __device__ __forceinline__ void tile_gemm(const TileArgs& a, int expert, int64_t
     // per k tile: the tile's single group sits in the staged word's half given by its parity.
     // With group_size 32 the word holds two groups: the low one serves k16 steps 0-1, and the
     // high one is read at step 2.
-    const int tile_parity = (((kt_begin + kt) * Cfg::BK) >> a.group_shift) & 1;
+    const int tile_parity = (((kt_begin + kt) * Cfg::BK) >> a.q.group_shift) & 1;
     uint32_t col_scale[Cfg::N8_TILES], col_bias[Cfg::N8_TILES];
     auto read_params = [&](bool second_group) {
 #pragma unroll

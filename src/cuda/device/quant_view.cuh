@@ -1,0 +1,19 @@
+// One MLX-quantized weight as every kernel reads it: the codes, the per-group scales and biases, and
+// the row geometry. The argument struct of each route and decode kernel holds one QuantView per
+// weight it reads (instead of repeating these fields). Built on the host by quant_view()
+// (gather_qmm_routes.h).
+#pragma once
+#include <cstdint>
+
+namespace expertqmm::cuda::device {
+
+struct QuantView {
+  const uint32_t* w = nullptr;       // codes, rows of words_per_row uint32 (MLX's LSB-first stream)
+  const uint16_t* scales = nullptr;  // rows of groups_per_row raw values of the activation dtype
+  const uint16_t* biases = nullptr;  //   (simt: of any float dtype; it reads them through load_param)
+  int words_per_row = 0;             // K * bits / 32
+  int groups_per_row = 0;            // K / group_size
+  int group_shift = 0;               // log2(group_size)
+};
+
+}  // namespace expertqmm::cuda::device
