@@ -33,13 +33,6 @@ struct CountersGuard {  // every test starts from zero counters and the automati
   ~CountersGuard() { set_expert_tiles(RouteSwitch::automatic); }
 };
 
-RouteCounters gather_counters() {
-  for (const RouteCounters& c : diagnostics::snapshot())
-    if (c.primitive == "gather_qmm") return c;
-  ADD_FAILURE() << "no gather_qmm counters";
-  return {};
-}
-
 void expect_invariant(const RouteCounters& c) {
   EXPECT_EQ(c.attempts, c.hits + c.fallback_total()) << diagnostics::format({c});
 }
@@ -103,7 +96,7 @@ TEST(SanitizeGpuExpertTiles, OneFieldSelectorMisses) {
     cuda_check();
     const std::vector<float> got = test::to_float(out);
     EXPECT_LE(test::rel_error(got, test::run_route(m.c, "simt")), p.dtype == DType::f32 ? 1e-4 : 1e-2) << m.name;
-    const RouteCounters c = gather_counters();
+    const RouteCounters c = test::gather_counters();
     EXPECT_EQ(c.attempts, 1u) << m.name;
     EXPECT_EQ(c.hits, 0u) << m.name;
     EXPECT_EQ(c.fallbacks[static_cast<int>(m.expected)], 1u) << m.name;
@@ -123,7 +116,7 @@ TEST(SanitizeGpuExpertTiles, SwitchOffCountsDisabled) {
   EXPECT_LE(test::rel_error(off, hit), 1e-2);
   set_expert_tiles(RouteSwitch::on);
   test::run_route(c);
-  const RouteCounters counters = gather_counters();
+  const RouteCounters counters = test::gather_counters();
   EXPECT_EQ(counters.attempts, 3u);
   EXPECT_EQ(counters.hits, 2u);
   EXPECT_EQ(counters.requested, 2u);
@@ -167,7 +160,7 @@ TEST(SanitizeGpuExpertTiles, MisSortedInputIsRetractedOnTheDeviceWithoutHostSync
   EXPECT_LE(test::reference_error(c, got), 1e-2) << test::seed_note();
   EXPECT_LE(test::rel_error(got, test::run_route(c, "simt")), 1e-2) << test::seed_note();
 
-  const RouteCounters counters = gather_counters();
+  const RouteCounters counters = test::gather_counters();
   // The warm-up and the captured call were selected as hits; both plans that ran (warm-up, one
   // replay) were retracted on the device. test::run_route(c, "simt") bypasses the selector.
   EXPECT_EQ(counters.attempts, 2u);
@@ -188,17 +181,17 @@ TEST(SanitizeGpuExpertTiles, CountersInvariantAndReset) {
   EXPECT_THROW(gather_qmm(x, q, Tensor(), test::ids_tensor({0, 1, 2, 3}, {4}, Device::cuda), true, true), Error);
   Tensor empty_x = Tensor::empty({0, 1, 128}, DType::bf16, Device::cuda);  // zero rows: a no-op
   gather_qmm(empty_x, q, Tensor(), Tensor::empty({0}, DType::i32, Device::cuda), true, true);
-  RouteCounters c = gather_counters();
+  RouteCounters c = test::gather_counters();
   EXPECT_EQ(c.attempts, 0u);
   const test::GatherCall rc =
       test::rows_call(test::random_codes(8, 64, 128, 4, 64), DType::bf16, sorted_ids(cuda::kExpertTilesMinRows + 31, 8), true);
   test::run_route(rc);
   test::run_route(rc, "");
-  c = gather_counters();
+  c = test::gather_counters();
   EXPECT_EQ(c.attempts, 2u);
   expect_invariant(c);
   diagnostics::reset();
-  c = gather_counters();
+  c = test::gather_counters();
   EXPECT_EQ(c.attempts, 0u);
   EXPECT_EQ(c.hits, 0u);
 }

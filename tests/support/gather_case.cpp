@@ -93,13 +93,6 @@ bool hopper() {
   return major == 9 && minor == 0;
 }
 
-RouteCounters gather_counters() {
-  for (const RouteCounters& r : diagnostics::snapshot())
-    if (r.primitive == "gather_qmm") return r;
-  ADD_FAILURE() << "no gather_qmm counters";
-  return {};
-}
-
 // The selector's run: it must pick c.expect and count one attempt (a hit when it took expert_tiles).
 std::vector<float> run_selector(const GatherQmmCase& c, const GatherCall& call, const std::string& what) {
   EXPECT_EQ(cuda::gather_qmm_selected_route(call.problem()), c.expect) << what;
@@ -127,6 +120,13 @@ std::vector<float> run_public_op(const GatherCall& call, const Tensor& want, con
 }
 
 }  // namespace
+
+RouteCounters gather_counters() {
+  for (const RouteCounters& r : diagnostics::snapshot())
+    if (r.primitive == "gather_qmm") return r;
+  ADD_FAILURE() << "no gather_qmm counters";
+  return {};
+}
 
 QuantizedWeight random_codes(int64_t E, int64_t rows, int64_t cols, int bits, int group_size, DType params) {
   std::mt19937_64& g = rng();

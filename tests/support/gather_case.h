@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/gather_qmm_problem.h"
+#include "expertqmm/diagnostics.h"
 #include "expertqmm/moe.h"
 #include "support/backend_cases.h"
 
@@ -53,6 +54,9 @@ std::vector<float> run_route(const GatherCall& c, const std::string& route = "")
 // ||out - ref|| / ||ref|| against the float64 reference over every batch element, or over an even
 // spread of them (first and last included) where the whole reference would cost too much.
 double reference_error(const GatherCall& c, const std::vector<float>& out);
+
+// The gather_qmm row of diagnostics::snapshot() (a test failure when absent).
+RouteCounters gather_counters();
 
 // The row's call on CUDA against float64 and against a second implementation (the CPU backend where
 // it is cheap, else another route), its selector choice or its refusal.
