@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -39,6 +40,27 @@ double rel_error(const std::vector<float>& a, const std::vector<double>& b);
 QuantizedWeight random_quantized(const Shape& shape, int bits, int group_size, float scale = 0.05f,
                                  Device device = Device::cpu);
 QuantizedWeight to_device(const QuantizedWeight& q, Device device);
+
+// make(), drawn from rng() seeded by the test seed and `key` (rng()'s own state is restored after):
+// the same values for every caller of the same key, alone or after others. The last value of each
+// call site is kept for its next call with that key, so consecutive table rows on one weight build
+// it once. Never freed: a static destructor would free device memory after CUDA has shut down.
+template <class Make>
+const auto& built_once(const std::string& key, Make make) {
+  using T = decltype(make());
+  static std::string last_key;
+  static T* last = nullptr;
+  if (last == nullptr || key != last_key) {
+    delete last;
+    last = nullptr;
+    const std::mt19937_64 saved = rng();
+    rng().seed(test_seed() ^ std::hash<std::string>{}(key));
+    last = new T(make());
+    rng() = saved;
+    last_key = key;
+  }
+  return *last;
+}
 
 }  // namespace expertqmm::test
 

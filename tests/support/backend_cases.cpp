@@ -1,0 +1,538 @@
+#include "support/backend_cases.h"
+
+#include <algorithm>
+#include <random>
+
+#include "expertqmm/error.h"
+#include "support/test_util.h"
+
+namespace expertqmm::test {
+
+namespace {
+
+const char* short_dtype(DType t) {
+  switch (t) {
+    case DType::bf16: return "bf16";
+    case DType::f16: return "f16";
+    case DType::f32: return "f32";
+    case DType::u32: return "u32";
+    case DType::i32: return "i32";
+  }
+  return "unknown";
+}
+
+std::string quant(int bits, int group) { return detail::cat("q", bits, "g", group); }
+
+}  // namespace
+
+double gemm_tolerance(DType t) { return t == DType::bf16 ? 1e-2 : t == DType::f16 ? 5e-3 : 1e-4; }
+
+// ---- names -----------------------------------------------------------------------------------------
+
+Ids uniform(int64_t n) { return {IdsPattern::uniform, n}; }
+Ids sorted(int64_t n) { return {IdsPattern::sorted, n}; }
+Ids one_expert(int64_t n) { return {IdsPattern::one_expert, n}; }
+Ids tails(int64_t step) { return {IdsPattern::tails, step}; }
+Ids runs(int64_t first, int64_t n, int64_t m) { return {IdsPattern::runs, n, m, first}; }
+Ids per_expert(int64_t n) { return {IdsPattern::per_expert, n}; }
+Ids few_experts(int64_t n) { return {IdsPattern::few_experts, n}; }
+Ids alternating(int64_t n) { return {IdsPattern::alternating, n}; }
+Ids descending(int64_t n) { return {IdsPattern::descending, n}; }
+
+std::string Ids::name() const {
+  switch (pattern) {
+    case IdsPattern::uniform: return detail::cat("u", n);
+    case IdsPattern::sorted: return detail::cat("s", n);
+    case IdsPattern::one_expert: return detail::cat("one", n);
+    case IdsPattern::tails: return detail::cat("tails", n);
+    case IdsPattern::runs: return detail::cat("e", first, "x", n, "_lastx", m);
+    case IdsPattern::per_expert: return detail::cat("each", n);
+    case IdsPattern::few_experts: return detail::cat("few", n);
+    case IdsPattern::alternating: return detail::cat("alt", n);
+    case IdsPattern::descending: return detail::cat("desc", n);
+  }
+  return "unknown";
+}
+
+bool Ids::sorted() const {
+  return pattern != IdsPattern::uniform && pattern != IdsPattern::alternating && pattern != IdsPattern::descending;
+}
+
+std::vector<int32_t> make_ids(const Ids& ids, int64_t E) {
+  const int32_t last = static_cast<int32_t>(E - 1);
+  auto random_ids = [&](int64_t n) {
+    std::uniform_int_distribution<int32_t> d(0, last);
+    std::vector<int32_t> v(n);
+    for (int32_t& i : v) i = d(rng());
+    return v;
+  };
+  std::vector<int32_t> v;
+  switch (ids.pattern) {
+    case IdsPattern::uniform: return random_ids(ids.n);
+    case IdsPattern::sorted:
+    case IdsPattern::descending:
+      v = random_ids(ids.n);
+      std::sort(v.begin(), v.end());
+      if (ids.pattern == IdsPattern::descending) std::reverse(v.begin(), v.end());
+      return v;
+    case IdsPattern::one_expert: return std::vector<int32_t>(ids.n, static_cast<int32_t>(E * 5 / 8));
+    case IdsPattern::tails:
+      for (int32_t e = 0; e <= last; ++e) v.insert(v.end(), 1 + ids.n * e, e);
+      return v;
+    case IdsPattern::runs:
+      v.assign(ids.n, static_cast<int32_t>(ids.first));
+      v.insert(v.end(), ids.m, last);
+      return v;
+    case IdsPattern::per_expert:
+      for (int32_t e = 0; e <= last; ++e) v.insert(v.end(), ids.n, e);
+      return v;
+    case IdsPattern::few_experts:
+      v = random_ids(ids.n);
+      for (int32_t& i : v) i = i % 3 == 0 ? 1 : i % 3 == 1 ? 5 : last;
+      std::sort(v.begin(), v.end());
+      return v;
+    case IdsPattern::alternating:
+      for (int64_t i = 0; i < ids.n; ++i) v.push_back(i % 2 ? 0 : last);
+      return v;
+  }
+  return v;
+}
+
+int64_t GatherQmmCase::rows() const {
+  switch (form) {
+    case Form::rows: {
+      // The count of every pattern without drawing it.
+      const int64_t n = ids.n;
+      switch (ids.pattern) {
+        case IdsPattern::tails: return E + n * E * (E - 1) / 2;
+        case IdsPattern::runs: return n + ids.m;
+        case IdsPattern::per_expert: return n * E;
+        default: return n;
+      }
+    }
+    case Form::topk: return T * k;
+    case Form::batched: return B * M;
+  }
+  return 0;
+}
+
+double GatherQmmCase::work() const { return static_cast<double>(rows()) * N * K; }
+
+std::string GatherQmmCase::name() const {
+  std::string form_name;
+  switch (form) {
+    case Form::rows: form_name = "rows_" + ids.name(); break;
+    case Form::topk: form_name = detail::cat("topk", T, "x", k); break;
+    case Form::batched: form_name = detail::cat("batch", x_batch, "x", M, "_B", B, transpose ? "" : "_wKN"); break;
+  }
+  const char* operand_names[] = {"", "_xpad64", "_xpad4", "_woffset"};
+  std::string s = detail::cat("gather_qmm_", route, "_", short_dtype(dtype), "_", quant(bits, group), "_E", E, "_N",
+                              N, "_K", K, "_", form_name, operand_names[static_cast<int>(operands)]);
+  if (refuses) s += "_refuses_" + expect;
+  else if (!expect.empty()) s += "_picks_" + expect;
+  if (split_k) s += "_splitk";
+  return s;
+}
+
+std::string MoeGeometry::name() const {
+  return detail::cat("H", H, "_I", I, "_E", E, "_k", k, "_", quant(bits, group), "_router",
+                     router_bits ? detail::cat("q", router_bits) : std::string("dense"), fused ? "_gateup" : "_gate_up",
+                     "_", activation_name(act), "_", short_dtype(dtype));
+}
+
+std::string SwitchGluCase::name() const {
+  return detail::cat("switch_glu_", g.name(), "_T", T, repeats ? "_repeats" : "");
+}
+
+std::string MoeLayerCase::name() const {
+  const char* paths[] = {"auto", "separate", "decode"};
+  return detail::cat("moe_layer_into_", paths[static_cast<int>(path)], "_", g.name(), "_T", T);
+}
+
+std::string RouteCase::name() const {
+  return detail::cat("route_", proj_bits ? quant(proj_bits, group) : std::string("dense"), "_", short_dtype(dtype),
+                     "_E", E, "_H", H, "_k", k, "_T", T, exact ? "_exact" : "");
+}
+
+std::string QuantizeCase::name() const {
+  return detail::cat("quantize_", values == Values::ties ? "ties" : "edges", "_", short_dtype(dtype), "_",
+                     quant(bits, group), "_", rounding == Rounding::gpu ? "gpu" : "cpu", "_", batch, "x", rows);
+}
+
+std::string SortCase::name() const {
+  return detail::cat("gather_sort_T", T, "_k", k, "_E", E, "_D", D, "_ids", short_dtype(ids));
+}
+
+std::string GluCase::name() const {
+  std::string dims;
+  for (int64_t d : shape) dims += detail::cat(dims.empty() ? "" : "x", d);
+  return detail::cat("glu_product_", activation_name(act), "_", short_dtype(dtype), "_", dims);
+}
+
+std::string CombineCase::name() const {
+  return detail::cat("weighted_combine_T", T, "_k", k, "_D", D, "_y", short_dtype(y), "_w", short_dtype(w),
+                     float64 ? "_float64" : "");
+}
+
+std::string BackendCase::name() const {
+  return std::visit([](const auto& c) { return c.name(); }, spec);
+}
+
+void PrintTo(const BackendCase& c, std::ostream* os) { *os << c.name(); }
+
+// ---- the table -------------------------------------------------------------------------------------
+
+namespace {
+
+using Table = std::vector<BackendCase>;
+
+// Every route that takes any row count, and the routes for many rows (qmv stops at 64).
+const char* const kAllRoutes[] = {"qmv", "rhs_tiles_bm16", "rhs_tiles_bm32", "rhs_tiles_bm64", "simt"};
+const char* const kManyRowRoutes[] = {"rhs_tiles", "rhs_tiles_bm16", "rhs_tiles_bm32", "rhs_tiles_bm64", "simt"};
+const char* const kTileKernels[] = {"expert_tiles_mma_sync", "expert_tiles_wgmma"};
+// cuda::kQmvMaxRows: the selector sends at most this many rows to qmv (the threshold the bench tunes).
+constexpr int64_t kQmvMaxRows = 64;
+
+struct Weight {
+  DType dtype;
+  int bits, group;
+  int64_t E, N, K;
+};
+
+GatherQmmCase gq(const std::string& route, const Weight& w) {
+  GatherQmmCase c;
+  c.route = route;
+  c.dtype = w.dtype;
+  c.bits = w.bits;
+  c.group = w.group;
+  c.E = w.E;
+  c.N = w.N;
+  c.K = w.K;
+  return c;
+}
+GatherQmmCase rows_of(const std::string& route, const Weight& w, Ids ids) {
+  GatherQmmCase c = gq(route, w);
+  c.ids = ids;
+  return c;
+}
+GatherQmmCase topk_of(const std::string& route, const Weight& w, int64_t T, int64_t k) {
+  GatherQmmCase c = gq(route, w);
+  c.form = Form::topk;
+  c.T = T;
+  c.k = k;
+  return c;
+}
+GatherQmmCase batched_of(const std::string& route, const Weight& w, int64_t x_batch, int64_t M, int64_t B,
+                         bool transpose = true) {
+  GatherQmmCase c = gq(route, w);
+  c.form = Form::batched;
+  c.x_batch = x_batch;
+  c.M = M;
+  c.B = B;
+  c.transpose = transpose;
+  return c;
+}
+// The selector on c's problem must pick `route` (and the result must be right).
+GatherQmmCase picks(GatherQmmCase c, const std::string& route) {
+  c.route = "auto";
+  c.expect = route;
+  return c;
+}
+// `route` must refuse c's problem with an Error naming `fallback`.
+GatherQmmCase refusal(GatherQmmCase c, const std::string& route, const std::string& fallback) {
+  c.route = route;
+  c.expect = fallback;
+  c.refuses = true;
+  return c;
+}
+GatherQmmCase with_operands(GatherQmmCase c, Operands o) {
+  c.operands = o;
+  return c;
+}
+
+void add(Table& t, Subset s, CaseSpec spec) { t.push_back({s, std::move(spec)}); }
+
+// Each block names the shapes it stands for; N and K off the tile grids unless said otherwise.
+void gather_qmm_rows(Table& t) {
+  const Subset small = Subset::sanitize, large = Subset::large;
+  // Odd shapes on every route: N = 200 and K = 192 are multiples of no tile (3 groups of 64); several
+  // rows per batch element (M = 3) cut tiles through batch elements.
+  const Weight odd{DType::bf16, 4, 64, 8, 200, 192};
+  for (const char* r : kAllRoutes) {
+    add(t, small, batched_of(r, odd, 5, 1, 13));
+    add(t, small, batched_of(r, odd, 4, 3, 7));
+  }
+  // Every tensor-core bits x group size, with K = 448 (7 groups of 64: an odd count per 64-wide k
+  // tile): decode-sized unsorted rows on every route, sorted prefill rows on every many-row route,
+  // the selector (the expert tile route) and both kernels of the tile route (wgmma: 4-bit g64/g128).
+  for (int bits : {4, 8})
+    for (int group : {32, 64, 128})
+      for (int64_t K : {384, 448}) {
+        if (K % group != 0) continue;
+        const Weight w{DType::bf16, bits, group, 8, 136, K};
+        for (const char* r : kAllRoutes) add(t, large, rows_of(r, w, uniform(24)));
+        for (const char* r : kManyRowRoutes) add(t, large, rows_of(r, w, sorted(300)));
+        add(t, large, picks(rows_of("", w, sorted(300)), "expert_tiles"));
+        add(t, large, rows_of("expert_tiles_mma_sync", w, sorted(300)));
+        const bool wgmma = bits == 4 && group != 32;
+        add(t, large, wgmma ? rows_of("expert_tiles_wgmma", w, sorted(300))
+                            : refusal(rows_of("", w, sorted(300)), "expert_tiles_wgmma", "quantization"));
+      }
+  // float16 activations and scales.
+  for (int bits : {4, 8}) {
+    const Weight w{DType::f16, bits, 64, 8, 200, 256};
+    for (const char* r : kAllRoutes) add(t, large, rows_of(r, w, uniform(24)));
+    for (const char* r : kManyRowRoutes) add(t, large, topk_of(r, w, 40, 2));
+    add(t, large, picks(topk_of("", w, 40, 2), "rhs_tiles"));
+  }
+  // Bit widths only simt takes (3, 5 and 6 bits straddle words), transpose=false (groups along N, K
+  // = 100 free) and f32 activations over bf16 scales (promoted to f32): the selector picks simt.
+  for (int bits : {2, 3, 5, 6})
+    for (int group : {32, 64, 128}) {
+      const GatherQmmCase c = rows_of("", {DType::bf16, bits, group, 4, 40, 256}, uniform(20));
+      add(t, small, picks(c, "simt"));
+      add(t, small, refusal(c, "qmv", "quantization"));
+      add(t, small, refusal(c, "rhs_tiles", "quantization"));
+    }
+  for (int bits : {3, 4, 8}) add(t, small, picks(batched_of("", {DType::bf16, bits, 32, 6, 128, 100}, 3, 2, 5, false), "simt"));
+  add(t, small, refusal(batched_of("", {DType::bf16, 4, 32, 6, 128, 100}, 3, 2, 5, false), "qmv", "quantization"));
+  add(t, small, refusal(batched_of("", {DType::bf16, 4, 32, 6, 128, 100}, 3, 2, 5, false), "rhs_tiles", "quantization"));
+  add(t, small, picks(rows_of("", {DType::f32, 4, 32, 4, 72, 160}, sorted(50)), "simt"));
+  // Row counts from decode to long prefill (tokens x top-k over E), sorted rows and unsorted top-k.
+  struct Rows {
+    int64_t T, k, E;
+  };
+  for (const Rows& s : {Rows{1, 1, 8}, Rows{1, 8, 128}, Rows{3, 2, 8}, Rows{64, 8, 128}, Rows{700, 1, 256},
+                        Rows{2048, 8, 128}}) {
+    const Weight w{DType::bf16, 4, 64, s.E, 200, 192};
+    const bool decode = s.T * s.k <= kQmvMaxRows;
+    for (const GatherQmmCase& c : {rows_of("", w, sorted(s.T * s.k)), topk_of("", w, s.T, s.k)}) {
+      const bool sorted_rows = c.form == Form::rows;
+      add(t, large, picks(c, decode ? "qmv" : sorted_rows ? "expert_tiles" : "rhs_tiles"));
+      for (const char* r : {"simt", "rhs_tiles"}) {
+        GatherQmmCase run = c;
+        run.route = r;
+        add(t, large, run);
+      }
+      GatherQmmCase qmv = c;
+      qmv.route = "qmv";
+      add(t, large, decode ? qmv : refusal(c, "qmv", "shape"));
+    }
+  }
+  // Expert occupancy over 128 experts: most empty, one owning every row, a new run at every row,
+  // sorted the wrong way, unsorted.
+  const Weight e128{DType::bf16, 4, 64, 128, 200, 192};
+  for (const Ids& ids : {few_experts(500), one_expert(1000), alternating(100), descending(333), uniform(333)})
+    for (const char* r : {"", "rhs_tiles_bm16", "rhs_tiles_bm32", "simt"}) {
+      const GatherQmmCase c = rows_of(r, e128, ids);
+      add(t, large, *r ? c : picks(c, ids.sorted() ? "expert_tiles" : "rhs_tiles"));
+    }
+  // Several rows per batch element: runs of 5 rows cross 16-row tiles (30 rows: qmv still takes them);
+  // M = 40: rhs_tiles picks 32-row tiles whose rows share an expert.
+  const Weight q8{DType::bf16, 8, 128, 8, 136, 256};
+  for (const char* r : kAllRoutes) add(t, large, batched_of(r, q8, 4, 5, 6));
+  for (const char* r : kManyRowRoutes) add(t, large, batched_of(r, q8, 3, 40, 4));
+  // Split-K of rhs_tiles' 16-row tiles: few columns, many rows, long K (the router's projection);
+  // slices of unequal k-tile counts (K = 576: 9 tiles in 2 slices), N off the 128-column grid, rows
+  // off the 16-row grid, unsorted ids; and the router's own form, x [1, T, K] as one batch element.
+  struct Split {
+    Weight w;
+    Ids ids;
+  };
+  for (const Split& s : {Split{{DType::bf16, 8, 64, 4, 128, 2816}, uniform(300)},
+                         Split{{DType::f16, 4, 32, 4, 100, 576}, sorted(130)},
+                         Split{{DType::bf16, 4, 128, 3, 128, 768}, uniform(77)},
+                         Split{{DType::bf16, 8, 64, 5, 36, 1024}, sorted(200)}})
+    for (const char* r : {"rhs_tiles", "rhs_tiles_bm16"}) {
+      GatherQmmCase c = rows_of(r, s.w, s.ids);
+      c.split_k = c.route == "rhs_tiles";
+      add(t, small, c);
+    }
+  for (const char* r : {"rhs_tiles", "rhs_tiles_bm16"}) {
+    GatherQmmCase c = batched_of(r, {DType::bf16, 8, 64, 1, 128, 2816}, 1, 300, 1);
+    c.split_k = c.route == "rhs_tiles";
+    add(t, small, c);
+  }
+  // Gemma 4 26B-A4B projections (gate/up 704 x 2816, fused gate_up 1408, down 2816 x 704; 4-bit g64)
+  // over 8 experts: decode (one token, top-8: the selector takes qmv) and 512 sorted prefill rows.
+  for (const auto& nk : {std::pair<int64_t, int64_t>{704, 2816}, {1408, 2816}, {2816, 704}}) {
+    const Weight w{DType::bf16, 4, 64, 8, nk.first, nk.second};
+    add(t, large, picks(topk_of("", w, 1, 8), "qmv"));
+    for (const char* r : kAllRoutes) add(t, large, topk_of(r, w, 1, 8));
+    for (const char* r : {"rhs_tiles", "simt"}) add(t, large, rows_of(r, w, sorted(512)));
+  }
+  // Strided x rows (16- then 8-byte aligned) and weights one word past a 16-byte boundary: qmv and
+  // simt take them (single-word loads), the tile routes refuse what they cannot load.
+  const Weight strided{DType::bf16, 4, 64, 8, 136, 256};
+  for (const char* r : kAllRoutes) add(t, small, with_operands(rows_of(r, strided, uniform(20)), Operands::x_stride_pad64));
+  for (Operands o : {Operands::x_stride_pad4, Operands::w_word_offset}) {
+    for (const char* r : {"qmv", "simt"}) add(t, small, with_operands(rows_of(r, strided, uniform(20)), o));
+    add(t, small, with_operands(refusal(rows_of("", strided, uniform(20)), "rhs_tiles", "alignment"), o));
+  }
+  // The selector at the qmv threshold, and K = 224 (a multiple of 32, not of 64): qmv for decode,
+  // simt beyond, rhs_tiles refuses it.
+  const Weight sel{DType::bf16, 4, 64, 8, 64, 256};
+  add(t, small, picks(rows_of("", sel, uniform(kQmvMaxRows)), "qmv"));
+  add(t, small, picks(rows_of("", sel, uniform(kQmvMaxRows + 1)), "rhs_tiles"));
+  const Weight k224{DType::bf16, 4, 32, 8, 64, 224};
+  add(t, small, picks(rows_of("", k224, uniform(100)), "simt"));
+  add(t, small, picks(rows_of("", k224, uniform(8)), "qmv"));
+  add(t, small, refusal(rows_of("", k224, uniform(100)), "rhs_tiles", "alignment"));
+  add(t, small, rows_of("simt", k224, uniform(100)));
+  // The expert tile route and both of its kernels on its plan's edges: tails of every tile class (1,
+  // 14, 27, ... rows), one expert owning every row (four 64-row tiles and a 44-row tail), empty
+  // experts between two runs, 96 then 97 rows (the n128 build runs a <= 96-row tile as n96); N not a
+  // multiple of the CTA's 128 columns, one k tile (K = 64), group 128 (one group over two k tiles).
+  add(t, small, rows_of("expert_tiles", odd, one_expert(300)));
+  add(t, small, rows_of("expert_tiles", odd, tails(5)));
+  add(t, small, rows_of("expert_tiles", odd, runs(2, 64, 33)));
+  const Weight edges[] = {{DType::bf16, 4, 64, 8, 200, 192}, {DType::bf16, 4, 128, 16, 136, 256},
+                          {DType::bf16, 4, 64, 4, 8, 64}, {DType::bf16, 4, 64, 6, 712, 640}};
+  for (Weight w : edges)
+    for (const Ids& ids : {one_expert(300), tails(13), runs(1, 65, 17), runs(0, 96, 97)})
+      for (DType dtype : {DType::bf16, DType::f16})
+        for (const char* r : kTileKernels) {
+          w.dtype = dtype;
+          add(t, small, rows_of(r, w, ids));
+        }
+  // Mean rows per expert picks the wgmma build (kWidths: <= 16 rows n32, <= 32 n64, else n128, where
+  // an 80-row tile runs as n96 and 130 rows as a full tile and a tail); the skewed patterns above
+  // also run tall tiles as pieces of the n32 (E = 16) and n64 (E = 4) builds.
+  for (int64_t n : {12, 24, 80, 130})
+    for (const char* r : kTileKernels) add(t, small, rows_of(r, odd, per_expert(n)));
+  // Exact Gemma 4 expert GEMMs (128 experts, fused gate_up 1408 x 2816 and down 2816 x 704) at 4096,
+  // 8192 and 16384 sorted rows (512, 1024, 2048 tokens x top-8).
+  for (const auto& nk : {std::pair<int64_t, int64_t>{1408, 2816}, {2816, 704}}) {
+    const Weight w{DType::bf16, 4, 64, 128, nk.first, nk.second};
+    for (int64_t rows : {4096, 8192, 16384}) add(t, large, picks(rows_of("", w, sorted(rows)), "expert_tiles"));
+    for (const char* r : kTileKernels) add(t, large, rows_of(r, w, sorted(4096)));
+  }
+  // The public op on CUDA: the unsorted decode form, sorted rows, a 3-bit transpose=false weight.
+  add(t, small, topk_of("op", {DType::bf16, 4, 64, 16, 200, 256}, 5, 4));
+  add(t, small, rows_of("op", {DType::bf16, 4, 64, 16, 200, 256}, sorted(300)));
+  add(t, small, batched_of("op", {DType::bf16, 3, 64, 3, 128, 64}, 2, 7, 3, false));
+}
+
+void moe_rows(Table& t) {
+  const Subset small = Subset::sanitize, large = Subset::large;
+  // switch_glu and the whole layer over 8 and 128 experts, both gate/up layouts and activations,
+  // top-1/2/8, from one token to 300 (unsorted decode and sorted prefill paths).
+  struct Variant {
+    int64_t E;
+    bool fused;
+    Activation act;
+  };
+  for (const Variant& v : {Variant{8, false, Activation::geglu}, Variant{8, true, Activation::swiglu},
+                           Variant{128, false, Activation::swiglu}, Variant{128, true, Activation::geglu}})
+    for (int k : {1, 2, 8})
+      for (int64_t T : {1, 7, 8, 64, 300}) {
+        MoeGeometry g;
+        g.E = v.E;
+        g.k = k;
+        g.fused = v.fused;
+        g.act = v.act;
+        add(t, large, SwitchGluCase{g, T, false});
+        add(t, large, MoeLayerCase{g, T, MoePath::automatic});
+      }
+  // Small ones for the sanitizer: 4 experts, unsorted (3 x 2 rows) and sorted (9 x 8 rows, experts
+  // repeated within a token); the layer at 2 and 40 tokens.
+  for (bool fused : {false, true}) {
+    MoeGeometry g;
+    g.E = 4;
+    g.fused = fused;
+    add(t, small, SwitchGluCase{g, 3, false});
+    g.k = 8;
+    add(t, small, SwitchGluCase{g, 9, true});
+  }
+  for (int64_t T : {2, 40}) add(t, small, MoeLayerCase{MoeGeometry{}, T, MoePath::automatic});
+  // The GLU product as two kernels instead of one, and as one on the same geometry.
+  MoeGeometry e16;
+  e16.E = 16;
+  e16.k = 4;
+  e16.fused = true;
+  add(t, large, MoeLayerCase{e16, 50, MoePath::separate});
+  add(t, large, MoeLayerCase{e16, 50, MoePath::automatic});
+  // The decode layer (T * k <= 64) at Gemma 4's geometry and at small odd ones: bf16 and f16, 4- and
+  // 8-bit experts, group 32 / 64 / 128, quantized and dense routers, k from 1 to 8, E = k.
+  const std::vector<int64_t> decode_tokens = {1, 2, 3, 7, 8};
+  std::vector<std::pair<MoeGeometry, std::vector<int64_t>>> decode = {
+      {{2816, 704, 16, 8, 4, 64, 8, false, Activation::geglu, DType::bf16}, decode_tokens},
+      {{2816, 704, 16, 8, 4, 64, 8, true, Activation::geglu, DType::f16}, decode_tokens},
+      {{256, 128, 8, 2, 4, 128, 8, false, Activation::geglu, DType::bf16}, decode_tokens},
+      {{256, 128, 8, 2, 4, 128, 8, true, Activation::swiglu, DType::f16}, decode_tokens},
+      {{256, 128, 8, 8, 4, 64, 8, false, Activation::swiglu, DType::bf16}, {1, 3, 8}},
+      {{256, 128, 4, 1, 8, 64, 8, true, Activation::geglu, DType::bf16}, decode_tokens}};
+  for (DType dtype : {DType::bf16, DType::f16}) {
+    for (int bits : {4, 8}) {
+      decode.push_back({{320, 96, 16, 4, bits, 32, 8, false, Activation::geglu, dtype}, decode_tokens});
+      decode.push_back({{320, 96, 16, 4, bits, 32, 4, true, Activation::swiglu, dtype}, decode_tokens});
+    }
+    decode.push_back({{320, 96, 16, 4, 8, 32, 0, false, Activation::swiglu, dtype}, decode_tokens});
+  }
+  for (const auto& d : decode)
+    for (int64_t T : d.second) add(t, large, MoeLayerCase{d.first, T, MoePath::decode});
+}
+
+void route_rows(Table& t) {
+  const Subset small = Subset::sanitize, large = Subset::large;
+  // f32 routers pick exactly the CPU's experts; bf16 logits tie often (near-ties may differ).
+  add(t, small, RouteCase{16, 64, 4, DType::f32, 0, 64, 9, true});
+  add(t, large, RouteCase{128, 256, 8, DType::f32, 8, 64, 37, true});
+  add(t, large, RouteCase{128, 512, 8, DType::bf16, 8, 64, 64, false});
+  add(t, large, RouteCase{64, 256, 2, DType::bf16, 0, 64, 33, false});
+  add(t, large, RouteCase{1024, 64, 8, DType::f32, 0, 64, 5, true});  // wide expert counts
+  add(t, large, RouteCase{8, 64, 8, DType::f32, 0, 64, 3, true});     // top-k = E
+  // Quantized projections of every width and group size, both half dtypes, off the tile grids.
+  add(t, small, RouteCase{200, 384, 8, DType::bf16, 4, 128, 37, false});
+  add(t, small, RouteCase{40, 256, 8, DType::f16, 8, 32, 300, false});
+  add(t, small, RouteCase{128, 2816, 8, DType::bf16, 8, 64, 130, false});
+  add(t, small, RouteCase{8, 64, 8, DType::f16, 4, 64, 17, false});
+  add(t, small, RouteCase{128, 512, 8, DType::bf16, 4, 32, 9, false});
+}
+
+void op_rows(Table& t) {
+  const Subset small = Subset::sanitize, large = Subset::large;
+  for (Rounding rounding : {Rounding::cpu, Rounding::gpu})
+    for (int bits : {2, 3, 4, 5, 6, 8})
+      for (int group : {32, 64, 128}) {
+        add(t, small, QuantizeCase{Values::edge_cases, DType::bf16, bits, group, rounding, 1, 12});
+        add(t, small, QuantizeCase{Values::ties, DType::f32, bits, group, rounding, 1, 1});
+      }
+  for (DType dtype : {DType::f16, DType::f32})
+    for (Rounding rounding : {Rounding::cpu, Rounding::gpu})
+      for (int bits : {3, 4, 8}) add(t, large, QuantizeCase{Values::edge_cases, dtype, bits, 64, rounding, 1, 7});
+  add(t, large, QuantizeCase{Values::edge_cases, DType::bf16, 4, 64, Rounding::gpu, 3, 33});  // [E, N, K]
+  // gather_sort: 80-byte rows (byte-wise copy), 128-byte rows (16-byte copies) with uint32 ids, long
+  // runs of equal ids (stability), Gemma's 2048 x 8 over 128.
+  add(t, small, SortCase{1, 1, 4, 16, DType::i32});
+  add(t, small, SortCase{3, 2, 3, 40, DType::i32});
+  add(t, small, SortCase{9, 8, 8, 64, DType::u32});
+  add(t, large, SortCase{64, 8, 128, 64, DType::i32});
+  add(t, large, SortCase{1000, 3, 5, 24, DType::i32});
+  add(t, large, SortCase{2048, 8, 128, 32, DType::i32});
+  add(t, large, SortCase{300, 2, 1024, 8, DType::u32});
+  for (DType dtype : {DType::bf16, DType::f16, DType::f32})
+    for (Activation act : {Activation::geglu, Activation::swiglu})
+      for (const Shape& shape : {Shape{3, 5}, Shape{16, 704}, Shape{2, 7, 1408}}) add(t, small, GluCase{act, dtype, shape});
+  add(t, small, CombineCase{1, 1, 8, DType::bf16, DType::bf16, false});
+  add(t, small, CombineCase{5, 8, 33, DType::bf16, DType::bf16, false});
+  add(t, small, CombineCase{3, 2, 64, DType::f32, DType::bf16, false});
+  add(t, small, CombineCase{4, 3, 48, DType::f16, DType::f32, false});
+  add(t, large, CombineCase{300, 8, 2816, DType::bf16, DType::bf16, true});
+}
+
+}  // namespace
+
+std::vector<BackendCase> backend_cases(Subset subset) {
+  Table all;
+  gather_qmm_rows(all);
+  moe_rows(all);
+  route_rows(all);
+  op_rows(all);
+  Table out;
+  for (BackendCase& c : all)
+    if (c.subset == subset) out.push_back(std::move(c));
+  return out;
+}
+
+}  // namespace expertqmm::test

@@ -1,0 +1,62 @@
+// The MoE layer on CUDA, case by case: a layer's weights on both backends, the router, random
+// routings, and the checks of switch_glu, moe_layer_into and route against the float64 reference
+// or the CPU router. Shared by the backend-ops table and the layer tests (gpu_moe_test.cpp,
+// gpu_moe_decode_test.cpp, gpu_ops_test.cpp).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "expertqmm/backend.h"
+#include "expertqmm/diagnostics.h"
+#include "expertqmm/moe.h"
+#include "support/backend_cases.h"
+
+namespace expertqmm::test {
+
+// A process-wide setting changed for one scope and restored after it.
+template <class T, T (*Get)(), void (*Set)(T)>
+class SettingGuard {
+ public:
+  explicit SettingGuard(T value) : saved_(Get()) { Set(value); }
+  ~SettingGuard() { Set(saved_); }
+  SettingGuard(const SettingGuard&) = delete;
+  SettingGuard& operator=(const SettingGuard&) = delete;
+
+ private:
+  T saved_;
+};
+using ProductModeGuard = SettingGuard<ProductMode, product_mode, set_product_mode>;
+using DecodeSwitchGuard = SettingGuard<RouteSwitch, decode_layer_setting, set_decode_layer>;
+
+// A router over E experts choosing k, on the host, in `dtype`: a proj_bits-bit projection (CPU-
+// quantized, logits ~ N(0, 1); 0: a dense [E, H] one), RMSNorm scale ~ 1 + 0.1 N(0, 1) and
+// per-expert scale ~ 1 + 0.2 N(0, 1).
+RouterWeights random_router(int64_t E, int64_t H, int k, DType dtype, int proj_bits = 8, int group = 64);
+RouterWeights router_to(const RouterWeights& r, Device device);
+SwitchGLUWeights experts_to(const SwitchGLUWeights& w, Device device);
+
+// One layer of geometry g (CPU-quantized experts, weights ~ N(0, 0.05)), the same values on both.
+struct Layer {
+  MoeWeights cpu, gpu;
+};
+Layer make_layer(const MoeGeometry& g);
+
+// k distinct random experts per token, and weights in [0.05, 1).
+void random_routing(int64_t T, int64_t k, int64_t E, std::vector<int32_t>& ids, std::vector<float>& weights);
+
+// switch_glu of x [T, H] (host) by ids [T, k] on CUDA against float64, every (token, slot) row.
+void expect_switch_glu_matches(const Tensor& x, const std::vector<int32_t>& ids, int64_t k, const Layer& l,
+                               const std::string& what);
+
+// moe_layer_into on CUDA into a poisoned output.
+Tensor run_layer(const Tensor& h, const Tensor& x, const MoeWeights& w, Workspace& ws);
+
+// Hits of the decode layer so far (diagnostics).
+uint64_t decode_hits();
+
+void check(const SwitchGluCase& c);
+void check(const MoeLayerCase& c);
+void check(const RouteCase& c);
+
+}  // namespace expertqmm::test
