@@ -95,7 +95,7 @@ Tensor around(int64_t n, double centre, double spread, uint64_t seed) {
 
 Linear random_linear(const Gemma4Config& c, const std::string& module, int64_t N, int64_t K, uint64_t seed) {
   Linear l;
-  const QuantSetting qs = c.quant_for(module);
+  const QuantSetting qs = c.quant_for(module, K);
   if (qs.quantized()) {
     l.quantized = random_quantized(0, N, K, qs, seed);
   } else {
@@ -218,7 +218,7 @@ Gemma4FfnWeights synthetic_gemma4_layer(const Gemma4Config& c, int layer, uint64
                   kOp, "config has an empty or inconsistent geometry (hidden ", c.hidden_size, ", intermediate ",
                   c.intermediate_size, ", moe_intermediate ", c.moe_intermediate_size, ", experts ", c.num_experts,
                   ", top_k ", c.top_k_experts, ")");
-  const int64_t H = c.hidden_size, I = c.intermediate_size, Ie = c.moe_intermediate_size, E = c.num_experts;
+  const int64_t H = c.hidden_size, I = c.mlp_intermediate_size(layer), Ie = c.moe_intermediate_size, E = c.num_experts;
   const std::string base = prefix + "layers." + std::to_string(layer) + ".";
   int stream = 0;
   auto next_seed = [&] { return stream_seed(seed, layer, stream++); };

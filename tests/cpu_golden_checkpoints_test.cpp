@@ -1,0 +1,68 @@
+// Checkpoints mlx-lm quantized per module in other ways than the default (tests/golden/
+// make_checkpoint_goldens.py), loaded through our reader as mlx-lm's loader sees them, and
+// gemma4_ffn against mlx-lm's feed-forward outputs on them.
+#include <gtest/gtest.h>
+
+#include "expertqmm/checkpoint.h"
+#include "support/golden.h"
+#include "support/golden_ffn.h"
+
+namespace expertqmm {
+namespace {
+
+Gemma4Checkpoint open_golden_ckpt(const std::string& name) {
+  return Gemma4Checkpoint::open(test::golden_dir() + "/" + name + "_ckpt");
+}
+
+void expect_quantized(const QuantizedWeight& q, int bits, int group_size, const std::string& what) {
+  ASSERT_TRUE(q.defined()) << what;
+  EXPECT_EQ(q.bits, bits) << what;
+  EXPECT_EQ(q.group_size, group_size) << what;
+}
+void expect_quantized(const Linear& l, int bits, int group_size, const std::string& what) {
+  ASSERT_TRUE(l.is_quantized()) << what;
+  expect_quantized(l.quantized, bits, group_size, what);
+}
+
+// quant_predicate skipped ".mlp.": the dense MLP is bf16 and config.json has no entry for it.
+TEST(GoldenCheckpoints, DenseMlpWithoutAConfigEntry) {
+  const Gemma4Checkpoint ck = open_golden_ckpt("gemma4_dense_mlp");
+  for (const auto& [path, setting] : ck.config().overrides)
+    EXPECT_EQ(path.find(".mlp."), std::string::npos) << "the golden's config.json should not mention " << path;
+  const Gemma4FfnWeights w = ck.layer(0);
+  for (const Linear* l : {&w.mlp.gate, &w.mlp.up, &w.mlp.down}) {
+    ASSERT_FALSE(l->is_quantized());
+    EXPECT_EQ(l->dense.dtype(), DType::bf16);
+  }
+  EXPECT_EQ(w.mlp.down.dense.shape(), (Shape{128, 64}));
+  // router.proj's entry is {"bits": 8}: group size from to_quantized's default, 64.
+  expect_quantized(w.moe.router.proj, 8, 64, "router.proj");
+  expect_quantized(w.moe.experts.down, 4, 64, "experts.down");
+  test::expect_ffn_matches_mlx(ck, "gemma4_dense_mlp_ffn.safetensors", 2);
+}
+
+// The multimodal wrapper's names, bits and group sizes per projection and per layer, a `false`
+// entry for a bf16 module, and an entry for every leaf module (mlx-lm's AWQ config form).
+TEST(GoldenCheckpoints, MixedBitsPerModuleAndLayer) {
+  const Gemma4Checkpoint ck = open_golden_ckpt("gemma4_mixed_bits");
+  EXPECT_EQ(ck.prefix(), "language_model.model.");
+  ASSERT_EQ(ck.num_layers(), 2);
+  const Gemma4FfnWeights l0 = ck.layer(0), l1 = ck.layer(1);
+  expect_quantized(l0.moe.experts.gate, 3, 32, "l0 experts.gate");
+  expect_quantized(l0.moe.experts.up, 6, 128, "l0 experts.up");
+  expect_quantized(l0.moe.experts.down, 2, 64, "l0 experts.down");
+  expect_quantized(l0.mlp.gate, 8, 64, "l0 mlp.gate");
+  expect_quantized(l0.mlp.up, 4, 64, "l0 mlp.up");
+  expect_quantized(l0.mlp.down, 5, 32, "l0 mlp.down");
+  expect_quantized(l0.moe.router.proj, 8, 64, "l0 router.proj");
+  expect_quantized(l1.moe.experts.gate, 8, 128, "l1 experts.gate");
+  expect_quantized(l1.moe.experts.up, 4, 64, "l1 experts.up");
+  expect_quantized(l1.moe.experts.down, 5, 32, "l1 experts.down");
+  ASSERT_FALSE(l1.mlp.up.is_quantized());
+  EXPECT_EQ(l1.mlp.up.dense.dtype(), DType::bf16);
+  expect_quantized(l1.moe.router.proj, 6, 32, "l1 router.proj");
+  test::expect_ffn_matches_mlx(ck, "gemma4_mixed_bits_ffn.safetensors", 4);
+}
+
+}  // namespace
+}  // namespace expertqmm
