@@ -191,6 +191,34 @@ TEST(CheckpointMlxLoad, ModuleWithoutAnEntryTakesItsBitsFromTheShapes) {
   EXPECT_EQ(ck.layer(0).mlp.gate.quantized.group_size, 32);  // by its entry
 }
 
+// 16-bit experts: the writer leaves what group size 128 cannot quantize in bf16 (mlx-lm's rule),
+// and the experts' gate_proj by a `false` entry; the reader hands each back as written.
+TEST(CheckpointMlxLoad, SixteenBitExpertsRoundTrip) {
+  Gemma4Config c = dense_mlp_config();
+  c.default_quant = {4, 128};
+  c.overrides.clear();
+  for (const char* layer : {"model.layers.0.", "model.layers.1."})
+    c.overrides[std::string(layer) + "experts.switch_glu.gate_proj"] = QuantSetting{};
+  const std::string dir = test::fresh_dir("bf16_experts");
+  write_gemma4_checkpoint(dir, c, 2, [&](int n) { return synthetic_gemma4_layer(c, n, 9); });
+  std::string text = read_all(dir + "/config.json");
+  ASSERT_NE(text.find("\"model.layers.1.experts.switch_glu.gate_proj\": false"), std::string::npos);
+  const Gemma4Checkpoint ck = Gemma4Checkpoint::open(dir);
+  for (int l = 0; l < 2; ++l) {
+    const Gemma4FfnWeights w = ck.layer(l), want = synthetic_gemma4_layer(c, l, 9);
+    const SwitchGLUWeights& ex = w.moe.experts;
+    ASSERT_TRUE(ex.down_dense.defined()) << "layer " << l;  // 64 inputs: not a multiple of 128
+    EXPECT_FALSE(ex.down.defined());
+    EXPECT_EQ(ex.down_dense.to_host_bytes(), want.moe.experts.down_dense.to_host_bytes());
+    EXPECT_EQ(ex.up.group_size, 128);
+    EXPECT_TRUE(ex.gate_dense.defined());
+    EXPECT_FALSE(ex.gate.defined());
+    EXPECT_FALSE(w.mlp.down.is_quantized());  // 192 inputs
+    const Tensor h = test::random_tensor({4, 128}, DType::bf16);
+    EXPECT_EQ(gemma4_ffn(h, w).to_host_bytes(), gemma4_ffn(h, want).to_host_bytes()) << "layer " << l;
+  }
+}
+
 TEST(CheckpointMlxLoad, EntriesThatDisagreeWithTheTensorsAreErrors) {
   // `false` for a module that has scales (mlx-lm's strict load rejects the extra tensors).
   const std::string dir = write_dense_mlp("disagree");

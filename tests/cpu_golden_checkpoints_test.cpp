@@ -3,9 +3,11 @@
 // gemma4_ffn against mlx-lm's feed-forward outputs on them.
 #include <gtest/gtest.h>
 
+#include "core/gather_qmm_problem.h"
 #include "expertqmm/checkpoint.h"
 #include "support/golden.h"
 #include "support/golden_ffn.h"
+#include "support/test_util.h"
 
 namespace expertqmm {
 namespace {
@@ -62,6 +64,48 @@ TEST(GoldenCheckpoints, MixedBitsPerModuleAndLayer) {
   EXPECT_EQ(l1.mlp.up.dense.dtype(), DType::bf16);
   expect_quantized(l1.moe.router.proj, 6, 32, "l1 router.proj");
   test::expect_ffn_matches_mlx(ck, "gemma4_mixed_bits_ffn.safetensors", 4);
+}
+
+// Expert width 80 with group size 64: mlx-lm left the experts' down_proj in bf16 (an unquantized
+// SwitchLinear, MLX gather_mm) with no config entry; gate and up stay 4-bit. MLX's CPU computes
+// gather_mm in float32 only, so the golden has the float32 twin's output and no bf16 one.
+TEST(GoldenCheckpoints, ExpertsDownProjIn16Bit) {
+  const Gemma4Checkpoint ck = open_golden_ckpt("gemma4_bf16_down");
+  const Gemma4FfnWeights w = ck.layer(0);
+  const SwitchGLUWeights& ex = w.moe.experts;
+  ASSERT_TRUE(ex.down_dense.defined());
+  EXPECT_FALSE(ex.down.defined());
+  EXPECT_EQ(ex.down_dense.dtype(), DType::bf16);
+  EXPECT_EQ(ex.down_dense.shape(), (Shape{8, 128, 80}));
+  expect_quantized(ex.gate, 4, 64, "experts.gate");
+  expect_quantized(ex.up, 4, 64, "experts.up");
+  expect_quantized(w.moe.router.proj, 8, 64, "router.proj");
+  test::expect_ffn_matches_mlx(ck, "gemma4_bf16_down_ffn.safetensors", 2);
+
+  // With every float widened to float32 as the twin is, the whole layer (gather_mm included) is
+  // MLX's float32 computation up to summation order (docs/numerics.md: 1e-4).
+  auto widen = [](Tensor& t) {
+    if (t.defined()) t = detail::cast_floating(t, DType::f32);
+  };
+  auto widen_q = [&](QuantizedWeight& q) { widen(q.scales), widen(q.biases); };
+  Gemma4FfnWeights w32 = w;
+  for (Tensor* t : {&w32.pre_feedforward_layernorm, &w32.post_feedforward_layernorm_1, &w32.pre_feedforward_layernorm_2,
+                    &w32.post_feedforward_layernorm_2, &w32.post_feedforward_layernorm, &w32.layer_scalar,
+                    &w32.moe.router.scale, &w32.moe.router.per_expert_scale, &w32.moe.experts.down_dense})
+    widen(*t);
+  for (QuantizedWeight* q : {&w32.mlp.gate.quantized, &w32.mlp.up.quantized, &w32.mlp.down.quantized,
+                             &w32.moe.router.proj, &w32.moe.experts.gate, &w32.moe.experts.up})
+    widen_q(*q);
+  SafetensorsFile g;
+  ASSERT_NO_FATAL_FAILURE(test::open_golden("gemma4_bf16_down_ffn.safetensors", &g));
+  for (const char* key : {"l0.t3", "l0.t40"}) {
+    Tensor h, out_f32;
+    ASSERT_NO_FATAL_FAILURE(test::golden_tensor(g, std::string(key) + ".h", &h));
+    ASSERT_NO_FATAL_FAILURE(test::golden_tensor(g, std::string(key) + ".f32_out", &out_f32));
+    const Tensor out = gemma4_ffn(detail::cast_floating(h, DType::f32), w32);
+    ASSERT_EQ(out.dtype(), DType::f32);
+    EXPECT_LE(test::rel_error(test::to_float(out), test::to_float(out_f32)), 1e-4) << key;
+  }
 }
 
 }  // namespace

@@ -90,6 +90,10 @@ class Gemma4Checkpoint {
   // mlx-lm's load-time decision for one module (utils.load_model): {0, 0} when it is left unquantized.
   QuantSetting module_quant(const std::string& module, int64_t in_features) const;
   Linear load_linear(const std::string& module, int64_t out_features, int64_t in_features) const;
+  // An expert projection [E, rows, in]: quantized into *q, or 16-bit (mlx-lm's unquantized
+  // SwitchLinear) into *dense.
+  void load_expert_proj(const std::string& module, int64_t rows, int64_t in_features, int64_t experts,
+                        QuantizedWeight* q, Tensor* dense) const;
   QuantizedWeight load_quantized(const std::string& module, int64_t rows, int64_t in_features, int64_t experts,
                                  QuantSetting qs) const;
   Tensor load_float(const std::string& name, const Shape& shape) const;
@@ -116,7 +120,8 @@ void write_gemma4_checkpoint(const std::string& dir, const Gemma4Config& config,
 // Synthetic weights for `config` from `seed`: random codes, bf16 scales ±(0.01 + 0.002 n) with
 // biases centring the dequantized values on 0 (quantized modules), N(0, 0.02) dense weights, norm
 // weights 1 + 0.1 n, router scale 1 + 0.05 n, per_expert_scale 1 + 0.05 n, layer_scalar in
-// [0.75, 1.25). Module quantization from config.quant_for(prefix + "layers.N.<module>").
+// [0.75, 1.25). Module quantization from config.quant_for(prefix + "layers.N.<module>", its input
+// width); a module left unquantized (experts included) is a bf16 N(0, 0.02) weight.
 // Fast (no quantizer): meant for benchmark checkpoints at the real geometry and test fixtures.
 Gemma4FfnWeights synthetic_gemma4_layer(const Gemma4Config& config, int layer, uint64_t seed,
                                         const std::string& prefix = "model.");

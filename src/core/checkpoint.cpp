@@ -453,6 +453,15 @@ Linear Gemma4Checkpoint::load_linear(const std::string& module, int64_t out_feat
   return l;
 }
 
+void Gemma4Checkpoint::load_expert_proj(const std::string& module, int64_t rows, int64_t in_features,
+                                        int64_t experts, QuantizedWeight* q, Tensor* dense) const {
+  const QuantSetting qs = module_quant(module, in_features);
+  if (qs.quantized())
+    *q = load_quantized(module, rows, in_features, experts, qs);
+  else
+    *dense = load_float(module + ".weight", {experts, rows, in_features});
+}
+
 Gemma4FfnWeights Gemma4Checkpoint::layer(int n) const {
   EXPERTQMM_CHECK(n >= 0 && n < num_layers(), kOp, dir_, ": layer ", n, " out of range [0, ", num_layers(), ")");
   const Gemma4Config& c = config_;
@@ -495,19 +504,14 @@ Gemma4FfnWeights Gemma4Checkpoint::layer(int n) const {
   SwitchGLUWeights& ex = w.moe.experts;
   ex.activation = Activation::geglu;
   const std::string fused = name("experts.switch_glu.gate_up_proj");
-  auto expert = [&](const std::string& module, int64_t rows, int64_t in) {
-    const QuantSetting qs = module_quant(module, in);
-    if (!qs.quantized())
-      fail(file_of(module + ".weight"), "tensor '" + module + "' is not quantized; expertqmm runs quantized experts only");
-    return load_quantized(module, rows, in, E, qs);
-  };
+  // Each projection quantized or 16-bit on its own, as mlx-lm decides per module.
   if (has(fused + ".weight")) {
-    ex.gate_up = expert(fused, 2 * Ie, H);
+    load_expert_proj(fused, 2 * Ie, H, E, &ex.gate_up, &ex.gate_up_dense);
   } else {
-    ex.gate = expert(name("experts.switch_glu.gate_proj"), Ie, H);
-    ex.up = expert(name("experts.switch_glu.up_proj"), Ie, H);
+    load_expert_proj(name("experts.switch_glu.gate_proj"), Ie, H, E, &ex.gate, &ex.gate_dense);
+    load_expert_proj(name("experts.switch_glu.up_proj"), Ie, H, E, &ex.up, &ex.up_dense);
   }
-  ex.down = expert(name("experts.switch_glu.down_proj"), H, Ie);
+  load_expert_proj(name("experts.switch_glu.down_proj"), H, Ie, E, &ex.down, &ex.down_dense);
   return w;
 }
 

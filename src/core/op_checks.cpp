@@ -1,11 +1,28 @@
 #include "core/op_checks.h"
 
+#include <utility>
+
 #include "expertqmm/error.h"
+#include "expertqmm/moe.h"
 
 namespace expertqmm::detail {
 
 void no_cuda_backend(const std::string& op) {
   throw Error(op, "the inputs are on cuda but this build of expertqmm has no CUDA backend");
+}
+
+void no_cuda_16bit_experts(const std::string& op, const std::string& name, const Tensor& w) {
+  throw Error(op, name + " is an unquantized " + dtype_name(w.dtype()) + " expert weight " + shape_str(w.shape()) +
+                      " on cuda: the CUDA backend has no 16-bit expert kernels (MLX gather_mm) yet; run this"
+                      " layer on the CPU, or use quantized experts");
+}
+
+void reject_16bit_experts_on_cuda(const std::string& op, const SwitchGLUWeights& w, Device device) {
+  if (device != Device::cuda || !w.has_dense()) return;
+  const std::pair<const char*, const Tensor*> named[] = {
+      {"gate", &w.gate_dense}, {"up", &w.up_dense}, {"gate_up", &w.gate_up_dense}, {"down", &w.down_dense}};
+  for (const auto& [name, t] : named)
+    if (t->defined()) no_cuda_16bit_experts(op, std::string("experts ") + name, *t);
 }
 
 void check_floating(const std::string& op, const char* name, const Tensor& t) {

@@ -14,6 +14,9 @@ checkpoint mlx-lm loads as written):
       layers: per-module bits and group sizes that differ per projection and per layer, layer 1's
       mlp.up_proj left bf16, and config.json rewritten by mlx-lm's AWQ update_config, which lists
       every leaf module: a dict for each quantized one, `false` for the others.
+  gemma4_bf16_down_ckpt/   gemma4_text, 1 layer, expert width 80 with group size 64: quantize_model
+      leaves the experts' down_proj (80 inputs, not a multiple of 64) in bf16 with no config entry
+      (an unquantized SwitchLinear: MLX gather_mm); gate and up are 4-bit g64, router.proj 8-bit g64.
 <name>_ffn.safetensors (for <name>_ckpt), per layer L and token count T (3: unsorted SwitchGLU; 40: sorted):
   l<L>.t<T>.h (bf16 post-attention residual), .f32_out (the layer's feed-forward output with every
   float parameter and h widened to float32, same codes), .indices (the f32 twin's router choice,
@@ -62,6 +65,11 @@ TEXT = {
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": True,
 }
+
+
+def mlx_lm_predicate(path, module):
+    """mlx-lm's own Gemma 4 quant_predicate (gemma4_text.Model.quant_predicate)."""
+    return {"group_size": 64, "bits": 8} if path.endswith("router.proj") else True
 
 
 def dense_mlp_predicate(path, module):
@@ -167,6 +175,8 @@ def main(out_dir):
              "text_config": dict(TEXT, model_type="gemma4_text", num_hidden_layers=2,
                                  layer_types=["sliding_attention", "full_attention"])}
     write(out_dir, "gemma4_mixed_bits", mixed, mixed_predicate, 64, list_every_module=True)
+    bf16_down = dict(TEXT, moe_intermediate_size=80)
+    write(out_dir, "gemma4_bf16_down", bf16_down, mlx_lm_predicate, 64, mlx_bf16=False)
 
 
 if __name__ == "__main__":
