@@ -108,5 +108,37 @@ TEST(GoldenCheckpoints, ExpertsDownProjIn16Bit) {
   }
 }
 
+// num_experts 1, top_k_experts 1: every token is routed to expert 0 with weight
+// per_expert_scale[0] (the softmax of one logit is 1), as mlx-lm computes it.
+TEST(GoldenCheckpoints, OneExpertTopOne) {
+  const Gemma4Checkpoint ck = open_golden_ckpt("gemma4_one_expert");
+  const Gemma4FfnWeights w = ck.layer(0);
+  EXPECT_EQ(w.moe.experts.gate.w.size(0), 1);
+  EXPECT_EQ(w.moe.router.top_k, 1);
+  const Tensor h = test::random_tensor({5, 128}, DType::bf16);
+  const Routing r = route(h, w.moe.router);
+  EXPECT_EQ(test::to_i32(r.indices), std::vector<int32_t>(5, 0));
+  const float pes = test::to_float(w.moe.router.per_expert_scale)[0];
+  for (float weight : test::to_float(r.weights)) EXPECT_EQ(weight, pes);
+  test::expect_ffn_matches_mlx(ck, "gemma4_one_expert_ffn.safetensors", 2);
+}
+
+// T = 0: MLX 0.32.4's CPU cannot run mlx-lm's layer on it (its quantized_matmul stops the process
+// with SIGFPE on zero rows: router.proj and the dense MLP), while gather_qmm and the dense router
+// give the empty shapes; gemma4_ffn returns [0, H] in h's dtype for every golden checkpoint.
+TEST(GoldenCheckpoints, ZeroTokensGiveAnEmptyOutput) {
+  for (const char* name : {"gemma4_tiny", "gemma4_dense_mlp", "gemma4_mixed_bits", "gemma4_bf16_down", "gemma4_one_expert"}) {
+    const Gemma4Checkpoint ck = open_golden_ckpt(name);
+    const int64_t H = ck.config().hidden_size;
+    const Gemma4FfnWeights w = ck.layer(0);
+    const Tensor out = gemma4_ffn(Tensor::empty({0, H}, DType::bf16), w);
+    EXPECT_EQ(out.shape(), (Shape{0, H})) << name;
+    EXPECT_EQ(out.dtype(), DType::bf16) << name;
+    const Routing r = route(Tensor::empty({0, H}, DType::bf16), w.moe.router);
+    EXPECT_EQ(r.indices.shape(), (Shape{0, ck.config().top_k_experts})) << name;
+    EXPECT_EQ(r.weights.dtype(), DType::bf16) << name;
+  }
+}
+
 }  // namespace
 }  // namespace expertqmm

@@ -17,6 +17,11 @@ checkpoint mlx-lm loads as written):
   gemma4_bf16_down_ckpt/   gemma4_text, 1 layer, expert width 80 with group size 64: quantize_model
       leaves the experts' down_proj (80 inputs, not a multiple of 64) in bf16 with no config entry
       (an unquantized SwitchLinear: MLX gather_mm); gate and up are 4-bit g64, router.proj 8-bit g64.
+  gemma4_one_expert_ckpt/  gemma4_text, 1 layer, a single expert and top-1 (num_experts 1,
+      top_k_experts 1): every token goes to expert 0 with weight per_expert_scale[0].
+(No golden for T = 0: MLX 0.32.4's CPU quantized_matmul stops the process with SIGFPE on an input
+with zero rows, so mlx-lm's router.proj cannot run it; gather_qmm and the dense router give the
+empty shapes, [0, H] and [0, k], which is what expertqmm returns.)
 <name>_ffn.safetensors (for <name>_ckpt), per layer L and token count T (3: unsorted SwitchGLU; 40: sorted):
   l<L>.t<T>.h (bf16 post-attention residual), .f32_out (the layer's feed-forward output with every
   float parameter and h widened to float32, same codes), .indices (the f32 twin's router choice,
@@ -177,6 +182,7 @@ def main(out_dir):
     write(out_dir, "gemma4_mixed_bits", mixed, mixed_predicate, 64, list_every_module=True)
     bf16_down = dict(TEXT, moe_intermediate_size=80)
     write(out_dir, "gemma4_bf16_down", bf16_down, mlx_lm_predicate, 64, mlx_bf16=False)
+    write(out_dir, "gemma4_one_expert", dict(TEXT, num_experts=1, top_k_experts=1), mlx_lm_predicate, 64)
 
 
 if __name__ == "__main__":

@@ -92,6 +92,8 @@ def router_logits(layer, h):
 
 
 def well_separated(logits, k):
+    if k >= logits.shape[-1]:  # every expert is picked: nothing to separate
+        return mx.ones(logits.shape[:-1], dtype=mx.bool_)
     s = mx.sort(logits.astype(mx.float32), axis=-1)
     gap = s[:, -k] - s[:, -k - 1]
     big = mx.max(mx.abs(logits.astype(mx.float32)), axis=-1)
