@@ -117,15 +117,7 @@ TEST(CheckpointMlxConfig, QuantizationEntriesAsMlxLmHonoursThem) {
 // A tiny checkpoint (layers 2) written by our writer with the dense MLP left unquantized through
 // `false` entries; tests then edit config.json the way other mlx-lm configurations look.
 Gemma4Config dense_mlp_config() {
-  Gemma4Config c;
-  c.hidden_size = 128;
-  c.intermediate_size = 192;
-  c.moe_intermediate_size = 64;
-  c.num_experts = 8;
-  c.top_k_experts = 2;
-  c.num_hidden_layers = 2;
-  c.quantized = true;
-  c.default_quant = {4, 64};
+  Gemma4Config c = test::gemma4_config(128, 192, 64, 8, 2, 2);
   for (int l = 0; l < 2; ++l) {
     const std::string layer = "model.layers." + std::to_string(l) + ".";
     for (const char* m : {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}) c.overrides[layer + m] = QuantSetting{};

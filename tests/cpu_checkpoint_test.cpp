@@ -23,15 +23,7 @@ using test::rewrite_safetensors;
 using test::write_all;
 
 Gemma4Config tiny_config(int layers, const std::string& prefix = "model.") {
-  Gemma4Config c;
-  c.hidden_size = 128;
-  c.intermediate_size = 192;
-  c.moe_intermediate_size = 64;
-  c.num_experts = 8;
-  c.top_k_experts = 2;
-  c.num_hidden_layers = layers;
-  c.quantized = true;
-  c.default_quant = {4, 64};
+  Gemma4Config c = test::gemma4_config(128, 192, 64, 8, 2, layers);
   for (int l = 0; l < layers; ++l)
     for (const char* m : {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "router.proj"})
       c.overrides[prefix + "layers." + std::to_string(l) + "." + m] = {8, 64};

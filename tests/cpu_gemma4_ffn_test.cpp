@@ -6,6 +6,7 @@
 
 #include "expertqmm/checkpoint.h"
 #include "expertqmm/error.h"
+#include "support/checkpoint_files.h"
 #include "support/reference.h"
 #include "support/test_util.h"
 
@@ -15,15 +16,7 @@ namespace {
 constexpr double kTolerance = 1e-2;  // docs/numerics.md: bf16 activations vs float64
 
 Gemma4Config config(int64_t H, int64_t I, int64_t Ie, int64_t E, int64_t k) {
-  Gemma4Config c;
-  c.hidden_size = H;
-  c.intermediate_size = I;
-  c.moe_intermediate_size = Ie;
-  c.num_experts = E;
-  c.top_k_experts = k;
-  c.num_hidden_layers = 1;
-  c.quantized = true;
-  c.default_quant = {4, 64};
+  Gemma4Config c = test::gemma4_config(H, I, Ie, E, k, 1);
   for (const char* m : {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "router.proj"})
     c.overrides[std::string("model.layers.0.") + m] = {8, 64};
   return c;

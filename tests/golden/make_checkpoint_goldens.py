@@ -44,32 +44,12 @@ from mlx_lm.utils import load_model, quantize_model, save_config, save_model
 HERE = os.path.dirname(os.path.abspath(__file__))
 _spec = importlib.util.spec_from_file_location("layer_goldens", os.path.join(HERE, "make_layer_goldens.py"))
 layer_goldens = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(layer_goldens)  # ffn, router_logits, well_separated: one definition of each
+_spec.loader.exec_module(layer_goldens)  # CONFIG, randomize, ffn, router_logits, well_separated
 
 SEED = 20261213
-TEXT = {
-    "model_type": "gemma4_text",
-    "hidden_size": 128,
-    "intermediate_size": 64,
-    "moe_intermediate_size": 64,
-    "num_experts": 8,
-    "top_k_experts": 2,
-    "num_hidden_layers": 1,
-    "enable_moe_block": True,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "num_global_key_value_heads": 1,
-    "head_dim": 32,
-    "global_head_dim": 64,
-    "num_kv_shared_layers": 0,
-    "hidden_size_per_layer_input": 0,
-    "vocab_size": 32,
-    "vocab_size_per_layer_input": 32,
-    "sliding_window": 16,
-    "layer_types": ["full_attention"],
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": True,
-}
+# The text config of make_layer_goldens.py, smaller: one full-attention layer, MLP 64 wide, vocab 32.
+TEXT = dict(layer_goldens.CONFIG, intermediate_size=64, num_hidden_layers=1, vocab_size=32,
+            vocab_size_per_layer_input=32, layer_types=["full_attention"])
 
 
 def mlx_lm_predicate(path, module):
@@ -105,18 +85,6 @@ def mixed_predicate(path, module):
     return True
 
 
-def randomize(text_model):
-    """Random norms, router scales and layer scalars, so every parameter matters to the output."""
-    for layer in text_model.layers:
-        for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm", "post_feedforward_layernorm_1",
-                     "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2"):
-            norm = getattr(layer, name)
-            norm.weight = 1.0 + 0.2 * mx.random.normal(norm.weight.shape)
-        layer.router.scale = 1.0 + 0.1 * mx.random.normal(layer.router.scale.shape)
-        layer.router.per_expert_scale = 1.0 + 0.2 * mx.random.normal(layer.router.per_expert_scale.shape)
-        layer.layer_scalar = 0.5 + mx.random.uniform(shape=(1,))
-
-
 def layers_of(model):
     return model.language_model.model.layers if hasattr(model, "language_model") else model.model.layers
 
@@ -126,7 +94,7 @@ def write(out_dir, name, config, predicate, group_size, list_every_module=False,
     wrapped = config.get("model_type") == "gemma4"
     model = (gemma4.Model(gemma4.ModelArgs.from_dict(config)) if wrapped else
              gemma4_text.Model(gemma4_text.ModelArgs.from_dict(config)))
-    randomize(model.language_model.model if wrapped else model.model)
+    layer_goldens.randomize(model.language_model.model if wrapped else model.model)
     model.set_dtype(mx.bfloat16)
     model, qconfig = quantize_model(model, copy.deepcopy(config), group_size=group_size, bits=4,
                                     quant_predicate=predicate)

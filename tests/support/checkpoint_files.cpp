@@ -10,6 +10,20 @@
 
 namespace expertqmm::test {
 
+Gemma4Config gemma4_config(int64_t hidden, int64_t intermediate, int64_t moe_intermediate, int64_t experts,
+                           int64_t top_k, int64_t layers) {
+  Gemma4Config c;
+  c.hidden_size = hidden;
+  c.intermediate_size = intermediate;
+  c.moe_intermediate_size = moe_intermediate;
+  c.num_experts = experts;
+  c.top_k_experts = top_k;
+  c.num_hidden_layers = layers;
+  c.quantized = true;
+  c.default_quant = {4, 64};
+  return c;
+}
+
 std::string fresh_dir(const std::string& tag) {
   const std::string dir = ::testing::TempDir() + "/eqmm_ckpt_" + tag + "_" + std::to_string(::getpid());
   std::system(("rm -rf '" + dir + "'").c_str());

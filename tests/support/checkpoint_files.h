@@ -8,10 +8,15 @@
 #include <utility>
 #include <vector>
 
+#include "expertqmm/checkpoint.h"
 #include "expertqmm/error.h"
 #include "expertqmm/tensor.h"
 
 namespace expertqmm::test {
+
+// A Gemma 4 config of this geometry, quantized 4-bit group 64 by default, with no per-module entries.
+Gemma4Config gemma4_config(int64_t hidden, int64_t intermediate, int64_t moe_intermediate, int64_t experts,
+                           int64_t top_k, int64_t layers);
 
 // An empty scratch directory path under the gtest temp dir, unique per tag and process.
 std::string fresh_dir(const std::string& tag);
