@@ -211,6 +211,22 @@ TEST(CheckpointMlxLoad, SixteenBitExpertsRoundTrip) {
   }
 }
 
+// No "quantization" at all (a bf16 checkpoint as mlx-lm saves an unconverted model): every module,
+// experts and router included, is 16-bit.
+TEST(CheckpointMlxLoad, UnquantizedCheckpointIsAll16Bit) {
+  Gemma4Config c = test::gemma4_config(128, 192, 64, 8, 2, 1);
+  c.quantized = false;
+  const std::string dir = test::fresh_dir("bf16_all");
+  write_gemma4_checkpoint(dir, c, 1, [&](int n) { return synthetic_gemma4_layer(c, n, 3); });
+  ASSERT_EQ(read_all(dir + "/config.json").find("quantization"), std::string::npos);
+  const Gemma4FfnWeights w = Gemma4Checkpoint::open(dir).layer(0);
+  EXPECT_TRUE(w.moe.router.proj_dense.defined());
+  EXPECT_TRUE(w.moe.experts.gate_dense.defined() && w.moe.experts.up_dense.defined() && w.moe.experts.down_dense.defined());
+  EXPECT_FALSE(w.mlp.gate.is_quantized());
+  const Tensor h = test::random_tensor({6, 128}, DType::bf16);
+  EXPECT_EQ(gemma4_ffn(h, w).to_host_bytes(), gemma4_ffn(h, synthetic_gemma4_layer(c, 0, 3)).to_host_bytes());
+}
+
 TEST(CheckpointMlxLoad, EntriesThatDisagreeWithTheTensorsAreErrors) {
   // `false` for a module that has scales (mlx-lm's strict load rejects the extra tensors).
   const std::string dir = write_dense_mlp("disagree");
