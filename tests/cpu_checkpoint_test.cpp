@@ -4,73 +4,36 @@
 // ranges, wrong dtypes or shapes for a known name, missing tensors, unknown quantization.
 #include <gtest/gtest.h>
 #include <sys/stat.h>
-#include <unistd.h>
 
 #include <cstdio>
-#include <fstream>
-#include <sstream>
 
 #include "expertqmm/checkpoint.h"
 #include "expertqmm/error.h"
+#include "support/checkpoint_files.h"
 #include "support/test_util.h"
 
 namespace expertqmm {
 namespace {
 
+using test::expect_error;
+using test::fresh_dir;
+using test::read_all;
+using test::replace_once;
+using test::rewrite_safetensors;
+using test::write_all;
+
 Gemma4Config tiny_config(int layers, const std::string& prefix = "model.") {
-  Gemma4Config c;
-  c.hidden_size = 128;
-  c.intermediate_size = 192;
-  c.moe_intermediate_size = 64;
-  c.num_experts = 8;
-  c.top_k_experts = 2;
-  c.num_hidden_layers = layers;
-  c.quantized = true;
-  c.default_quant = {4, 64};
+  Gemma4Config c = test::gemma4_config(128, 192, 64, 8, 2, layers);
   for (int l = 0; l < layers; ++l)
     for (const char* m : {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "router.proj"})
       c.overrides[prefix + "layers." + std::to_string(l) + "." + m] = {8, 64};
   return c;
 }
 
-std::string fresh_dir(const std::string& tag) {
-  const std::string dir = ::testing::TempDir() + "/eqmm_ckpt_" + tag + "_" + std::to_string(::getpid());
-  std::system(("rm -rf '" + dir + "'").c_str());
-  return dir;
-}
-
 void write_tiny(const std::string& dir, int layers, int shards, const std::string& prefix = "model.") {
   const Gemma4Config c = tiny_config(layers, prefix);
   write_gemma4_checkpoint(
       dir, c, shards, [&](int n) { return synthetic_gemma4_layer(c, n, 7, prefix); }, prefix);
-}
-
-// Runs f, expecting an Error whose message holds every one of `parts`.
-template <class F>
-void expect_error(F&& f, const std::vector<std::string>& parts) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected one mentioning " << parts[0];
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    for (const std::string& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
-  }
-}
-
-std::string read_all(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-void write_all(const std::string& path, const std::string& text) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << text;
-}
-void replace_once(std::string& s, const std::string& from, const std::string& to) {
-  const size_t at = s.find(from);
-  ASSERT_NE(at, std::string::npos) << from;
-  s.replace(at, from.size(), to);
 }
 
 void expect_same(const Tensor& a, const Tensor& b, const std::string& what) {
@@ -145,8 +108,10 @@ TEST(Checkpoint, LanguageModelPrefixIsFoundByLooking) {
 
 TEST(Checkpoint, ConfigReadsTextConfigAndOverrides) {
   const Gemma4Config c = parse_gemma4_config(
-      R"({"text_config": {"hidden_size": 2816, "intermediate_size": 2112, "moe_intermediate_size": 704,
-          "num_experts": 128, "top_k_experts": 8, "num_hidden_layers": 30, "rms_norm_eps": 1e-05},
+      R"({"model_type": "gemma4", "text_config": {"hidden_size": 2816, "intermediate_size": 2112,
+          "moe_intermediate_size": 704, "num_experts": 128, "top_k_experts": 8, "num_hidden_layers": 30,
+          "rms_norm_eps": 1e-05, "enable_moe_block": true, "hidden_size_per_layer_input": 0,
+          "num_kv_shared_layers": 0},
           "quantization": {"group_size": 64, "bits": 4, "mode": "affine",
           "language_model.model.layers.0.router.proj": {"group_size": 64, "bits": 8},
           "language_model.model.layers.0.mlp.up_proj": false}})",
@@ -232,30 +197,18 @@ TEST(CheckpointBadInput, OverlappingAndOutOfRangeByteRanges) {
   expect_error([&] { Gemma4Checkpoint::open(dir); }, {path, "'a'"});
 }
 
-// Re-saves `file` with `edit` applied to its tensor list.
-void rewrite(const std::string& file,
-             const std::function<void(std::vector<std::pair<std::string, Tensor>>&)>& edit) {
-  std::vector<std::pair<std::string, Tensor>> tensors;
-  {
-    const SafetensorsFile f = SafetensorsFile::open(file);
-    for (const std::string& n : f.names()) tensors.push_back({n, f.get(n).contiguous().to(Device::cpu)});
-  }
-  edit(tensors);
-  save_safetensors(file, tensors);
-}
-
 TEST(CheckpointBadInput, MissingTensorNamesTheFileAndTensor) {
   const std::string dir = fresh_dir("missing");
   write_tiny(dir, 2, 1);
   const std::string path = dir + "/model.safetensors";
-  rewrite(path, [](auto& t) {
+  rewrite_safetensors(path, [](auto& t) {
     for (size_t i = 0; i < t.size(); ++i)
       if (t[i].first == "model.layers.1.post_feedforward_layernorm_2.weight") t.erase(t.begin() + long(i));
   });
   expect_error([&] { Gemma4Checkpoint::open(dir); },
                {path, "missing tensor", "model.layers.1.post_feedforward_layernorm_2.weight"});
   // Quantized in config.json but the scales are gone.
-  rewrite(path, [](auto& t) {
+  rewrite_safetensors(path, [](auto& t) {
     for (size_t i = 0; i < t.size(); ++i)
       if (t[i].first == "model.layers.0.mlp.up_proj.scales" || t[i].first == "model.layers.0.mlp.up_proj.biases")
         t.erase(t.begin() + long(i--));
@@ -275,7 +228,7 @@ TEST(CheckpointBadInput, WrongShapeOrDtypeForAKnownName) {
   expect_error([&] { Gemma4Checkpoint::open(dir); }, {path, "model.layers.0.mlp.gate_proj.weight", "[256, 32]"});
   write_all(dir + "/config.json", good_cfg);
   // Codes stored as int32 instead of uint32.
-  rewrite(path, [](auto& t) {
+  rewrite_safetensors(path, [](auto& t) {
     for (auto& [name, tensor] : t)
       if (name == "model.layers.0.experts.switch_glu.down_proj.weight")
         tensor = Tensor::from_host(tensor.data(), tensor.shape(), DType::i32);
@@ -284,7 +237,7 @@ TEST(CheckpointBadInput, WrongShapeOrDtypeForAKnownName) {
                {path, "model.layers.0.experts.switch_glu.down_proj.weight", "int32"});
   write_tiny(dir, 1, 1);
   // A norm of the wrong length.
-  rewrite(path, [](auto& t) {
+  rewrite_safetensors(path, [](auto& t) {
     for (auto& [name, tensor] : t)
       if (name == "model.layers.0.pre_feedforward_layernorm_2.weight")
         tensor = Tensor::from_host(tensor.data(), {64}, tensor.dtype());

@@ -12,6 +12,7 @@
 
 #include "core/settings.h"
 #include "expertqmm/backend.h"
+#include "expertqmm/checkpoint.h"
 
 namespace {
 
@@ -151,6 +152,25 @@ TEST_F(Cli, BadOptionsAreErrors) {
     EXPECT_NE(r.exit_code, 0) << c.args << "\n" << r.output;
     EXPECT_NE(r.output.find(c.message), std::string::npos) << c.args << "\n" << r.output;
   }
+}
+
+// --group-size 128: the experts' down_proj (64 inputs in the tiny preset) stays bf16, as mlx-lm's
+// quantize_model leaves it; the reader sees a 16-bit expert projection and a 4-bit g128 gate.
+TEST_F(Cli, WriteCheckpointWithGroupSize128LeavesExpertsDownIn16Bit) {
+  char dir_template[] = "/tmp/expertqmm_cli_ckpt_XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  Result r = run_cli("write-checkpoint --preset tiny --layers 1 --group-size 128 --out " + dir);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const expertqmm::Gemma4Checkpoint ck = expertqmm::Gemma4Checkpoint::open(dir);
+  const expertqmm::Gemma4FfnWeights w = ck.layer(0);
+  EXPECT_TRUE(w.moe.experts.down_dense.defined());
+  EXPECT_EQ(w.moe.experts.gate.group_size, 128);
+  EXPECT_NE(read_file(dir + "/config.json").find("\"group_size\": 128"), std::string::npos);
+  Result bad = run_cli("write-checkpoint --preset tiny --group-size 48 --out " + dir);
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find("--group-size expects 32, 64 or 128, got 48"), std::string::npos) << bad.output;
+  std::system(("rm -rf '" + dir + "'").c_str());
 }
 
 TEST_F(Cli, CudaOnlyCommandsExplainAMissingGpu) {

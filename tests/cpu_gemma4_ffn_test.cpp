@@ -6,6 +6,7 @@
 
 #include "expertqmm/checkpoint.h"
 #include "expertqmm/error.h"
+#include "support/checkpoint_files.h"
 #include "support/reference.h"
 #include "support/test_util.h"
 
@@ -15,15 +16,7 @@ namespace {
 constexpr double kTolerance = 1e-2;  // docs/numerics.md: bf16 activations vs float64
 
 Gemma4Config config(int64_t H, int64_t I, int64_t Ie, int64_t E, int64_t k) {
-  Gemma4Config c;
-  c.hidden_size = H;
-  c.intermediate_size = I;
-  c.moe_intermediate_size = Ie;
-  c.num_experts = E;
-  c.top_k_experts = k;
-  c.num_hidden_layers = 1;
-  c.quantized = true;
-  c.default_quant = {4, 64};
+  Gemma4Config c = test::gemma4_config(H, I, Ie, E, k, 1);
   for (const char* m : {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "router.proj"})
     c.overrides[std::string("model.layers.0.") + m] = {8, 64};
   return c;
@@ -112,6 +105,26 @@ TEST(Gemma4Ffn, DenseBf16RouterAndMlpAlsoWork) {
   ASSERT_TRUE(w.moe.router.proj_dense.defined());
   const Tensor h = test::random_tensor({7, 128}, DType::bf16, 1.0f);
   EXPECT_LE(test::rel_error(test::to_float(gemma4_ffn(h, w)), reference_ffn(h, w)), kTolerance) << test::seed_note();
+}
+
+// Group size 128 with no per-module entries: mlx-lm's quantize_model leaves every module whose
+// input width is not a multiple of 128 in bf16: the experts' down_proj (64 inputs) and the dense
+// mlp.down_proj (192), while gate/up (128 inputs) are 4-bit g128.
+TEST(Gemma4Ffn, SixteenBitExpertsAndMlpFromGroupSize128) {
+  Gemma4Config c = config(128, 192, 64, 8, 2);
+  c.default_quant = {4, 128};
+  c.overrides.clear();
+  const Gemma4FfnWeights w = synthetic_gemma4_layer(c, 0, 24);
+  ASSERT_TRUE(w.moe.experts.down_dense.defined());
+  EXPECT_EQ(w.moe.experts.down_dense.shape(), (Shape{8, 128, 64}));
+  ASSERT_EQ(w.moe.experts.gate.group_size, 128);
+  ASSERT_FALSE(w.mlp.down.is_quantized());
+  ASSERT_TRUE(w.mlp.gate.is_quantized());
+  for (int64_t T : {3, 40}) {
+    const Tensor h = test::random_tensor({T, 128}, DType::bf16, 1.0f);
+    EXPECT_LE(test::rel_error(test::to_float(gemma4_ffn(h, w)), reference_ffn(h, w)), kTolerance)
+        << "T=" << T << test::seed_note();
+  }
 }
 
 TEST(Gemma4Ffn, IntoWritesTheSameAsTheAllocatingCallAndZeroTokensIsANoOp) {

@@ -3,20 +3,13 @@
 // checkpoint reader, and gemma4_ffn must reproduce mlx-lm's DecoderLayer feed-forward output.
 #include <gtest/gtest.h>
 
-#include <algorithm>
-#include <cstdio>
-#include <set>
-
 #include "expertqmm/checkpoint.h"
 #include "support/golden.h"
+#include "support/golden_ffn.h"
 #include "support/test_util.h"
 
 namespace expertqmm {
 namespace {
-
-// docs/numerics.md, "MLX goldens": bf16 layer vs the float32 mlx-lm twin, and vs MLX's own bf16.
-constexpr double kTolF32Twin = 1e-2;
-constexpr double kTolMlxBf16 = 5e-2;
 
 Gemma4Checkpoint open_tiny() { return Gemma4Checkpoint::open(test::golden_dir() + "/gemma4_tiny_ckpt"); }
 
@@ -48,40 +41,7 @@ TEST(GoldenGemma4Layer, ReaderSeesTheMlxLmCheckpointAsMlxLmWroteIt) {
 }
 
 TEST(GoldenGemma4Layer, FeedForwardMatchesMlxLmDecoderLayer) {
-  const Gemma4Checkpoint ck = open_tiny();
-  SafetensorsFile g;
-  ASSERT_NO_FATAL_FAILURE(test::open_golden("gemma4_layer_ffn.safetensors", &g));
-  const std::vector<test::GoldenCase> cases = test::golden_cases(g);
-  ASSERT_EQ(cases.size(), 4u);
-  for (const test::GoldenCase& c : cases) {
-    const int layer = c.int_param("layer"), T = c.int_param("T");
-    const std::string key = "l" + std::to_string(layer) + ".t" + std::to_string(T);
-    Tensor h, out_bf16, out_f32, indices;
-    ASSERT_NO_FATAL_FAILURE(test::golden_tensor(g, key + ".h", &h));
-    ASSERT_NO_FATAL_FAILURE(test::golden_tensor(g, key + ".out", &out_bf16));
-    ASSERT_NO_FATAL_FAILURE(test::golden_tensor(g, key + ".f32_out", &out_f32));
-    ASSERT_NO_FATAL_FAILURE(test::golden_tensor(g, key + ".indices", &indices));
-    const Gemma4FfnWeights w = ck.layer(layer);
-
-    const Tensor out = gemma4_ffn(h, w);
-    ASSERT_EQ(out.shape(), (Shape{T, 128})) << key;
-    EXPECT_EQ(out.dtype(), DType::bf16) << key;
-    const std::vector<float> ours = test::to_float(out);
-    const double vs_twin = test::rel_error(ours, test::to_float(out_f32));
-    const double vs_bf16 = test::rel_error(ours, test::to_float(out_bf16));
-    std::printf("%s: rel error vs f32 twin %.2e, vs mlx bf16 %.2e\n", key.c_str(), vs_twin, vs_bf16);
-    EXPECT_LE(vs_twin, kTolF32Twin) << key << " vs the float32 mlx-lm twin";
-    EXPECT_LE(vs_bf16, kTolMlxBf16) << key << " vs mlx-lm's bf16 output";
-
-    // The router picks the same experts per token (as sets; MLX orders by ascending score).
-    const Routing r = route(h, w.moe.router);
-    const std::vector<int32_t> ours_idx = test::to_i32(r.indices), mlx_idx = test::to_i32(indices);
-    for (int t = 0; t < T; ++t) {
-      std::set<int32_t> a(ours_idx.begin() + 2 * t, ours_idx.begin() + 2 * t + 2);
-      std::set<int32_t> b(mlx_idx.begin() + 2 * t, mlx_idx.begin() + 2 * t + 2);
-      EXPECT_EQ(a, b) << key << " token " << t;
-    }
-  }
+  test::expect_ffn_matches_mlx(open_tiny(), "gemma4_layer_ffn.safetensors", 4);
 }
 
 // Sanity of the goldens themselves: the layer changes h (so a pass-through could not match).

@@ -92,31 +92,50 @@ TEST(CpuRouter, HandCheckedRouting) {
   r.scale = test::from_float({1, 1, 1, 1}, {4}, DType::f32);
   r.per_expert_scale = test::from_float({1.f, 1.f, 2.f, 0.5f}, {4}, DType::f32);
   r.top_k = 2;
-  // token 0: [1, 2, 3, 4] -> experts 3 then 2; token 1: [-1, 5, 5, 0] -> a tie, lower id first.
+  // token 0: [1, 2, 3, 4] -> experts 3 then 2; token 1: [-1, 5, 5, 0] -> a tie, higher id first
+  // (MLX's rule).
   const Tensor h = test::from_float({1, 2, 3, 4, -1, 5, 5, 0}, {2, 4}, DType::f32);
   const Routing out = route(h, r);
   ASSERT_EQ(out.indices.shape(), (Shape{2, 2}));
   ASSERT_EQ(out.indices.dtype(), DType::i32);
   ASSERT_EQ(out.weights.dtype(), DType::f32);
-  EXPECT_EQ(test::to_i32(out.indices), (std::vector<int32_t>{3, 2, 1, 2}));
+  EXPECT_EQ(test::to_i32(out.indices), (std::vector<int32_t>{3, 2, 2, 1}));
   const double inv_rms = 1.0 / std::sqrt(7.5 + 1e-6);
   const double gap = 0.5 * inv_rms;  // logit(3) - logit(2)
   const double p3 = 1.0 / (1.0 + std::exp(-gap));
   const std::vector<float> w = test::to_float(out.weights);
   EXPECT_NEAR(w[0], p3 * 0.5, 1e-6);
   EXPECT_NEAR(w[1], (1.0 - p3) * 2.0, 1e-6);
-  EXPECT_NEAR(w[2], 0.5 * 1.0, 1e-6);
-  EXPECT_NEAR(w[3], 0.5 * 2.0, 1e-6);
+  EXPECT_NEAR(w[2], 0.5 * 2.0, 1e-6);
+  EXPECT_NEAR(w[3], 0.5 * 1.0, 1e-6);
 }
 
-TEST(CpuRouter, EqualLogitsPickLowestIds) {
+// MLX's rule (docs/numerics.md): all six logits equal, so the three highest ids win.
+TEST(CpuRouter, EqualLogitsPickHighestIds) {
   RouterWeights r = dense_router(6, 8, 3);
   r.proj_dense = test::from_float(std::vector<float>(48, 0.25f), {6, 8}, DType::f32);
   const Routing out = route(test::random_tensor({3, 8}, DType::f32), r);
-  EXPECT_EQ(test::to_i32(out.indices), (std::vector<int32_t>{0, 1, 2, 0, 1, 2, 0, 1, 2}));
+  EXPECT_EQ(test::to_i32(out.indices), (std::vector<int32_t>{5, 4, 3, 5, 4, 3, 5, 4, 3}));
   const std::vector<float> w = test::to_float(out.weights);
   for (int t = 0; t < 3; ++t)
-    for (int j = 0; j < 3; ++j) EXPECT_NEAR(w[t * 3 + j], (0.5f + 0.1f * j) / 3.0f, 1e-6);
+    for (int j = 0; j < 3; ++j) EXPECT_NEAR(w[t * 3 + j], (0.5f + 0.1f * (5 - j)) / 3.0f, 1e-6);
+}
+
+// A NaN logit ranks above every number (MLX sorts NaN last and the top k are the last k), so the
+// NaN reaches the weights; several NaNs tie, and the higher ids win.
+TEST(CpuRouter, NaNLogitsRankFirst) {
+  RouterWeights r = dense_router(4, 4, 2);
+  const float nan = std::nanf("");
+  std::vector<float> proj(16, 0.f);
+  for (int i = 0; i < 4; ++i) proj[i * 4 + i] = 1.f;
+  for (int i = 0; i < 4; ++i) proj[1 * 4 + i] = nan;  // expert 1 scores NaN for every token
+  r.proj_dense = test::from_float(proj, {4, 4}, DType::f32);
+  // token 0: logits [l0, NaN, l2, l3] with l3 largest -> 1, 3; token 1: h holds a NaN, so every
+  // logit is NaN and all four tie -> 3, 2.
+  const Tensor h = test::from_float({1.f, 2.f, 3.f, 4.f, 1.f, nan, 2.f, 3.f}, {2, 4}, DType::f32);
+  const Routing out = route(h, r);
+  EXPECT_EQ(test::to_i32(out.indices), (std::vector<int32_t>{1, 3, 3, 2}));
+  for (float w : test::to_float(out.weights)) EXPECT_TRUE(std::isnan(w));
 }
 
 TEST(CpuRouter, MatchesFloat64Router) {
@@ -169,7 +188,7 @@ TEST(CpuRouter, QuantizedProjEqualsDenseProjOnTheSameWeights) {
 }
 
 // The GPU tests' near-tie judge (test::cpu_router_logits) recomputes the CPU router's logits:
-// its per-token top-k (best first, ties to the lower id) is the CPU route's, dense and quantized.
+// its per-token top-k (best first, ties to the higher id) is the CPU route's, dense and quantized.
 TEST(CpuRouter, ReferenceLogitsGiveTheRoutersTopK) {
   const int64_t T = 7, H = 128, E = 16;
   const int k = 4;
@@ -185,8 +204,10 @@ TEST(CpuRouter, ReferenceLogitsGiveTheRoutersTopK) {
     for (int64_t t = 0; t < T; ++t) {
       std::vector<int32_t> order(E);
       std::iota(order.begin(), order.end(), 0);
-      std::stable_sort(order.begin(), order.end(),
-                       [&](int32_t a, int32_t b) { return logits[t * E + a] > logits[t * E + b]; });
+      std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) {
+        const float la = logits[t * E + a], lb = logits[t * E + b];
+        return la != lb ? la > lb : a > b;
+      });
       for (int j = 0; j < k; ++j) EXPECT_EQ(got[t * k + j], order[j]) << "token " << t << " slot " << j;
     }
   }

@@ -10,7 +10,7 @@
 
 using namespace expertqmm;
 
-TEST(GpuRoute, ExactTiesGoToTheLowerExpertId) {
+TEST(GpuRoute, ExactTiesGoToTheHigherExpertId) {
   EXPERTQMM_REQUIRE_GPU();
   // proj rows 0..7 identical in pairs: logits tie exactly between experts 2i and 2i+1.
   const int64_t E = 8, H = 64;
@@ -25,10 +25,11 @@ TEST(GpuRoute, ExactTiesGoToTheLowerExpertId) {
   const std::vector<int32_t> ci = test::to_i32(route(h, r).indices);
   EXPECT_EQ(gi, ci);
   for (int64_t t = 0; t < 6; ++t) {
-    // The best pair is picked lower id first; the third slot is the lower id of the second pair.
-    EXPECT_EQ(gi[t * 3] % 2, 0) << "token " << t;
-    EXPECT_EQ(gi[t * 3 + 1], gi[t * 3] + 1) << "token " << t;
-    EXPECT_EQ(gi[t * 3 + 2] % 2, 0) << "token " << t;
+    // MLX's rule: the best pair is picked higher id first; the third slot is the higher id of the
+    // second pair.
+    EXPECT_EQ(gi[t * 3] % 2, 1) << "token " << t;
+    EXPECT_EQ(gi[t * 3 + 1], gi[t * 3] - 1) << "token " << t;
+    EXPECT_EQ(gi[t * 3 + 2] % 2, 1) << "token " << t;
   }
   cuda_check();
 }

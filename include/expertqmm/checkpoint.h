@@ -24,23 +24,38 @@ struct QuantSetting {
   bool quantized() const { return bits != 0; }
 };
 
-// The keys of config.json the feed-forward part needs (read from "text_config" when present,
-// else the top level; "quantization" from the top level or text_config).
+// The keys of config.json that the feed-forward part depends on, read as mlx-lm reads them:
+// model_type "gemma4" takes them from "text_config", "gemma4_text" from the top level (no
+// model_type: text_config when present); a key mlx-lm defaults when absent gets mlx-lm's default
+// (gemma4_text.ModelArgs), and what gemma4_ffn cannot compute is refused (enable_moe_block false,
+// per-layer inputs). "quantization" from the top level, else from text_config.
 struct Gemma4Config {
   int64_t hidden_size = 0;
-  int64_t intermediate_size = 0;      // dense MLP width
+  int64_t intermediate_size = 0;      // dense MLP width (doubled on KV-shared layers, see below)
   int64_t moe_intermediate_size = 0;  // expert width
   int64_t num_experts = 0;
   int64_t top_k_experts = 0;
   int64_t num_hidden_layers = 0;
   float rms_norm_eps = 1e-6f;
+  // mlx-lm's MLP is 2 * intermediate_size wide on the last num_kv_shared_layers layers when
+  // use_double_wide_mlp (mlx-lm's defaults when absent: 20 and true; 26B-A4B: 0).
+  int64_t num_kv_shared_layers = 0;
+  bool use_double_wide_mlp = true;
   bool quantized = false;          // a "quantization" object is present
   QuantSetting default_quant;      // its group_size / bits
-  // Per-module overrides keyed by module path ("model.layers.0.router.proj"), as mlx-lm writes.
+  // Per-module entries keyed by module path ("model.layers.0.router.proj"), as mlx-lm writes
+  // them: a setting, or {0, 0} for `false`. A module without an entry is quantized iff its
+  // ".scales" tensor exists (mlx-lm's loader), with bits and group size read off the shapes.
   std::map<std::string, QuantSetting> overrides;
 
+  // The dense MLP width of `layer` (mlx-lm gemma4_text.MLP).
+  int64_t mlp_intermediate_size(int64_t layer) const;
   // The setting of the module at `module_path` (override, else default; {0,0} when unquantized).
   QuantSetting quant_for(const std::string& module_path) const;
+  // What mlx-lm's quantize_model gives a module with `in_features` inputs: its override, else
+  // the default when in_features is a multiple of the default group size, else not quantized
+  // (e.g. Gemma 4's expert down_proj, 704 inputs, at group size 128 stays 16-bit).
+  QuantSetting quant_for(const std::string& module_path, int64_t in_features) const;
   // The 26B-A4B geometry with the QAT checkpoint's quantization: experts 4-bit gs64, dense MLP and
   // router.proj 8-bit gs64 (mlx-semantics 4.6), `layers` layers, overrides keyed under `prefix`.
   static Gemma4Config gemma4_26b_a4b(int64_t layers, const std::string& prefix = "model.");
@@ -72,8 +87,15 @@ class Gemma4Checkpoint {
   const std::string& file_of(const std::string& name) const;
 
  private:
+  // mlx-lm's load-time decision for one module (utils.load_model): {0, 0} when it is left unquantized.
+  QuantSetting module_quant(const std::string& module, int64_t in_features) const;
   Linear load_linear(const std::string& module, int64_t out_features, int64_t in_features) const;
-  QuantizedWeight load_quantized(const std::string& module, int64_t rows, int64_t in_features, int64_t experts) const;
+  // An expert projection [E, rows, in]: quantized into *q, or 16-bit (mlx-lm's unquantized
+  // SwitchLinear) into *dense.
+  void load_expert_proj(const std::string& module, int64_t rows, int64_t in_features, int64_t experts,
+                        QuantizedWeight* q, Tensor* dense) const;
+  QuantizedWeight load_quantized(const std::string& module, int64_t rows, int64_t in_features, int64_t experts,
+                                 QuantSetting qs) const;
   Tensor load_float(const std::string& name, const Shape& shape) const;
 
   std::string dir_;
@@ -98,7 +120,8 @@ void write_gemma4_checkpoint(const std::string& dir, const Gemma4Config& config,
 // Synthetic weights for `config` from `seed`: random codes, bf16 scales ±(0.01 + 0.002 n) with
 // biases centring the dequantized values on 0 (quantized modules), N(0, 0.02) dense weights, norm
 // weights 1 + 0.1 n, router scale 1 + 0.05 n, per_expert_scale 1 + 0.05 n, layer_scalar in
-// [0.75, 1.25). Module quantization from config.quant_for(prefix + "layers.N.<module>").
+// [0.75, 1.25). Module quantization from config.quant_for(prefix + "layers.N.<module>", its input
+// width); a module left unquantized (experts included) is a bf16 N(0, 0.02) weight.
 // Fast (no quantizer): meant for benchmark checkpoints at the real geometry and test fixtures.
 Gemma4FfnWeights synthetic_gemma4_layer(const Gemma4Config& config, int layer, uint64_t seed,
                                         const std::string& prefix = "model.");

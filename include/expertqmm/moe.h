@@ -6,13 +6,26 @@ namespace expertqmm {
 
 // Expert weights of a SwitchGLU. Either gate and up separately (mlx-lm checkpoints:
 // [E, I, K/..]) or one fused gate_up [E, 2I, K/..] with gate rows first (HF gate_up_proj).
+// Each projection is quantized or 16-bit on its own: mlx-lm leaves a SwitchLinear unquantized
+// (e.g. down_proj when I is not a multiple of the group size), stored as a float [E, N, K] weight
+// and applied with MLX's gather_mm. Give exactly one of `gate` / `gate_dense` (and so on); mixes
+// such as gate/up quantized and down bf16 are valid. 16-bit experts run on the CPU only so far: the
+// ops throw an Error naming the weight when they would reach the CUDA backend.
 struct SwitchGLUWeights {
   QuantizedWeight gate;
   QuantizedWeight up;
-  QuantizedWeight gate_up;  // used when defined; then gate and up are ignored
+  QuantizedWeight gate_up;  // used when defined (or gate_up_dense); then gate and up are ignored
   QuantizedWeight down;     // [E, D, I/..]
+  Tensor gate_dense;        // [E, I, D] float
+  Tensor up_dense;          // [E, I, D]
+  Tensor gate_up_dense;     // [E, 2I, D], gate rows first
+  Tensor down_dense;        // [E, D, I]
   Activation activation = Activation::geglu;
-  bool fused() const { return gate_up.defined(); }
+  bool fused() const { return gate_up.defined() || gate_up_dense.defined(); }
+  // True when any projection is 16-bit (the CPU-only form).
+  bool has_dense() const {
+    return gate_dense.defined() || up_dense.defined() || gate_up_dense.defined() || down_dense.defined();
+  }
 };
 
 // mlx-lm SwitchGLU: x [T, D], indices [T, k] -> [T, k, D]. Sorts when T*k >= 64.

@@ -56,6 +56,8 @@ class Tensor {
   Tensor contiguous() const;
   // View with a new shape; requires a contiguous tensor and the same numel.
   Tensor reshape(const Shape& shape) const;
+  // mx.swapaxes: a view (same storage) with dims a and b exchanged; negative dims count from the back.
+  Tensor swapaxes(int a, int b) const;
   // Host copy of the elements in row-major order (any device, any strides).
   std::vector<uint8_t> to_host_bytes() const;
   // Describes dtype, shape, strides and device, for error messages.

@@ -8,6 +8,7 @@
 // (backends) -> src/cuda/device (device helpers). src/core holds what every layer shares (tensors,
 // problem descriptions, the tile plan reference, counters, settings) and includes none of them.
 #pragma once
+#include "core/gather_mm_problem.h"
 #include "core/gather_qmm_problem.h"
 #include "expertqmm/gemma4.h"
 #include "expertqmm/moe.h"
@@ -16,11 +17,13 @@ namespace expertqmm::detail {
 
 // X(return type, name, parameter list). The last three are the fused layer paths: a backend may
 // leave them null, and the front then composes them from the ops above them (the CPU reference
-// does, in mlx-lm's order, so the composition reads as the spec).
+// does, in mlx-lm's order, so the composition reads as the spec). gather_mm (16-bit experts) is
+// null where a backend has no kernels for it yet (CUDA): the front says so in its error.
 #define EXPERTQMM_BACKEND_OPS(X)                                                                           \
   X(QuantizedWeight, quantize, (const Tensor& w, QuantSpec spec))                                          \
   X(Tensor, dequantize, (const Tensor& w, const Tensor& scales, const Tensor& biases, int group_size, int bits)) \
   X(Tensor, gather_qmm, (const detail::GatherQmmProblem& p))                                              \
+  X(Tensor, gather_mm, (const detail::GatherMmProblem& p))                                                \
   X(SortedRows, gather_sort, (const Tensor& x, const Tensor& indices))                                     \
   X(Tensor, scatter_unsort, (const Tensor& x, const Tensor& inv_order, const Shape& shape))               \
   X(Tensor, glu_product, (Activation act, const Tensor& gate, const Tensor& up))                           \

@@ -64,12 +64,19 @@ int64_t positive_int(const json::Value& obj, const char* key, const std::string&
   return static_cast<int64_t>(u);
 }
 
-// {"group_size": g, "bits": b} (extra keys allowed, "mode" must be affine when present).
-QuantSetting quant_setting(const json::Value& obj, const std::string& file, const std::string& key) {
+// {"group_size": g, "bits": b} (extra keys allowed, "mode" must be affine when present). A
+// per-module entry may omit either: mlx-lm passes the dict to to_quantized, whose affine
+// defaults are group 64, 4 bits; the top-level default must have both (mlx-lm indexes them).
+QuantSetting quant_setting(const json::Value& obj, const std::string& file, const std::string& key,
+                           bool module_entry) {
   const std::string where = "quantization \"" + key + "\": ";
+  auto int_or_default = [&](const char* name, int fallback) {
+    if (module_entry && !obj.find(name)) return fallback;
+    return static_cast<int>(std::min<int64_t>(positive_int(obj, name, file, where), 1 << 20));
+  };
   QuantSetting q;
-  q.bits = static_cast<int>(std::min<int64_t>(positive_int(obj, "bits", file, where), 1 << 20));
-  q.group_size = static_cast<int>(std::min<int64_t>(positive_int(obj, "group_size", file, where), 1 << 20));
+  q.bits = int_or_default("bits", 4);
+  q.group_size = int_or_default("group_size", 64);
   if (!valid_bits(q.bits) || !valid_group_size(q.group_size))
     fail(file, detail::cat(where, "unknown quantization bits=", q.bits, " group_size=", q.group_size,
                            " (MLX affine: bits 2, 3, 4, 5, 6, 8; group_size 32, 64, 128)"));
@@ -78,6 +85,66 @@ QuantSetting quant_setting(const json::Value& obj, const std::string& file, cons
       fail(file, where + "unsupported quantization mode " +
                      (mode->is_string() ? "\"" + mode->as_string() + "\"" : "(not a string)") + "; only affine");
   return q;
+}
+
+// The object mlx-lm builds its text model from: text_config for model_type "gemma4" (the
+// multimodal wrapper), the top level for "gemma4_text"; without model_type, text_config when
+// present. `where` prefixes error messages.
+const json::Value& text_config_of(const json::Value& root, const std::string& file, std::string* where) {
+  const json::Value* text_config = root.find("text_config");
+  const json::Value* model_type = root.find("model_type");
+  std::string type;
+  if (model_type) {
+    if (!model_type->is_string()) fail(file, "\"model_type\" must be a string");
+    type = model_type->as_string();
+    if (type != "gemma4" && type != "gemma4_text")
+      fail(file, "model_type \"" + type + "\" is not a Gemma 4 model (\"gemma4\" or \"gemma4_text\")");
+  }
+  const bool nested = type == "gemma4" || (type.empty() && text_config);
+  if (!nested) {
+    *where = "";
+    return root;
+  }
+  if (!text_config || !text_config->is_object()) fail(file, "model_type \"gemma4\" needs a \"text_config\" object");
+  *where = "text_config ";
+  return *text_config;
+}
+
+// A boolean member, `fallback` when absent.
+bool bool_or(const json::Value& obj, const char* key, bool fallback, const std::string& file,
+             const std::string& where) {
+  const json::Value* v = obj.find(key);
+  if (!v) return fallback;
+  if (!v->is_bool()) fail(file, where + "\"" + key + "\" must be true or false");
+  return v->as_bool();
+}
+
+// A non-negative integer member, `fallback` when absent.
+int64_t count_or(const json::Value& obj, const char* key, int64_t fallback, const std::string& file,
+                 const std::string& where) {
+  const json::Value* v = obj.find(key);
+  if (!v) return fallback;
+  uint64_t u = 0;
+  if (!v->to_uint64(&u) || u > (uint64_t(1) << 40))
+    fail(file, where + "\"" + key + "\" must be a non-negative integer, got " +
+                   (v->is_number() ? v->number_text() : std::string(json::Value::kind_name(v->kind()))));
+  return static_cast<int64_t>(u);
+}
+
+// The keys of the decoder layer's structure that mlx-lm defaults when absent (gemma4_text.ModelArgs:
+// enable_moe_block false, hidden_size_per_layer_input 256, num_kv_shared_layers 20,
+// use_double_wide_mlp true): the feed-forward part needs the MoE block and no per-layer input.
+void read_layer_structure(const json::Value& cfg, const std::string& file, const std::string& where, Gemma4Config* c) {
+  if (!bool_or(cfg, "enable_moe_block", false, file, where))
+    fail(file, where + "\"enable_moe_block\" is " + (cfg.find("enable_moe_block") ? "false" : "absent (mlx-lm: false)") +
+                   ": only the MoE layers of Gemma 4 are supported");
+  const int64_t ple = count_or(cfg, "hidden_size_per_layer_input", 256, file, where);
+  if (ple != 0)
+    fail(file, detail::cat(where, "\"hidden_size_per_layer_input\" is ", ple,
+                           cfg.find("hidden_size_per_layer_input") ? "" : " (mlx-lm's default when absent)",
+                           ": the per-layer input gate (Gemma 4 E2B/E4B) is not part of gemma4_ffn; it must be 0"));
+  c->num_kv_shared_layers = count_or(cfg, "num_kv_shared_layers", 20, file, where);
+  c->use_double_wide_mlp = bool_or(cfg, "use_double_wide_mlp", true, file, where);
 }
 
 // Tensor names of this layer, relative to the checkpoint prefix.
@@ -103,12 +170,26 @@ QuantSetting Gemma4Config::quant_for(const std::string& module_path) const {
   return default_quant;
 }
 
+int64_t Gemma4Config::mlp_intermediate_size(int64_t layer) const {
+  // mlx-lm gemma4_text.MLP: KV-shared layers are layer >= first_shared > 0.
+  const int64_t first_shared = num_hidden_layers - num_kv_shared_layers;
+  const bool kv_shared = first_shared > 0 && layer >= first_shared;
+  return intermediate_size * (use_double_wide_mlp && kv_shared ? 2 : 1);
+}
+
+QuantSetting Gemma4Config::quant_for(const std::string& module_path, int64_t in_features) const {
+  if (!quantized) return {};
+  auto it = overrides.find(module_path);
+  if (it != overrides.end()) return it->second;
+  if (default_quant.group_size <= 0 || in_features % default_quant.group_size != 0) return {};
+  return default_quant;
+}
+
 Gemma4Config parse_gemma4_config(const std::string& text, const std::string& file) {
   const json::Value root = parse_json(text, file);
   if (!root.is_object()) fail(file, "must hold a JSON object");
-  const json::Value* text_config = root.find("text_config");
-  const json::Value& cfg = text_config && text_config->is_object() ? *text_config : root;
-  const std::string where = text_config ? "text_config " : "";
+  std::string where;
+  const json::Value& cfg = text_config_of(root, file, &where);
   Gemma4Config c;
   c.hidden_size = positive_int(cfg, "hidden_size", file, where);
   c.intermediate_size = positive_int(cfg, "intermediate_size", file, where);
@@ -118,9 +199,7 @@ Gemma4Config parse_gemma4_config(const std::string& text, const std::string& fil
   c.num_hidden_layers = positive_int(cfg, "num_hidden_layers", file, where);
   if (c.top_k_experts > c.num_experts)
     fail(file, detail::cat(where, "top_k_experts=", c.top_k_experts, " exceeds num_experts=", c.num_experts));
-  if (const json::Value* moe = cfg.find("enable_moe_block"))
-    if (!moe->is_bool() || !moe->as_bool())
-      fail(file, where + "\"enable_moe_block\" must be true: only the MoE layers of Gemma 4 are supported");
+  read_layer_structure(cfg, file, where, &c);
   if (const json::Value* eps = cfg.find("rms_norm_eps")) {
     if (!eps->is_number()) fail(file, where + "\"rms_norm_eps\" must be a number");
     const double e = std::strtod(eps->number_text().c_str(), nullptr);
@@ -132,14 +211,15 @@ Gemma4Config parse_gemma4_config(const std::string& text, const std::string& fil
   if (quant && !quant->is_null()) {
     if (!quant->is_object()) fail(file, "\"quantization\" must be an object");
     c.quantized = true;
-    c.default_quant = quant_setting(*quant, file, "default");
+    c.default_quant = quant_setting(*quant, file, "default", false);
     for (const auto& [key, value] : quant->members()) {
       if (value.is_object()) {
-        c.overrides[key] = quant_setting(value, file, key);
-      } else if (value.is_bool() && !value.as_bool()) {
-        c.overrides[key] = QuantSetting{};  // mlx-lm writes `false` for a module left unquantized
+        c.overrides[key] = quant_setting(value, file, key, true);
+      } else if (value.is_bool()) {
+        // mlx-lm writes `false` for a module left unquantized; `true` takes the default.
+        c.overrides[key] = value.as_bool() ? c.default_quant : QuantSetting{};
       } else if (key != "group_size" && key != "bits" && key != "mode" && !value.is_string() && !value.is_number()) {
-        fail(file, "quantization \"" + key + "\" must be an object or false");
+        fail(file, "quantization \"" + key + "\" must be an object or a boolean");
       }
     }
   }
@@ -169,7 +249,9 @@ std::string Gemma4Config::to_json() const {
     << "  \"hidden_size\": " << hidden_size << ",\n  \"intermediate_size\": " << intermediate_size
     << ",\n  \"moe_intermediate_size\": " << moe_intermediate_size << ",\n  \"num_experts\": " << num_experts
     << ",\n  \"top_k_experts\": " << top_k_experts << ",\n  \"num_hidden_layers\": " << num_hidden_layers
-    << ",\n  \"enable_moe_block\": true,\n  \"num_kv_shared_layers\": 0,\n  \"hidden_size_per_layer_input\": 0"
+    << ",\n  \"enable_moe_block\": true,\n  \"num_kv_shared_layers\": " << num_kv_shared_layers
+    << ",\n  \"use_double_wide_mlp\": " << (use_double_wide_mlp ? "true" : "false")
+    << ",\n  \"hidden_size_per_layer_input\": 0"
     << ",\n  \"rms_norm_eps\": " << json_float(rms_norm_eps);
   if (quantized) {
     for (const char* key : {"quantization", "quantization_config"}) {
@@ -284,17 +366,53 @@ Tensor Gemma4Checkpoint::load_float(const std::string& name, const Shape& shape)
   return t;
 }
 
-QuantizedWeight Gemma4Checkpoint::load_quantized(const std::string& module, int64_t rows, int64_t in_features,
-                                                 int64_t experts) const {
-  const std::string wname = module + ".weight", sname = module + ".scales", bname = module + ".biases";
-  QuantSetting qs = config_.quant_for(module);
-  if (!qs.quantized()) {
-    // mlx-lm keys overrides by the model's module path; accept keys written without the prefix too.
-    auto it = config_.overrides.find(module.substr(prefix_.size()));
-    if (config_.quantized && it != config_.overrides.end()) qs = it->second;
+QuantSetting Gemma4Checkpoint::module_quant(const std::string& module, int64_t in_features) const {
+  // mlx-lm's loader (utils.load_model, _quantize): a config entry for the module decides; without
+  // one the module is quantized iff "<module>.scales" exists, with bits and group size inferred
+  // from the shapes (utils.infer_quant_config), not taken from the default.
+  const std::string sname = module + ".scales", bname = module + ".biases", wname = module + ".weight";
+  const bool has_quant_tensors = has(sname) || has(bname);
+  auto entry = config_.overrides.find(module);
+  if (entry == config_.overrides.end())  // mlx-lm keys entries by module path; accept unprefixed keys too
+    entry = config_.overrides.find(module.substr(prefix_.size()));
+  if (config_.quantized && entry != config_.overrides.end()) {
+    const QuantSetting qs = entry->second;
+    if (qs.quantized() && !has_quant_tensors)
+      fail(file_of(wname), detail::cat("config.json quantizes '", module, "' (bits=", qs.bits,
+                                       ") but there is no tensor '", sname, "'"));
+    if (!qs.quantized() && has_quant_tensors)
+      fail(file_of(has(sname) ? sname : bname), "tensor '" + (has(sname) ? sname : bname) +
+                                                    "' is present but config.json leaves '" + module +
+                                                    "' unquantized (false)");
+    return qs;
   }
-  if (!qs.quantized())
-    fail(file_of(sname), "tensor '" + sname + "' is present but config.json does not quantize '" + module + "'");
+  if (!has_quant_tensors) return {};
+  if (!config_.quantized)
+    fail(file_of(has(sname) ? sname : bname), "tensor '" + (has(sname) ? sname : bname) +
+                                                  "' is present but config.json has no \"quantization\"");
+  const Tensor w = tensor(wname), scales = tensor(sname);
+  if (!is_floating(scales.dtype()))
+    fail(file_of(sname), "tensor '" + sname + "' is " + dtype_name(scales.dtype()) +
+                             ": only MLX affine quantization (float scales) is supported");
+  if (w.ndim() < 2 || scales.ndim() < 2 || scales.size(-1) == 0 || in_features % scales.size(-1) != 0 ||
+      (w.size(-1) * 32) % in_features != 0)
+    fail(file_of(wname), detail::cat("tensors '", wname, "' ", shape_of(w.dtype(), w.shape()), " and '", sname, "' ",
+                                     shape_of(scales.dtype(), scales.shape()), " are not an MLX quantization of ",
+                                     in_features, " input features"));
+  QuantSetting qs;
+  qs.group_size = static_cast<int>(in_features / scales.size(-1));
+  qs.bits = static_cast<int>(w.size(-1) * 32 / in_features);
+  if (!valid_bits(qs.bits) || !valid_group_size(qs.group_size))
+    fail(file_of(wname), detail::cat("tensors '", wname, "' ", shape_of(w.dtype(), w.shape()), " and '", sname, "' ",
+                                     shape_of(scales.dtype(), scales.shape()), " give bits=", qs.bits,
+                                     " group_size=", qs.group_size, " for ", in_features,
+                                     " input features (MLX affine: bits 2, 3, 4, 5, 6, 8; group_size 32, 64, 128)"));
+  return qs;
+}
+
+QuantizedWeight Gemma4Checkpoint::load_quantized(const std::string& module, int64_t rows, int64_t in_features,
+                                                 int64_t experts, QuantSetting qs) const {
+  const std::string wname = module + ".weight", sname = module + ".scales", bname = module + ".biases";
   const int bits = qs.bits, gs = qs.group_size;
   const std::string& wfile = file_of(wname);
   if (in_features % gs != 0 || (in_features * bits) % 32 != 0)
@@ -312,14 +430,13 @@ QuantizedWeight Gemma4Checkpoint::load_quantized(const std::string& module, int6
   q.w = tensor(wname);
   if (q.w.dtype() != DType::u32 || q.w.shape() != wshape)
     fail(wfile, detail::cat("tensor '", wname, "': expected ", shape_of(DType::u32, wshape), " (bits=", bits,
-                            " group_size=", gs, " per config.json), got ", shape_of(q.w.dtype(), q.w.shape())));
+                            " group_size=", gs, "), got ", shape_of(q.w.dtype(), q.w.shape())));
   q.scales = tensor(sname);
   q.biases = tensor(bname);
   for (const auto& [name, t] : {std::pair<std::string, Tensor>{sname, q.scales}, {bname, q.biases}})
     if (!is_floating(t.dtype()) || t.shape() != gshape)
       fail(file_of(name), detail::cat("tensor '", name, "': expected a float tensor ", shape_str(gshape), " (bits=",
-                                      bits, " group_size=", gs, " per config.json), got ",
-                                      shape_of(t.dtype(), t.shape())));
+                                      bits, " group_size=", gs, "), got ", shape_of(t.dtype(), t.shape())));
   if (q.scales.dtype() != q.biases.dtype())
     fail(file_of(bname), "tensor '" + bname + "' is " + dtype_name(q.biases.dtype()) + " but '" + sname + "' is " +
                              dtype_name(q.scales.dtype()));
@@ -328,22 +445,27 @@ QuantizedWeight Gemma4Checkpoint::load_quantized(const std::string& module, int6
 
 Linear Gemma4Checkpoint::load_linear(const std::string& module, int64_t out_features, int64_t in_features) const {
   Linear l;
-  if (has(module + ".scales") || has(module + ".biases")) {
-    l.quantized = load_quantized(module, out_features, in_features, 0);
-    return l;
-  }
-  const QuantSetting qs = config_.quant_for(module);
+  const QuantSetting qs = module_quant(module, in_features);
   if (qs.quantized())
-    fail(file_of(module + ".weight"), detail::cat("config.json quantizes '", module, "' (bits=", qs.bits,
-                                                  ") but there is no tensor '", module, ".scales'"));
-  l.dense = load_float(module + ".weight", {out_features, in_features});
+    l.quantized = load_quantized(module, out_features, in_features, 0, qs);
+  else
+    l.dense = load_float(module + ".weight", {out_features, in_features});
   return l;
+}
+
+void Gemma4Checkpoint::load_expert_proj(const std::string& module, int64_t rows, int64_t in_features,
+                                        int64_t experts, QuantizedWeight* q, Tensor* dense) const {
+  const QuantSetting qs = module_quant(module, in_features);
+  if (qs.quantized())
+    *q = load_quantized(module, rows, in_features, experts, qs);
+  else
+    *dense = load_float(module + ".weight", {experts, rows, in_features});
 }
 
 Gemma4FfnWeights Gemma4Checkpoint::layer(int n) const {
   EXPERTQMM_CHECK(n >= 0 && n < num_layers(), kOp, dir_, ": layer ", n, " out of range [0, ", num_layers(), ")");
   const Gemma4Config& c = config_;
-  const int64_t H = c.hidden_size, I = c.intermediate_size, Ie = c.moe_intermediate_size, E = c.num_experts;
+  const int64_t H = c.hidden_size, I = c.mlp_intermediate_size(n), Ie = c.moe_intermediate_size, E = c.num_experts;
   auto name = [&](const std::string& rest) { return layer_name(prefix_, n, rest); };
   Gemma4FfnWeights w;
   w.eps = c.rms_norm_eps;
@@ -382,16 +504,14 @@ Gemma4FfnWeights Gemma4Checkpoint::layer(int n) const {
   SwitchGLUWeights& ex = w.moe.experts;
   ex.activation = Activation::geglu;
   const std::string fused = name("experts.switch_glu.gate_up_proj");
+  // Each projection quantized or 16-bit on its own, as mlx-lm decides per module.
   if (has(fused + ".weight")) {
-    ex.gate_up = load_quantized(fused, 2 * Ie, H, E);
+    load_expert_proj(fused, 2 * Ie, H, E, &ex.gate_up, &ex.gate_up_dense);
   } else {
-    const std::string gate = name("experts.switch_glu.gate_proj");
-    if (!has(gate + ".scales") && has(gate + ".weight"))
-      fail(file_of(gate + ".weight"), "tensor '" + gate + "' is not quantized; expertqmm runs quantized experts only");
-    ex.gate = load_quantized(gate, Ie, H, E);
-    ex.up = load_quantized(name("experts.switch_glu.up_proj"), Ie, H, E);
+    load_expert_proj(name("experts.switch_glu.gate_proj"), Ie, H, E, &ex.gate, &ex.gate_dense);
+    load_expert_proj(name("experts.switch_glu.up_proj"), Ie, H, E, &ex.up, &ex.up_dense);
   }
-  ex.down = load_quantized(name("experts.switch_glu.down_proj"), H, Ie, E);
+  load_expert_proj(name("experts.switch_glu.down_proj"), H, Ie, E, &ex.down, &ex.down_dense);
   return w;
 }
 

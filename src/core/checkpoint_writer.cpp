@@ -93,17 +93,25 @@ Tensor around(int64_t n, double centre, double spread, uint64_t seed) {
   return bf16_tensor(v, {n});
 }
 
+// A module of `experts` (0: none) x [N, K], quantized as the config says (mlx-lm's quantize_model
+// for K inputs), else bf16 N(0, 0.02). Exactly one of *q and *dense is set.
+void random_module(const Gemma4Config& c, const std::string& module, int64_t experts, int64_t N, int64_t K,
+                   uint64_t seed, QuantizedWeight* q, Tensor* dense) {
+  const QuantSetting qs = c.quant_for(module, K);
+  if (qs.quantized()) {
+    *q = random_quantized(experts, N, K, qs, seed);
+    return;
+  }
+  const int64_t n = (experts > 0 ? experts : 1) * N * K;
+  SplitMix64 g{seed};
+  std::vector<float> v(static_cast<size_t>(n));
+  for (float& x : v) x = float(0.02 * g.normal());
+  *dense = bf16_tensor(v, experts > 0 ? Shape{experts, N, K} : Shape{N, K});
+}
+
 Linear random_linear(const Gemma4Config& c, const std::string& module, int64_t N, int64_t K, uint64_t seed) {
   Linear l;
-  const QuantSetting qs = c.quant_for(module);
-  if (qs.quantized()) {
-    l.quantized = random_quantized(0, N, K, qs, seed);
-  } else {
-    SplitMix64 g{seed};
-    std::vector<float> v(static_cast<size_t>(N * K));
-    for (float& x : v) x = float(0.02 * g.normal());
-    l.dense = bf16_tensor(v, {N, K});
-  }
+  random_module(c, module, 0, N, K, seed, &l.quantized, &l.dense);
   return l;
 }
 
@@ -116,20 +124,21 @@ std::vector<std::pair<std::string, Tensor>> flatten(const Gemma4FfnWeights& w, c
     out.push_back({base + module + ".scales", q.scales});
     out.push_back({base + module + ".biases", q.biases});
   };
-  auto linear = [&](const std::string& module, const Linear& l) {
-    if (l.is_quantized())
-      quantized(module, l.quantized);
+  auto module = [&](const std::string& name, const QuantizedWeight& q, const Tensor& dense) {
+    if (q.defined())
+      quantized(name, q);
     else
-      out.push_back({base + module + ".weight", l.dense});
+      out.push_back({base + name + ".weight", dense});
   };
+  auto linear = [&](const std::string& name, const Linear& l) { module(name, l.quantized, l.dense); };
   const SwitchGLUWeights& ex = w.moe.experts;
   if (ex.fused()) {
-    quantized("experts.switch_glu.gate_up_proj", ex.gate_up);
+    module("experts.switch_glu.gate_up_proj", ex.gate_up, ex.gate_up_dense);
   } else {
-    quantized("experts.switch_glu.gate_proj", ex.gate);
-    quantized("experts.switch_glu.up_proj", ex.up);
+    module("experts.switch_glu.gate_proj", ex.gate, ex.gate_dense);
+    module("experts.switch_glu.up_proj", ex.up, ex.up_dense);
   }
-  quantized("experts.switch_glu.down_proj", ex.down);
+  module("experts.switch_glu.down_proj", ex.down, ex.down_dense);
   out.push_back({base + "layer_scalar", w.layer_scalar});
   linear("mlp.down_proj", w.mlp.down);
   linear("mlp.gate_proj", w.mlp.gate);
@@ -218,15 +227,10 @@ Gemma4FfnWeights synthetic_gemma4_layer(const Gemma4Config& c, int layer, uint64
                   kOp, "config has an empty or inconsistent geometry (hidden ", c.hidden_size, ", intermediate ",
                   c.intermediate_size, ", moe_intermediate ", c.moe_intermediate_size, ", experts ", c.num_experts,
                   ", top_k ", c.top_k_experts, ")");
-  const int64_t H = c.hidden_size, I = c.intermediate_size, Ie = c.moe_intermediate_size, E = c.num_experts;
+  const int64_t H = c.hidden_size, I = c.mlp_intermediate_size(layer), Ie = c.moe_intermediate_size, E = c.num_experts;
   const std::string base = prefix + "layers." + std::to_string(layer) + ".";
   int stream = 0;
   auto next_seed = [&] { return stream_seed(seed, layer, stream++); };
-  auto expert_quant = [&](const std::string& module) {
-    const QuantSetting qs = c.quant_for(base + module);
-    EXPERTQMM_CHECK(qs.quantized(), kOp, "experts must be quantized; config leaves '", base + module, "' unquantized");
-    return qs;
-  };
   Gemma4FfnWeights w;
   w.eps = c.rms_norm_eps;
   w.pre_feedforward_layernorm = around(H, 1.0, 0.1, next_seed());
@@ -249,9 +253,9 @@ Gemma4FfnWeights synthetic_gemma4_layer(const Gemma4Config& c, int layer, uint64
   r.per_expert_scale = around(E, 1.0, 0.05, next_seed());
   SwitchGLUWeights& ex = w.moe.experts;
   ex.activation = Activation::geglu;
-  ex.gate = random_quantized(E, Ie, H, expert_quant("experts.switch_glu.gate_proj"), next_seed());
-  ex.up = random_quantized(E, Ie, H, expert_quant("experts.switch_glu.up_proj"), next_seed());
-  ex.down = random_quantized(E, H, Ie, expert_quant("experts.switch_glu.down_proj"), next_seed());
+  random_module(c, base + "experts.switch_glu.gate_proj", E, Ie, H, next_seed(), &ex.gate, &ex.gate_dense);
+  random_module(c, base + "experts.switch_glu.up_proj", E, Ie, H, next_seed(), &ex.up, &ex.up_dense);
+  random_module(c, base + "experts.switch_glu.down_proj", E, H, Ie, next_seed(), &ex.down, &ex.down_dense);
   return w;
 }
 

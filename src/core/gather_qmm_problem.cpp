@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "core/float16.h"
@@ -13,13 +14,13 @@ namespace expertqmm::detail {
 namespace {
 constexpr const char* kOp = "gather_qmm";
 
-Shape broadcast_shapes(const Shape& a, const Shape& b) {
+Shape broadcast_shapes(const char* op, const Shape& a, const Shape& b) {
   size_t n = std::max(a.size(), b.size());
   Shape out(n);
   for (size_t i = 0; i < n; ++i) {
     int64_t da = i < n - a.size() ? 1 : a[i - (n - a.size())];
     int64_t db = i < n - b.size() ? 1 : b[i - (n - b.size())];
-    EXPERTQMM_CHECK(da == db || da == 1 || db == 1, kOp, "index shapes ", shape_str(a), " and ",
+    EXPERTQMM_CHECK(da == db || da == 1 || db == 1, op, "index shapes ", shape_str(a), " and ",
                     shape_str(b), " cannot be broadcast together");
     out[i] = da == 1 ? db : da;
   }
@@ -119,6 +120,75 @@ Tensor cast_floating(const Tensor& t, DType to) {
   return Tensor::from_host(dst.data(), t.shape(), to, t.device());
 }
 
+GatherBatch make_gather_batch(const char* op, const Tensor& x, DType dtype, const Shape& w_batch_shape,
+                              const Tensor& lhs_indices, const Tensor& rhs_indices) {
+  for (const Tensor* idx : {&lhs_indices, &rhs_indices}) {
+    if (!idx->defined()) continue;
+    EXPERTQMM_CHECK(is_integer(idx->dtype()), op, "indices must be int32 or uint32, got ", idx->describe());
+    EXPERTQMM_CHECK(idx->device() == x.device(), op, "indices are on ", device_name(idx->device()),
+                    " but x is on ", device_name(x.device()));
+  }
+  GatherBatch g;
+  const int64_t M = x.size(-2), K = x.size(-1);
+  const Device device = x.device();
+  Shape x_batch_shape(x.shape().begin(), x.shape().end() - 2);
+  g.x_batch = shape_numel(x_batch_shape);
+  g.w_batch = shape_numel(w_batch_shape);
+  const Shape lhs_shape = lhs_indices.defined() ? lhs_indices.shape() : x_batch_shape;
+  const Shape rhs_shape = rhs_indices.defined() ? rhs_indices.shape() : w_batch_shape;
+  g.batch = broadcast_shapes(op, lhs_shape, rhs_shape);
+  g.B = shape_numel(g.batch);
+
+  Tensor xp = cast_floating(x, dtype);
+  // x: each batch matrix must be row-major; batch dims must collapse to one stride.
+  bool batch_uniform = true;
+  int64_t expect = xp.ndim() > 2 ? xp.stride(-3) : M * K;
+  for (int i = xp.ndim() - 3; i >= 0; --i) {
+    if (xp.size(i) == 1) continue;
+    if (xp.stride(i) != expect) batch_uniform = false;
+    expect *= xp.size(i);
+  }
+  if (!xp.rows_contiguous() || !batch_uniform) xp = xp.contiguous();
+  g.x = xp;
+  g.x_batch_stride = xp.ndim() > 2 && g.x_batch > 1 ? xp.stride(-3) : M * K;
+  if (xp.ndim() > 2 && g.x_batch > 1) {
+    // the innermost non-unit batch dim sets the stride
+    for (int i = xp.ndim() - 3; i >= 0; --i)
+      if (xp.size(i) != 1) { g.x_batch_stride = xp.stride(i); break; }
+  }
+
+  // Indices: identity when absent and not broadcast; else a contiguous int32 [B] tensor.
+  auto resolve = [&](const Tensor& given, const Shape& batch_shape, int64_t limit, const char* name,
+                     bool& identity) -> Tensor {
+    identity = false;
+    if (g.B == 0) return Tensor::empty({0}, DType::i32, device);
+    if (!given.defined() && batch_shape == g.batch) {
+      identity = true;
+      return Tensor();
+    }
+    if (given.defined() && given.shape() == g.batch && given.is_contiguous() && device == Device::cuda) {
+      // Device fast path: reinterpret (uint32 ids >= 2^31 read as negative: out of range on device).
+      return Tensor::view(given.data(), {g.B}, DType::i32, device).reshape({g.B});
+    }
+    std::vector<int64_t> vals;
+    Shape src;
+    if (given.defined()) {
+      vals = read_indices(given);
+      src = given.shape();
+    } else {
+      vals.resize(shape_numel(batch_shape));
+      for (size_t i = 0; i < vals.size(); ++i) vals[i] = static_cast<int64_t>(i);
+      src = batch_shape;
+    }
+    for (int64_t v : vals)
+      EXPERTQMM_CHECK(v >= 0 && v < limit, op, name, " index ", v, " is out of range [0, ", limit, ")");
+    return to_index_tensor(broadcast_values(vals, src, g.batch), device);
+  };
+  g.lhs = resolve(lhs_indices, x_batch_shape, g.x_batch, "lhs", g.lhs_is_identity);
+  g.rhs = resolve(rhs_indices, w_batch_shape, g.w_batch, "rhs", g.rhs_is_identity);
+  return g;
+}
+
 GatherQmmProblem make_gather_qmm_problem(const Tensor& x, const Tensor& w, const Tensor& scales,
                                          const Tensor& biases, const Tensor& lhs_indices,
                                          const Tensor& rhs_indices, bool transpose, int group_size,
@@ -129,12 +199,6 @@ GatherQmmProblem make_gather_qmm_problem(const Tensor& x, const Tensor& w, const
   EXPERTQMM_CHECK(x.ndim() >= 2, kOp, "x must have at least 2 dims [..., M, K], got ", x.describe());
   EXPERTQMM_CHECK(x.device() == w.device(), kOp, "x is on ", device_name(x.device()), " but w is on ",
                   device_name(w.device()));
-  for (const Tensor* idx : {&lhs_indices, &rhs_indices}) {
-    if (!idx->defined()) continue;
-    EXPERTQMM_CHECK(is_integer(idx->dtype()), kOp, "indices must be int32 or uint32, got ", idx->describe());
-    EXPERTQMM_CHECK(idx->device() == x.device(), kOp, "indices are on ", device_name(idx->device()),
-                    " but x is on ", device_name(x.device()));
-  }
 
   GatherQmmProblem p;
   p.bits = bits;
@@ -158,66 +222,22 @@ GatherQmmProblem make_gather_qmm_problem(const Tensor& x, const Tensor& w, const
   EXPERTQMM_CHECK((transpose ? p.K : p.N) % group_size == 0, kOp, transpose ? "K=" : "N=",
                   transpose ? p.K : p.N, " is not a multiple of group_size=", group_size);
 
-  Shape x_batch_shape(x.shape().begin(), x.shape().end() - 2);
-  Shape w_batch_shape(w.shape().begin(), w.shape().end() - 2);
-  p.x_batch = shape_numel(x_batch_shape);
-  p.w_batch = shape_numel(w_batch_shape);
-  const Shape lhs_shape = lhs_indices.defined() ? lhs_indices.shape() : x_batch_shape;
-  const Shape rhs_shape = rhs_indices.defined() ? rhs_indices.shape() : w_batch_shape;
-  p.batch = broadcast_shapes(lhs_shape, rhs_shape);
-  p.B = shape_numel(p.batch);
-
   p.dtype = promote_floating(x.dtype(), scales.dtype());
-  Tensor xp = cast_floating(x, p.dtype);
-  // x: each batch matrix must be row-major; batch dims must collapse to one stride.
-  bool batch_uniform = true;
-  int64_t expect = xp.ndim() > 2 ? xp.stride(-3) : p.M * p.K;
-  for (int i = xp.ndim() - 3; i >= 0; --i) {
-    if (xp.size(i) == 1) continue;
-    if (xp.stride(i) != expect) batch_uniform = false;
-    expect *= xp.size(i);
-  }
-  if (!xp.rows_contiguous() || !batch_uniform) xp = xp.contiguous();
-  p.x = xp;
-  p.x_batch_stride = xp.ndim() > 2 && p.x_batch > 1 ? xp.stride(-3) : p.M * p.K;
-  if (xp.ndim() > 2 && p.x_batch > 1) {
-    // the innermost non-unit batch dim sets the stride
-    for (int i = xp.ndim() - 3; i >= 0; --i)
-      if (xp.size(i) != 1) { p.x_batch_stride = xp.stride(i); break; }
-  }
+  GatherBatch g = make_gather_batch(kOp, x, p.dtype, Shape(w.shape().begin(), w.shape().end() - 2), lhs_indices,
+                                    rhs_indices);
+  p.batch = std::move(g.batch);
+  p.B = g.B;
+  p.x_batch = g.x_batch;
+  p.w_batch = g.w_batch;
+  p.x = std::move(g.x);
+  p.x_batch_stride = g.x_batch_stride;
+  p.lhs = std::move(g.lhs);
+  p.rhs = std::move(g.rhs);
+  p.lhs_is_identity = g.lhs_is_identity;
+  p.rhs_is_identity = g.rhs_is_identity;
   p.w = w.contiguous();
   p.scales = cast_floating(scales, p.dtype).contiguous();
   p.biases = cast_floating(biases, p.dtype).contiguous();
-
-  // Indices: identity when absent and not broadcast; else a contiguous int32 [B] tensor.
-  auto resolve = [&](const Tensor& given, const Shape& batch_shape, int64_t limit, const char* name,
-                     bool& identity) -> Tensor {
-    identity = false;
-    if (p.B == 0) return Tensor::empty({0}, DType::i32, p.device);
-    if (!given.defined() && batch_shape == p.batch) {
-      identity = true;
-      return Tensor();
-    }
-    if (given.defined() && given.shape() == p.batch && given.is_contiguous() && p.device == Device::cuda) {
-      // Device fast path: reinterpret (uint32 ids >= 2^31 read as negative: out of range on device).
-      return Tensor::view(given.data(), {p.B}, DType::i32, p.device).reshape({p.B});
-    }
-    std::vector<int64_t> vals;
-    Shape src;
-    if (given.defined()) {
-      vals = read_indices(given);
-      src = given.shape();
-    } else {
-      vals.resize(shape_numel(batch_shape));
-      for (size_t i = 0; i < vals.size(); ++i) vals[i] = static_cast<int64_t>(i);
-      src = batch_shape;
-    }
-    for (int64_t v : vals)
-      EXPERTQMM_CHECK(v >= 0 && v < limit, kOp, name, " index ", v, " is out of range [0, ", limit, ")");
-    return to_index_tensor(broadcast_values(vals, src, p.batch), p.device);
-  };
-  p.lhs = resolve(lhs_indices, x_batch_shape, p.x_batch, "lhs", p.lhs_is_identity);
-  p.rhs = resolve(rhs_indices, w_batch_shape, p.w_batch, "rhs", p.rhs_is_identity);
   return p;
 }
 

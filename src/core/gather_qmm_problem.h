@@ -42,6 +42,22 @@ struct GatherQmmProblem {
   std::string describe() const;  // every field, for "no route" errors
 };
 
+// The batch side of a gathered matmul, shared by gather_qmm and gather_mm (spec 2.1): the index
+// arrays (absent: arange over the batch) broadcast to S, and x in `dtype` with its [M, K] matrices
+// x_batch_stride elements apart. Fields mean what GatherQmmProblem's fields of the same names mean.
+struct GatherBatch {
+  Shape batch;
+  int64_t B = 0, x_batch = 0, w_batch = 0;
+  Tensor x;
+  int64_t x_batch_stride = 0;
+  Tensor lhs, rhs;
+  bool lhs_is_identity = false, rhs_is_identity = false;
+};
+// Checks the indices (integer, on x's device, in range where they can be read without a device
+// sync) and builds the batch; errors name `op`. x must be a float tensor of rank >= 2 on its device.
+GatherBatch make_gather_batch(const char* op, const Tensor& x, DType dtype, const Shape& w_batch_shape,
+                              const Tensor& lhs_indices, const Tensor& rhs_indices);
+
 // Validates every argument (throws Error naming "gather_qmm" and the values) and builds the problem.
 GatherQmmProblem make_gather_qmm_problem(const Tensor& x, const Tensor& w, const Tensor& scales,
                                          const Tensor& biases, const Tensor& lhs_indices,

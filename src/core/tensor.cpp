@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <sstream>
+#include <utility>
 
 #include "core/device_memory.h"
 #include "expertqmm/error.h"
@@ -171,6 +172,16 @@ Tensor Tensor::reshape(const Shape& shape) const {
   Tensor t = *this;
   t.shape_ = shape;
   t.strides_ = contiguous_strides(shape);
+  return t;
+}
+
+Tensor Tensor::swapaxes(int a, int b) const {
+  const int da = a < 0 ? a + ndim() : a, db = b < 0 ? b + ndim() : b;
+  EXPERTQMM_CHECK(da >= 0 && da < ndim() && db >= 0 && db < ndim(), "Tensor::swapaxes", "dims ", a, " and ", b,
+                  " out of range for ", describe());
+  Tensor t = *this;
+  std::swap(t.shape_[da], t.shape_[db]);
+  std::swap(t.strides_[da], t.strides_[db]);
   return t;
 }
 

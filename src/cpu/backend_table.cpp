@@ -10,6 +10,7 @@ const BackendOps& cpu_backend_ops() {
     t.quantize = cpu::quantize;
     t.dequantize = cpu::dequantize;
     t.gather_qmm = cpu::gather_qmm;
+    t.gather_mm = cpu::gather_mm;
     t.gather_sort = cpu::gather_sort;
     t.scatter_unsort = cpu::scatter_unsort;
     t.glu_product = cpu::glu_product;

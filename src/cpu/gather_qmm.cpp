@@ -10,6 +10,7 @@
 #include "core/gather_qmm_problem.h"
 #include "cpu/cpu_backend.h"
 #include "cpu/elements.h"
+#include "cpu/gathered_matmul.h"
 
 namespace expertqmm::cpu {
 
@@ -57,41 +58,12 @@ void dequantize_matrix(const detail::GatherQmmProblem& p, const uint32_t* w, con
 }  // namespace
 
 Tensor gather_qmm(const detail::GatherQmmProblem& p) {
-  Shape out_shape = p.batch;
-  out_shape.push_back(p.M);
-  out_shape.push_back(p.N);
-
   const std::vector<float> scales = to_f32(p.scales);
   const std::vector<float> biases = to_f32(p.biases);
   const uint32_t* w = p.w.data_as<const uint32_t>();
-  const int32_t* lhs = p.lhs_is_identity ? nullptr : p.lhs.data_as<const int32_t>();
-  const int32_t* rhs = p.rhs_is_identity ? nullptr : p.rhs.data_as<const int32_t>();
-
-  // A contiguous fp32 copy of x: matrix j of the flattened batch starts at j * M * K.
-  const std::vector<float> x32 = to_f32(p.x);
-  std::vector<float> out(static_cast<size_t>(p.B * p.M * p.N), 0.f);
-  std::vector<float> w_nk;
-  int64_t cached_expert = -1;  // consecutive slots on the same expert (sorted rows) reuse w_nk
-  for (int64_t b = 0; b < p.B; ++b) {
-    const int64_t x_index = lhs ? lhs[b] : b;
-    const int64_t expert = rhs ? rhs[b] : b;
-    if (expert != cached_expert) {
-      dequantize_matrix(p, w, scales.data(), biases.data(), expert, w_nk);
-      cached_expert = expert;
-    }
-    const float* xb = x32.data() + x_index * p.M * p.K;
-    float* ob = out.data() + b * p.M * p.N;
-    for (int64_t m = 0; m < p.M; ++m)
-      for (int64_t n = 0; n < p.N; ++n) {
-        const float* xr = xb + m * p.K;
-        const float* wr = w_nk.data() + n * p.K;
-        float acc = 0.f;
-        for (int64_t k = 0; k < p.K; ++k) acc += xr[k] * wr[k];
-        ob[m * p.N + n] = acc;
-      }
-  }
-  Tensor out32 = Tensor::from_host(out.data(), out_shape, DType::f32, Device::cpu);
-  return detail::cast_floating(out32, p.dtype);
+  return gathered_matmul(p, [&](int64_t e, std::vector<float>& w_nk) {
+    dequantize_matrix(p, w, scales.data(), biases.data(), e, w_nk);
+  });
 }
 
 }  // namespace expertqmm::cpu

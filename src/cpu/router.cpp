@@ -1,14 +1,18 @@
 // CPU reference of the Gemma 4 router (spec gemma4-moe.md 5, mlx-semantics.md 4.2):
 //   r      = h * rsqrt(mean(h^2) + eps) * (scale * H^-0.5)     fp32, rounded once to h's dtype
 //   logits = r @ proj^T                                        in the matmul output dtype
-//   idx    = the top_k experts by descending logit             ties -> lower expert id first
+//   idx    = the top_k experts by descending logit             ties -> higher expert id first
 //   w      = softmax(logits[idx]) * per_expert_scale[idx]      fp32, rounded once to h's dtype
-// Choices where MLX leaves the result unspecified or rounds differently:
-//  - Order of the k slots: best first. mx.argpartition returns the k best in no promised order,
-//    so callers compare routings as sets per token.
-//  - Ties: the lower expert id wins. Deterministic, and it is what a stable descending sort gives.
+// Which experts, as MLX picks them (mlx-lm's argpartition on MLX's CPU backend orders (logit, id)
+// ascending with nth_element and NaN last; Metal's stable merge sort gives the same order; the
+// last k are taken), verified against MLX in docs/numerics.md:
+//  - Ties (equal logits, +0 == -0): the higher expert id wins.
 //  - NaN logits rank above every number, so a NaN in h reaches the weights instead of being
-//    silently routed around (and the comparator stays a strict weak order, never UB).
+//    silently routed around. Between several NaNs MLX's pick is unspecified (nth_element treats
+//    them as equal); here the higher id wins, as for any tie.
+// Choices where MLX leaves the result unspecified or rounds differently:
+//  - Order of the k slots: best first (ties: higher id first). mx.argpartition returns the k best
+//    in no promised order, so callers compare routings as sets per token.
 //  - The rms weight and the softmax stay in fp32 (MLX rounds the weight to scale's dtype and
 //    accumulates the bf16 softmax in bf16); the logits are rounded to the activation dtype as
 //    MLX's proj does, so the top-k sees the same values MLX sees up to matmul summation order.
@@ -26,13 +30,12 @@ namespace expertqmm::cpu {
 
 namespace {
 
-
-// True when expert a ranks before expert b: NaN first, then larger logit, then lower id.
+// True when expert a ranks before expert b: NaN first, then larger logit, then higher id.
 bool ranks_before(float la, int32_t a, float lb, int32_t b) {
   const bool na = std::isnan(la), nb = std::isnan(lb);
   if (na != nb) return na;
   if (!na && la != lb) return la > lb;
-  return a < b;
+  return a > b;
 }
 
 // r = rms_norm(h) * scale * H^-0.5, rounded to h's dtype: the router projection's input.

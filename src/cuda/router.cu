@@ -2,7 +2,7 @@
 // reference (src/cpu/router.cpp):
 //   r      = h * rsqrt(mean(h^2) + eps) * (scale * H^-0.5)     fp32, rounded once to h's dtype
 //   logits = r @ proj^T                                        rounded to promote(r, proj) dtype
-//   idx    = top_k experts by descending logit                 NaN first, ties -> lower expert id
+//   idx    = top_k experts by descending logit                 NaN first, ties -> higher expert id (MLX)
 //   w      = softmax(logits[idx]) * per_expert_scale[idx]      fp32, rounded once to h's dtype
 // Differences from the CPU are summation order only (the mean of squares is a tree sum here, the
 // logits come from a tiled GEMM), so indices agree except where two logits are within rounding of

@@ -72,6 +72,8 @@ void check_ffn(const Tensor& h, const Gemma4FfnWeights& w) {
   check_linear("mlp.gate_proj", w.mlp.gate, I, H, h);
   check_linear("mlp.up_proj", w.mlp.up, I, H, h);
   check_linear("mlp.down_proj", w.mlp.down, H, I, h);
+  // Before any kernel runs: the CUDA path would otherwise fail half way, at the experts.
+  detail::reject_16bit_experts_on_cuda(kOp, w.moe.experts, dev);
   // The router and experts, as moe_layer checks them (the CUDA block runs the layer without the front).
   const DType moe_out = detail::check_moe_weights(kOp, h, w.moe);
   if (dev == Device::cuda)
@@ -120,6 +122,10 @@ Gemma4FfnWeights Gemma4FfnWeights::to(Device device) const {
   ex.up = quantized_to(moe.experts.up, device);
   ex.gate_up = quantized_to(moe.experts.gate_up, device);
   ex.down = quantized_to(moe.experts.down, device);
+  ex.gate_dense = tensor_to(moe.experts.gate_dense, device);
+  ex.up_dense = tensor_to(moe.experts.up_dense, device);
+  ex.gate_up_dense = tensor_to(moe.experts.gate_up_dense, device);
+  ex.down_dense = tensor_to(moe.experts.down_dense, device);
   return r;
 }
 
@@ -131,7 +137,8 @@ size_t Gemma4FfnWeights::nbytes() const {
          bytes_of(post_feedforward_layernorm) + bytes_of(layer_scalar) + bytes_of(mlp.gate) + bytes_of(mlp.up) +
          bytes_of(mlp.down) + bytes_of(ro.proj) + bytes_of(ro.proj_dense) + bytes_of(ro.scale) +
          bytes_of(ro.per_expert_scale) + bytes_of(ex.gate) + bytes_of(ex.up) + bytes_of(ex.gate_up) +
-         bytes_of(ex.down);
+         bytes_of(ex.down) + bytes_of(ex.gate_dense) + bytes_of(ex.up_dense) + bytes_of(ex.gate_up_dense) +
+         bytes_of(ex.down_dense);
 }
 
 Tensor gemma4_ffn(const Tensor& h, const Gemma4FfnWeights& w) {

@@ -39,6 +39,36 @@ int64_t check_quantized(const char* op, const char* name, const QuantizedWeight&
   return q.w.size(-1) * 32 / q.bits;
 }
 
+// One expert projection, quantized [E, N, K*bits/32] or 16-bit [E, N, K] (exactly one given), on
+// `device`, applied to inputs of dtype `in`.
+struct ProjDims {
+  int64_t E = 0, N = 0, K = 0;
+  DType out_dtype = DType::bf16;  // promote(in, scales) or promote(in, w)
+};
+ProjDims check_projection(const char* op, const char* name, const QuantizedWeight& q, const Tensor& dense, DType in,
+                          Device device) {
+  EXPERTQMM_CHECK(q.defined() || dense.defined(), op, name, " is undefined (neither quantized nor 16-bit ", name,
+                  "_dense given)");
+  EXPERTQMM_CHECK(!(q.defined() && dense.defined()), op, name, ": give the quantized or the 16-bit ", name,
+                  "_dense weight, not both");
+  ProjDims p;
+  if (q.defined()) {
+    p.K = check_quantized(op, name, q, 3, device);
+    p.E = q.w.size(0);
+    p.N = q.w.size(1);
+    p.out_dtype = promote_floating(in, q.scales.dtype());
+    return p;
+  }
+  check_floating(op, name, dense);
+  EXPERTQMM_CHECK(dense.ndim() == 3, op, name, " (16-bit) must be [E, N, K], got ", dense.describe());
+  check_on_device(op, name, dense, device);
+  p.E = dense.size(0);
+  p.N = dense.size(1);
+  p.K = dense.size(2);
+  p.out_dtype = promote_floating(in, dense.dtype());
+  return p;
+}
+
 // Dimensions of a SwitchGLU call, after its weights have been checked against each other.
 struct ExpertDims {
   int64_t T = 0, D = 0, I = 0, E = 0;
@@ -46,7 +76,8 @@ struct ExpertDims {
   DType out_dtype = DType::bf16;     // down output
 };
 
-// x [T, D]; gate/up [E, I, D] (or gate_up [E, 2I, D]); down [E, D, I]; one device.
+// x [T, D]; gate/up [E, I, D] (or gate_up [E, 2I, D]); down [E, D, I]; one device. Each projection
+// quantized or 16-bit.
 ExpertDims check_experts(const char* op, const Tensor& x, const SwitchGLUWeights& w) {
   check_floating(op, "x", x);
   EXPERTQMM_CHECK(x.ndim() == 2, op, "x must be [T, D], got ", x.describe());
@@ -55,40 +86,35 @@ ExpertDims check_experts(const char* op, const Tensor& x, const SwitchGLUWeights
   ExpertDims d;
   d.T = x.size(0);
   d.D = x.size(1);
-  const Device dev = x.device();
-  DType gate_up_scales_dtype;
   if (w.fused()) {
-    const int64_t K = check_quantized(op, "gate_up", w.gate_up, 3, dev);
-    const int64_t rows = w.gate_up.w.size(1);
-    EXPERTQMM_CHECK(rows % 2 == 0, op, "fused gate_up must have an even number of rows (gate then up), got ",
-                    shape_str(w.gate_up.w.shape()));
-    EXPERTQMM_CHECK(K == d.D, op, "gate_up rows hold K=", K, " values but x ", shape_str(x.shape()),
+    const ProjDims gu = check_projection(op, "gate_up", w.gate_up, w.gate_up_dense, x.dtype(), x.device());
+    EXPERTQMM_CHECK(gu.N % 2 == 0, op, "fused gate_up must have an even number of rows (gate then up), got ",
+                    gu.N);
+    EXPERTQMM_CHECK(gu.K == d.D, op, "gate_up rows hold K=", gu.K, " values but x ", shape_str(x.shape()),
                     " has D=", d.D);
-    d.E = w.gate_up.w.size(0);
-    d.I = rows / 2;
-    gate_up_scales_dtype = w.gate_up.scales.dtype();
+    d.E = gu.E;
+    d.I = gu.N / 2;
+    d.hidden_dtype = gu.out_dtype;
   } else {
-    const int64_t Kg = check_quantized(op, "gate", w.gate, 3, dev);
-    const int64_t Ku = check_quantized(op, "up", w.up, 3, dev);
-    EXPERTQMM_CHECK(w.gate.w.size(0) == w.up.w.size(0) && w.gate.w.size(1) == w.up.w.size(1), op,
-                    "gate ", shape_str(w.gate.w.shape()), " and up ", shape_str(w.up.w.shape()),
-                    " disagree on E or I");
-    EXPERTQMM_CHECK(Kg == d.D && Ku == d.D, op, "gate and up rows hold K=", Kg, " and ", Ku,
+    const ProjDims g = check_projection(op, "gate", w.gate, w.gate_dense, x.dtype(), x.device());
+    const ProjDims u = check_projection(op, "up", w.up, w.up_dense, x.dtype(), x.device());
+    EXPERTQMM_CHECK(g.E == u.E && g.N == u.N, op, "gate [E=", g.E, ", I=", g.N, "] and up [E=", u.E, ", I=", u.N,
+                    "] disagree on E or I");
+    EXPERTQMM_CHECK(g.K == d.D && u.K == d.D, op, "gate and up rows hold K=", g.K, " and ", u.K,
                     " values but x ", shape_str(x.shape()), " has D=", d.D);
-    EXPERTQMM_CHECK(w.gate.scales.dtype() == w.up.scales.dtype(), op, "gate scales are ",
-                    dtype_name(w.gate.scales.dtype()), " but up scales are ", dtype_name(w.up.scales.dtype()));
-    d.E = w.gate.w.size(0);
-    d.I = w.gate.w.size(1);
-    gate_up_scales_dtype = w.gate.scales.dtype();
+    // The GLU product takes two tensors of one dtype (what gate and up produce from x).
+    EXPERTQMM_CHECK(g.out_dtype == u.out_dtype, op, "gate produces ", dtype_name(g.out_dtype), " but up produces ",
+                    dtype_name(u.out_dtype), " (their scales or 16-bit weights must widen x alike)");
+    d.E = g.E;
+    d.I = g.N;
+    d.hidden_dtype = g.out_dtype;
   }
-  const int64_t Kd = check_quantized(op, "down", w.down, 3, dev);
-  EXPERTQMM_CHECK(w.down.w.size(0) == d.E, op, "down has E=", w.down.w.size(0), " experts but gate/up have E=",
-                  d.E);
-  EXPERTQMM_CHECK(w.down.w.size(1) == d.D, op, "down ", shape_str(w.down.w.shape()), " produces N=",
-                  w.down.w.size(1), " but x has D=", d.D);
-  EXPERTQMM_CHECK(Kd == d.I, op, "down rows hold K=", Kd, " values but gate/up have I=", d.I);
-  d.hidden_dtype = promote_floating(x.dtype(), gate_up_scales_dtype);
-  d.out_dtype = promote_floating(d.hidden_dtype, w.down.scales.dtype());
+  const ProjDims dn = check_projection(op, "down", w.down, w.down_dense, d.hidden_dtype, x.device());
+  EXPERTQMM_CHECK(dn.E == d.E, op, "down has E=", dn.E, " experts but gate/up have E=", d.E);
+  EXPERTQMM_CHECK(dn.N == d.D, op, "down [", dn.E, ", ", dn.N, ", ", dn.K, "] produces N=", dn.N, " but x has D=",
+                  d.D);
+  EXPERTQMM_CHECK(dn.K == d.I, op, "down rows hold K=", dn.K, " values but gate/up have I=", d.I);
+  d.out_dtype = dn.out_dtype;
   return d;
 }
 
@@ -165,6 +191,13 @@ std::pair<Tensor, Tensor> split_last_axis(const Tensor& t) {
           Tensor::view(base + up_offset, half, t.dtype(), t.device(), strides)};
 }
 
+// mlx-lm SwitchLinear.__call__ without bias: gather_qmm for a quantized weight, else
+// gather_mm(x, weight.swapaxes(-1, -2)) for a 16-bit one.
+Tensor switch_linear(const Tensor& x, const QuantizedWeight& q, const Tensor& dense, const Tensor& ids, bool sorted) {
+  if (q.defined()) return gather_qmm(x, q, Tensor(), ids, true, sorted);
+  return gather_mm(x, dense.swapaxes(-1, -2), Tensor(), ids, sorted);
+}
+
 // mlx-lm SwitchGLU.__call__ built from the public ops (spec 3.1):
 //   sort when T*k >= 64 -> up, then gate (or the fused gate_up, split) -> act(gate) * up -> down
 //   -> unsort. Returns [T, k, D].
@@ -184,15 +217,15 @@ Tensor switch_glu_composed(const Tensor& x, const Tensor& indices, const SwitchG
   }
   Tensor gate, up, gate_up;
   if (w.fused()) {
-    gate_up = gather_qmm(rows_x, w.gate_up, Tensor(), ids, true, do_sort);  // [..., 1, 2I]
+    gate_up = switch_linear(rows_x, w.gate_up, w.gate_up_dense, ids, do_sort);  // [..., 1, 2I]
     std::tie(gate, up) = split_last_axis(gate_up);
   } else {
-    up = gather_qmm(rows_x, w.up, Tensor(), ids, true, do_sort);  // mlx-lm computes up first
-    gate = gather_qmm(rows_x, w.gate, Tensor(), ids, true, do_sort);
+    up = switch_linear(rows_x, w.up, w.up_dense, ids, do_sort);  // mlx-lm computes up first
+    gate = switch_linear(rows_x, w.gate, w.gate_dense, ids, do_sort);
   }
-  const Tensor hidden = glu_product(w.activation, gate, up);                // [..., 1, I]
-  Tensor y = gather_qmm(hidden, w.down, Tensor(), ids, true, do_sort);      // [..., 1, D]
-  if (do_sort) y = scatter_unsort(y, inv_order, {d.T, k});                  // [T, k, 1, D]
+  const Tensor hidden = glu_product(w.activation, gate, up);              // [..., 1, I]
+  Tensor y = switch_linear(hidden, w.down, w.down_dense, ids, do_sort);    // [..., 1, D]
+  if (do_sort) y = scatter_unsort(y, inv_order, {d.T, k});                // [T, k, 1, D]
   return y.reshape({d.T, k, d.D});
 }
 
@@ -215,6 +248,7 @@ ExpertDims check_moe(const char* op, const Tensor& h, const Tensor& x, const Moe
                   " must have the same shape");
   check_on_device(op, "x", x, h.device());
   EXPERTQMM_CHECK(rd.E == ed.E, op, "the router scores E=", rd.E, " experts but the experts have E=", ed.E);
+  detail::reject_16bit_experts_on_cuda(op, w.experts, h.device());
   return ed;
 }
 
@@ -250,6 +284,7 @@ Tensor switch_glu(const Tensor& x, const Tensor& indices, const SwitchGLUWeights
   const char* op = "switch_glu";
   const ExpertDims d = check_experts(op, x, weights);
   const int64_t k = check_expert_indices(op, indices, d.T, d.E, x.device());
+  detail::reject_16bit_experts_on_cuda(op, weights, x.device());
   if (d.T * k == 0) return Tensor::empty({d.T, k, d.D}, d.out_dtype, x.device());
   const detail::BackendOps& be = backend_ops(op, x.device());
   if (be.switch_glu) return be.switch_glu(x.contiguous(), indices.contiguous(), weights);

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <vector>
 
+#include "core/gather_mm_problem.h"
 #include "core/gather_qmm_problem.h"
 #include "ops/op_checks.h"
 #include "expertqmm/error.h"
@@ -60,6 +61,19 @@ Tensor gather_qmm(const Tensor& x, const Tensor& w, const Tensor& scales, const 
   if (p.M == 0 || p.N == 0 || p.B == 0) return Tensor::empty(out_shape, p.dtype, p.device);
   if (p.K == 0) return zeros(out_shape, p.dtype, p.device);  // empty dot products
   return backend_ops("gather_qmm", p.device).gather_qmm(p);
+}
+
+Tensor gather_mm(const Tensor& a, const Tensor& b, const Tensor& lhs_indices, const Tensor& rhs_indices,
+                 bool sorted_indices) {
+  const detail::GatherMmProblem p = detail::make_gather_mm_problem(a, b, lhs_indices, rhs_indices, sorted_indices);
+  Shape out_shape = p.batch;
+  out_shape.push_back(p.M);
+  out_shape.push_back(p.N);
+  const detail::BackendOps& be = backend_ops("gather_mm", p.device);
+  if (!be.gather_mm) detail::no_cuda_16bit_experts("gather_mm", "b", b);
+  if (p.M == 0 || p.N == 0 || p.B == 0) return Tensor::empty(out_shape, p.dtype, p.device);
+  if (p.K == 0) return zeros(out_shape, p.dtype, p.device);  // empty dot products
+  return be.gather_mm(p);
 }
 
 SortedRows gather_sort(const Tensor& x, const Tensor& indices) {

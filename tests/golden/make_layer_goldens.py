@@ -70,6 +70,18 @@ def predicate(path, module):
     return True
 
 
+def randomize(text_model):
+    """Random norms, router scales and layer scalars, so that every parameter matters to the output."""
+    for layer in text_model.layers:
+        for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm", "post_feedforward_layernorm_1",
+                     "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2"):
+            norm = getattr(layer, name)
+            norm.weight = 1.0 + 0.2 * mx.random.normal(norm.weight.shape)
+        layer.router.scale = 1.0 + 0.1 * mx.random.normal(layer.router.scale.shape)
+        layer.router.per_expert_scale = 1.0 + 0.2 * mx.random.normal(layer.router.per_expert_scale.shape)
+        layer.layer_scalar = 0.5 + mx.random.uniform(shape=(1,))
+
+
 def ffn(layer, h):
     """DecoderLayer.__call__ from `residual = h` (the MoE branch), attention excluded."""
     residual = h
@@ -92,6 +104,8 @@ def router_logits(layer, h):
 
 
 def well_separated(logits, k):
+    if k >= logits.shape[-1]:  # every expert is picked: nothing to separate
+        return mx.ones(logits.shape[:-1], dtype=mx.bool_)
     s = mx.sort(logits.astype(mx.float32), axis=-1)
     gap = s[:, -k] - s[:, -k - 1]
     big = mx.max(mx.abs(logits.astype(mx.float32)), axis=-1)
@@ -103,15 +117,7 @@ def main(out_dir):
     mx.random.seed(SEED)
     args = gemma4_text.ModelArgs.from_dict(CONFIG)
     model = gemma4_text.Model(args)
-    # Random norms, scales and layer scalars, so that every parameter matters to the output.
-    for layer in model.model.layers:
-        for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm", "post_feedforward_layernorm_1",
-                     "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2"):
-            norm = getattr(layer, name)
-            norm.weight = 1.0 + 0.2 * mx.random.normal(norm.weight.shape)
-        layer.router.scale = 1.0 + 0.1 * mx.random.normal(layer.router.scale.shape)
-        layer.router.per_expert_scale = 1.0 + 0.2 * mx.random.normal(layer.router.per_expert_scale.shape)
-        layer.layer_scalar = 0.5 + mx.random.uniform(shape=(1,))
+    randomize(model.model)
     model.set_dtype(mx.bfloat16)
     model, config = quantize_model(model, dict(CONFIG), group_size=32, bits=4, quant_predicate=predicate)
     mx.eval(model.parameters())

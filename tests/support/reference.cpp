@@ -38,6 +38,11 @@ std::vector<double> reference_gather_qmm(const std::vector<float>& x, int64_t M,
 }
 
 namespace {
+// One expert projection as float [E, N, K]: the quantized weight dequantized, or the 16-bit one widened.
+std::vector<float> projection_f32(const QuantizedWeight& q, const Tensor& dense) {
+  return q.defined() ? dequantize_f32(q) : to_float(dense);
+}
+
 double act(Activation a, double g) {
   if (a == Activation::swiglu) return g / (1.0 + std::exp(-g));
   const double c = std::sqrt(2.0 / M_PI);
@@ -52,9 +57,10 @@ std::vector<double> reference_switch_glu_combine(const std::vector<float>& x, in
   std::vector<float> gate, up;
   int64_t I;
   if (ex.fused()) {
-    std::vector<float> gu = dequantize_f32(ex.gate_up);  // [E, 2I, D]
-    I = ex.gate_up.w.size(-2) / 2;
-    const int64_t E = ex.gate_up.w.size(0);
+    std::vector<float> gu = projection_f32(ex.gate_up, ex.gate_up_dense);  // [E, 2I, D]
+    const Tensor& gu_w = ex.gate_up.defined() ? ex.gate_up.w : ex.gate_up_dense;
+    I = gu_w.size(-2) / 2;
+    const int64_t E = gu_w.size(0);
     gate.resize(E * I * D);
     up.resize(E * I * D);
     for (int64_t e = 0; e < E; ++e)
@@ -63,11 +69,11 @@ std::vector<double> reference_switch_glu_combine(const std::vector<float>& x, in
         up[e * I * D + r] = gu[e * 2 * I * D + I * D + r];
       }
   } else {
-    gate = dequantize_f32(ex.gate);
-    up = dequantize_f32(ex.up);
-    I = ex.gate.w.size(-2);
+    gate = projection_f32(ex.gate, ex.gate_dense);
+    up = projection_f32(ex.up, ex.up_dense);
+    I = (ex.gate.defined() ? ex.gate.w : ex.gate_dense).size(-2);
   }
-  std::vector<float> down = dequantize_f32(ex.down);  // [E, D, I]
+  std::vector<float> down = projection_f32(ex.down, ex.down_dense);  // [E, D, I]
   std::vector<double> out(T * D, 0.0), h(I);
   for (int64_t t = 0; t < T; ++t)
     for (int64_t j = 0; j < k; ++j) {

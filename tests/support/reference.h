@@ -17,7 +17,7 @@ std::vector<double> reference_gather_qmm(const std::vector<float>& x, int64_t M,
                                          const std::vector<int32_t>& rhs, bool transpose);
 
 // Whole expert path in float64 from the given routing: out[t] = sum_j w[t,j] * down(act(gate x, up x)).
-// Activations are applied in float64 (no intermediate rounding).
+// Activations are applied in float64 (no intermediate rounding). Projections quantized or 16-bit.
 std::vector<double> reference_switch_glu_combine(const std::vector<float>& x, int64_t T, int64_t D,
                                                  const std::vector<int32_t>& indices,
                                                  const std::vector<float>& weights, int64_t k,

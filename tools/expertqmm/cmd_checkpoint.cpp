@@ -15,9 +15,11 @@ namespace {
 void print_usage() {
   std::printf(
       "usage: expertqmm write-checkpoint --out DIR [--preset gemma4-26b-a4b|tiny] [--layers 30] [--seed 1]\n"
-      "                                  [--shards N] [--prefix model.]\n"
+      "                                  [--shards N] [--prefix model.] [--group-size 64]\n"
       "Writes config.json and model.safetensors (or N shards and model.safetensors.index.json) with\n"
       "synthetic weights: experts 4-bit g64, dense MLP and router.proj 8-bit g64 (as the QAT checkpoint).\n"
+      "--group-size 32|64|128 sets the default (the experts'); as mlx-lm's quantize_model, a module whose\n"
+      "input width is not a multiple of it stays bf16 (at 128: the experts' down_proj, 704 inputs).\n"
       "gemma4-26b-a4b: H=2816, I=2112, 128 experts x 704, top-8 (~0.45 GB a layer); tiny: H=128, I=192,\n"
       "8 experts x 64, top-2. Default shards: one per 5 GB, as mlx-lm.\n");
 }
@@ -27,7 +29,7 @@ void print_usage() {
 int run_write_checkpoint(int argc, char** argv) {
   Args args(argc, argv);
   if (args.has("help")) return print_usage(), 0;
-  args.check_known({"out", "preset", "layers", "seed", "shards", "prefix"});
+  args.check_known({"out", "preset", "layers", "seed", "shards", "prefix", "group-size"});
   const std::string out = args.get("out");
   EXPERTQMM_CHECK(!out.empty(), "write-checkpoint", "--out DIR is required");
   const std::string preset = args.get("preset", "gemma4-26b-a4b");
@@ -38,7 +40,11 @@ int run_write_checkpoint(int argc, char** argv) {
   const std::string prefix = args.get("prefix", "model.");
   EXPERTQMM_CHECK(prefix == "model." || prefix == "language_model.model.", "write-checkpoint",
                   "--prefix expects model. or language_model.model., got '", prefix, "'");
+  const long group_size = args.get_int("group-size", 64);
+  EXPERTQMM_CHECK(valid_group_size(int(group_size)), "write-checkpoint", "--group-size expects 32, 64 or 128, got ",
+                  group_size);
   Gemma4Config c = Gemma4Config::gemma4_26b_a4b(layers, prefix);
+  c.default_quant.group_size = int(group_size);
   if (preset == "tiny") {
     c.hidden_size = 128;
     c.intermediate_size = 192;

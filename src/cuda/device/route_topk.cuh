@@ -1,7 +1,8 @@
 // The router's top-k + softmax of one token on one warp (spec gemma4-moe.md 5): shared by
 // router.cu (route_into) and moe_decode.cu (the decode layer's router), so both pick the same
 // experts in the same slot order with the same tie rules:
-//   idx = top_k experts by descending logit, NaN first, ties -> lower expert id
+//   idx = top_k experts by descending logit, NaN first, ties -> higher expert id (MLX's rule,
+//         src/cpu/router.cpp and docs/numerics.md; +0 and -0 tie)
 //   w   = softmax(logits[idx]) * per_expert_scale[idx]   fp32 (sum in slot order)
 #pragma once
 #include <cstdint>
@@ -9,23 +10,25 @@
 namespace expertqmm::cuda::device {
 
 // A 64-bit key whose unsigned order is the routing order: NaN above every number, then larger
-// logit, then lower expert id. High word: the float made order-preserving as an unsigned integer.
+// logit, then higher expert id. High word: the float made order-preserving as an unsigned integer
+// (-0 first made +0, so the two zeros tie as they do in MLX's comparison); low word: the id.
 __device__ __forceinline__ unsigned long long routing_key(float logit, int32_t expert) {
   uint32_t bits = __float_as_uint(logit);
+  if (bits == 0x80000000u) bits = 0u;
   uint32_t ordered;
   if (isnan(logit)) ordered = 0xffffffffu;
   else ordered = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
-  return (static_cast<unsigned long long>(ordered) << 32) | (0xffffffffu - static_cast<uint32_t>(expert));
+  return (static_cast<unsigned long long>(ordered) << 32) | static_cast<uint32_t>(expert);
 }
 
-// The logit a routing key was made from (exact: the key's high word is a bijection of the float
-// bits, every NaN becoming one NaN).
+// The logit a routing key was made from (exact up to the sign of a zero: the key's high word is a
+// bijection of the float bits once -0 is +0, every NaN becoming one NaN).
 __device__ __forceinline__ float key_logit(unsigned long long key) {
   const uint32_t ordered = static_cast<uint32_t>(key >> 32);
   return __uint_as_float((ordered & 0x80000000u) ? (ordered & 0x7fffffffu) : ~ordered);
 }
 __device__ __forceinline__ int32_t key_expert(unsigned long long key) {
-  return static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(key & 0xffffffffu));
+  return static_cast<int32_t>(static_cast<uint32_t>(key & 0xffffffffu));
 }
 
 constexpr int kTopkCachedKeys = 8;  // keys a lane keeps in registers: E <= 256 is read once
