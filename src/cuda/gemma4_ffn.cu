@@ -5,7 +5,7 @@
 //   -> d = a @ down^T -> h1 = rms_norm(d, post_ff_1);  x2 = rms_norm(h, pre_ff_2)
 //   -> m = moe_layer_into(h, x2) -> h2 = rms_norm(m, post_ff_2) -> s = h1 + h2
 //   -> f = rms_norm(s, post_ff) -> out = (h + f) * layer_scalar
-// Every buffer is [T, H] or [T, I_dense] in h's dtype (validated by src/core/gemma4_ffn.cpp).
+// Every buffer is [T, H] or [T, I_dense] in h's dtype (validated by src/ops/gemma4_ffn.cpp).
 #include "cuda/gather_qmm.h"
 #include "cuda/norm.h"
 #include "cuda/moe_internal.h"
