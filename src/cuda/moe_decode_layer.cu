@@ -132,8 +132,8 @@ DecodeScratch decode_scratch(int64_t T, int64_t k, int64_t E, int64_t I) {
   return sc;
 }
 
-void call_decode_layer(const DecodeScratch& sc, Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& w,
-                       Workspace& ws) {
+void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, const Tensor& h, const Tensor& x,
+                       const MoeWeights& w, Workspace& ws) {
   const RouterWeights& rt = w.router;
   const SwitchGLUWeights& ex = w.experts;
   const int T = static_cast<int>(x.size(0)), H = static_cast<int>(x.size(1)), k = rt.top_k;
@@ -145,9 +145,6 @@ void call_decode_layer(const DecodeScratch& sc, Tensor& out, const Tensor& h, co
   const DType D = x.dtype();
 
   void* base = ws.get(detail::kSlotLayerArena, sc.bytes);
-  // Kernel 1's count of finished CTAs: zero when a call starts (the last CTA resets it), one per
-  // workspace (a workspace serves one call at a time, as its arena does).
-  auto* counter = static_cast<unsigned*>(ws.get_zeroed(detail::kSlotCounters, sizeof(unsigned)));
   cudaStream_t stream = current_stream();
   auto* plan = static_cast<DecodePlan*>(arena_at(base, sc.plan));
 

@@ -107,7 +107,9 @@ struct DecodeScratch {
 };
 RouteSupport supports_decode_layer(const Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& weights);
 DecodeScratch decode_scratch(int64_t T, int64_t k, int64_t E, int64_t I);
-void call_decode_layer(const DecodeScratch& scratch, Tensor& out, const Tensor& h, const Tensor& x,
+// counter: one zeroed unsigned of ws's kSlotCounters, zero again when the kernels finish (one per
+// workspace, as the arena: a workspace serves one call at a time).
+void call_decode_layer(const DecodeScratch& scratch, unsigned* counter, Tensor& out, const Tensor& h, const Tensor& x,
                        const MoeWeights& weights, Workspace& ws);
 
 }  // namespace expertqmm::cuda
