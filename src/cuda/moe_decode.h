@@ -42,6 +42,20 @@
 
 namespace expertqmm::cuda::decode {
 
+// The staging and GEMV helpers every decode kernel uses (device/staging.cuh, device/dequant.cuh).
+using device::chunk_dots;
+using device::chunk_sum;
+using device::load8;
+using device::padded;
+using device::raw_param;
+using device::round_up4;
+using device::small_uint_to_float;
+using device::stage_unit;
+using device::staged_floats;
+using device::word_dot;
+using device::word_of;
+using device::word_x;
+
 constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kDecodeMaxTokens = 8;  // T: the router stages every token's r in shared memory

@@ -8,19 +8,6 @@ namespace expertqmm::cuda::decode {
 
 namespace {
 
-using device::chunk_dots;
-using device::chunk_sum;
-using device::load8;
-using device::padded;
-using device::raw_param;
-using device::round_up4;
-using device::small_uint_to_float;
-using device::stage_unit;
-using device::staged_floats;
-using device::word_dot;
-using device::word_of;
-using device::word_x;
-
 // Shared memory of the tensor-core gate/up kernel (bytes), with its region offsets.
 struct GateUpTcLayout {
   int code_row, groups;

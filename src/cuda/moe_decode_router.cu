@@ -6,19 +6,6 @@ namespace expertqmm::cuda::decode {
 
 namespace {
 
-using device::chunk_dots;
-using device::chunk_sum;
-using device::load8;
-using device::padded;
-using device::raw_param;
-using device::round_up4;
-using device::small_uint_to_float;
-using device::stage_unit;
-using device::staged_floats;
-using device::word_dot;
-using device::word_of;
-using device::word_x;
-
 constexpr int kRouterThreads = 256;
 constexpr int kRouterWarps = kRouterThreads / 32;
 constexpr int kRouterChunks = 2;      // 16-byte weight chunks per thread per batch (c = tid + 256 i)
