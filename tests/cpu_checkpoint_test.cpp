@@ -12,96 +12,24 @@
 
 #include "expertqmm/checkpoint.h"
 #include "expertqmm/error.h"
+#include "support/checkpoint_util.h"
 #include "support/test_util.h"
 
 namespace expertqmm {
 namespace {
 
-Gemma4Config tiny_config(int layers, const std::string& prefix = "model.") {
-  Gemma4Config c;
-  c.hidden_size = 128;
-  c.intermediate_size = 192;
-  c.moe_intermediate_size = 64;
-  c.num_experts = 8;
-  c.top_k_experts = 2;
-  c.num_hidden_layers = layers;
-  c.quantized = true;
-  c.default_quant = {4, 64};
-  for (int l = 0; l < layers; ++l)
-    for (const char* m : {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "router.proj"})
-      c.overrides[prefix + "layers." + std::to_string(l) + "." + m] = {8, 64};
-  return c;
-}
+using test::expect_error;
+using test::expect_same_layer;
+using test::fresh_dir;
+using test::read_all;
+using test::tiny_config;
+using test::write_all;
+using test::write_tiny;
 
-std::string fresh_dir(const std::string& tag) {
-  const std::string dir = ::testing::TempDir() + "/eqmm_ckpt_" + tag + "_" + std::to_string(::getpid());
-  std::system(("rm -rf '" + dir + "'").c_str());
-  return dir;
-}
-
-void write_tiny(const std::string& dir, int layers, int shards, const std::string& prefix = "model.") {
-  const Gemma4Config c = tiny_config(layers, prefix);
-  write_gemma4_checkpoint(
-      dir, c, shards, [&](int n) { return synthetic_gemma4_layer(c, n, 7, prefix); }, prefix);
-}
-
-// Runs f, expecting an Error whose message holds every one of `parts`.
-template <class F>
-void expect_error(F&& f, const std::vector<std::string>& parts) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected one mentioning " << parts[0];
-  } catch (const Error& e) {
-    const std::string msg = e.what();
-    for (const std::string& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
-  }
-}
-
-std::string read_all(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-void write_all(const std::string& path, const std::string& text) {
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out << text;
-}
 void replace_once(std::string& s, const std::string& from, const std::string& to) {
   const size_t at = s.find(from);
   ASSERT_NE(at, std::string::npos) << from;
   s.replace(at, from.size(), to);
-}
-
-void expect_same(const Tensor& a, const Tensor& b, const std::string& what) {
-  EXPECT_EQ(a.dtype(), b.dtype()) << what;
-  EXPECT_EQ(a.shape(), b.shape()) << what;
-  EXPECT_TRUE(a.to_host_bytes() == b.to_host_bytes()) << what;
-}
-void expect_same(const QuantizedWeight& a, const QuantizedWeight& b, const std::string& what) {
-  EXPECT_EQ(a.bits, b.bits) << what;
-  EXPECT_EQ(a.group_size, b.group_size) << what;
-  expect_same(a.w, b.w, what + ".weight");
-  expect_same(a.scales, b.scales, what + ".scales");
-  expect_same(a.biases, b.biases, what + ".biases");
-}
-void expect_same_layer(const Gemma4FfnWeights& a, const Gemma4FfnWeights& b, const std::string& what) {
-  expect_same(a.pre_feedforward_layernorm, b.pre_feedforward_layernorm, what + " pre_ff");
-  expect_same(a.post_feedforward_layernorm_1, b.post_feedforward_layernorm_1, what + " post_ff_1");
-  expect_same(a.pre_feedforward_layernorm_2, b.pre_feedforward_layernorm_2, what + " pre_ff_2");
-  expect_same(a.post_feedforward_layernorm_2, b.post_feedforward_layernorm_2, what + " post_ff_2");
-  expect_same(a.post_feedforward_layernorm, b.post_feedforward_layernorm, what + " post_ff");
-  expect_same(a.layer_scalar, b.layer_scalar, what + " layer_scalar");
-  expect_same(a.mlp.gate.quantized, b.mlp.gate.quantized, what + " mlp.gate");
-  expect_same(a.mlp.up.quantized, b.mlp.up.quantized, what + " mlp.up");
-  expect_same(a.mlp.down.quantized, b.mlp.down.quantized, what + " mlp.down");
-  expect_same(a.moe.router.proj, b.moe.router.proj, what + " router.proj");
-  expect_same(a.moe.router.scale, b.moe.router.scale, what + " router.scale");
-  expect_same(a.moe.router.per_expert_scale, b.moe.router.per_expert_scale, what + " per_expert_scale");
-  expect_same(a.moe.experts.gate, b.moe.experts.gate, what + " experts.gate");
-  expect_same(a.moe.experts.up, b.moe.experts.up, what + " experts.up");
-  expect_same(a.moe.experts.down, b.moe.experts.down, what + " experts.down");
-  EXPECT_EQ(a.moe.router.top_k, b.moe.router.top_k) << what;
 }
 
 TEST(Checkpoint, OneFileRoundTripGivesTheWrittenWeightsAsViews) {

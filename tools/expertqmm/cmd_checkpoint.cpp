@@ -62,7 +62,7 @@ int run_write_checkpoint(int argc, char** argv) {
         std::fprintf(stderr, "  layer %d\n", n);
         return synthetic_gemma4_layer(c, n, uint64_t(seed), prefix);
       },
-      prefix);
+      CheckpointWriteOptions{prefix});
   std::printf("wrote %s: %ld layers, %ld file(s)\n", out.c_str(), layers, shards);
   return 0;
 }
