@@ -58,6 +58,10 @@ class Gemma4Checkpoint {
   // Reads dir/config.json, dir/model.safetensors.index.json when present (else every
   // dir/*.safetensors), maps the files and checks every feed-forward tensor of every layer
   // (presence, dtype, shape against the config and its quantization) up front.
+  // The shards are memory-mapped, not read: truncating or rewriting one in place while it is open
+  // makes the next read of a page past its new end kill the process with SIGBUS (replacing the
+  // files by rename, as write_gemma4_checkpoint does, is safe). layer() and tensor() check each
+  // file's size again and throw if it shrank, which narrows that window but cannot close it.
   static Gemma4Checkpoint open(const std::string& dir);
 
   const Gemma4Config& config() const { return config_; }
