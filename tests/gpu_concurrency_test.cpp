@@ -27,15 +27,6 @@ constexpr int64_t kE = 64;   // experts
 constexpr int kTopK = 8;
 constexpr int kRounds = 20;  // calls per token count per thread
 
-class DeterministicGuard {
- public:
-  explicit DeterministicGuard(bool on) : saved_(deterministic()) { set_deterministic(on); }
-  ~DeterministicGuard() { set_deterministic(saved_); }
-
- private:
-  bool saved_;
-};
-
 MoeWeights device_layer() {
   MoeWeights w;
   w.experts.activation = Activation::geglu;
@@ -69,7 +60,11 @@ std::vector<uint8_t> layer_bytes(const Case& c, const MoeWeights& w, Workspace& 
 TEST(GpuConcurrency, TwoThreadsTwoStreamsGiveTheBitsOfOneAtATime) {
   EXPERTQMM_REQUIRE_GPU();
 #ifdef EXPERTQMM_HAVE_CUDA
-  const DeterministicGuard deterministic_mode(true);
+  struct Restore {
+    bool on;
+    ~Restore() { set_deterministic(on); }
+  } restore{deterministic()};
+  set_deterministic(true);
   const MoeWeights w = device_layer();
   std::vector<Case> cases;
   for (int64_t T : {1, 5, 64, 300}) {  // T*k 8 and 40: decode layer; 512 and 2400: sorted path
