@@ -347,6 +347,10 @@ TEST(CheckpointBadInput, OpenErrorsSayWhy) {
   const std::string shard = dir + "/model.safetensors";
   expect_error([&] { Gemma4Checkpoint::open(shard); }, {shard, "is a regular file, not a checkpoint directory"});
   expect_error([&] { Gemma4Checkpoint::open(shard + "/x"); }, {shard + "/x", "Not a directory"});
+  // A dangling index link is reported, not skipped in favour of model.safetensors.
+  const std::string index = dir + "/model.safetensors.index.json";
+  ASSERT_EQ(::symlink("gone.json", index.c_str()), 0);
+  expect_error([&] { Gemma4Checkpoint::open(dir); }, {index, "cannot open: No such file or directory"});
 }
 
 // A shard truncated while it is mapped: reading its pages would kill the process with SIGBUS, so

@@ -29,11 +29,11 @@ constexpr uint64_t kMaxExperts = uint64_t(1) << 16;     // expert ids are int32 
 
 [[noreturn]] void fail(const std::string& file, const std::string& what) { throw Error(kOp, file + ": " + what); }
 
-// Whether something is at `path` (a dangling link or a permission problem counts: opening it then
-// reports the reason instead of the file being silently skipped).
+// Whether something is at `path`, a dangling link included: opening it then reports the reason
+// instead of the file being silently skipped (as is an entry stat() cannot reach).
 bool exists(const std::string& path) {
   struct stat st;
-  return ::stat(path.c_str(), &st) == 0 || errno != ENOENT;
+  return ::lstat(path.c_str(), &st) == 0 || errno != ENOENT;
 }
 
 std::string read_text(const std::string& path) { return detail::read_input_file(path, kOp, kMaxJsonBytes); }
