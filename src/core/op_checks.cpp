@@ -1,6 +1,19 @@
 #include "core/op_checks.h"
 
 #include "expertqmm/error.h"
+#include "expertqmm/quant.h"
+
+namespace expertqmm {
+
+// The MLX affine table (here, not in quant.cpp, so that the checkpoint reader and its fuzzer need
+// none of the quantizer).
+bool valid_bits(int bits) {
+  return bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8;
+}
+
+bool valid_group_size(int group_size) { return group_size == 32 || group_size == 64 || group_size == 128; }
+
+}  // namespace expertqmm
 
 namespace expertqmm::detail {
 
