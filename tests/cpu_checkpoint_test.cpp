@@ -2,10 +2,16 @@
 // prefixes), and every bad-input class of an untrusted checkpoint giving an Error that names the
 // file and the tensor or key: truncated files, header lengths past the end, overlapping byte
 // ranges, wrong dtypes or shapes for a known name, missing tensors, unknown quantization.
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
+#include <chrono>
 #include <cstdio>
+#include <fstream>
+#include <future>
+#include <sstream>
+#include <thread>
 
 #include "expertqmm/checkpoint.h"
 #include "expertqmm/error.h"
@@ -16,56 +22,14 @@ namespace expertqmm {
 namespace {
 
 using test::expect_error;
+using test::expect_same_layer;
 using test::fresh_dir;
 using test::read_all;
 using test::replace_once;
 using test::rewrite_safetensors;
+using test::tiny_config;
 using test::write_all;
-
-Gemma4Config tiny_config(int layers, const std::string& prefix = "model.") {
-  Gemma4Config c = test::gemma4_config(128, 192, 64, 8, 2, layers);
-  for (int l = 0; l < layers; ++l)
-    for (const char* m : {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "router.proj"})
-      c.overrides[prefix + "layers." + std::to_string(l) + "." + m] = {8, 64};
-  return c;
-}
-
-void write_tiny(const std::string& dir, int layers, int shards, const std::string& prefix = "model.") {
-  const Gemma4Config c = tiny_config(layers, prefix);
-  write_gemma4_checkpoint(
-      dir, c, shards, [&](int n) { return synthetic_gemma4_layer(c, n, 7, prefix); }, prefix);
-}
-
-void expect_same(const Tensor& a, const Tensor& b, const std::string& what) {
-  EXPECT_EQ(a.dtype(), b.dtype()) << what;
-  EXPECT_EQ(a.shape(), b.shape()) << what;
-  EXPECT_TRUE(a.to_host_bytes() == b.to_host_bytes()) << what;
-}
-void expect_same(const QuantizedWeight& a, const QuantizedWeight& b, const std::string& what) {
-  EXPECT_EQ(a.bits, b.bits) << what;
-  EXPECT_EQ(a.group_size, b.group_size) << what;
-  expect_same(a.w, b.w, what + ".weight");
-  expect_same(a.scales, b.scales, what + ".scales");
-  expect_same(a.biases, b.biases, what + ".biases");
-}
-void expect_same_layer(const Gemma4FfnWeights& a, const Gemma4FfnWeights& b, const std::string& what) {
-  expect_same(a.pre_feedforward_layernorm, b.pre_feedforward_layernorm, what + " pre_ff");
-  expect_same(a.post_feedforward_layernorm_1, b.post_feedforward_layernorm_1, what + " post_ff_1");
-  expect_same(a.pre_feedforward_layernorm_2, b.pre_feedforward_layernorm_2, what + " pre_ff_2");
-  expect_same(a.post_feedforward_layernorm_2, b.post_feedforward_layernorm_2, what + " post_ff_2");
-  expect_same(a.post_feedforward_layernorm, b.post_feedforward_layernorm, what + " post_ff");
-  expect_same(a.layer_scalar, b.layer_scalar, what + " layer_scalar");
-  expect_same(a.mlp.gate.quantized, b.mlp.gate.quantized, what + " mlp.gate");
-  expect_same(a.mlp.up.quantized, b.mlp.up.quantized, what + " mlp.up");
-  expect_same(a.mlp.down.quantized, b.mlp.down.quantized, what + " mlp.down");
-  expect_same(a.moe.router.proj, b.moe.router.proj, what + " router.proj");
-  expect_same(a.moe.router.scale, b.moe.router.scale, what + " router.scale");
-  expect_same(a.moe.router.per_expert_scale, b.moe.router.per_expert_scale, what + " per_expert_scale");
-  expect_same(a.moe.experts.gate, b.moe.experts.gate, what + " experts.gate");
-  expect_same(a.moe.experts.up, b.moe.experts.up, what + " experts.up");
-  expect_same(a.moe.experts.down, b.moe.experts.down, what + " experts.down");
-  EXPECT_EQ(a.moe.router.top_k, b.moe.router.top_k) << what;
-}
+using test::write_tiny;
 
 TEST(Checkpoint, OneFileRoundTripGivesTheWrittenWeightsAsViews) {
   const std::string dir = fresh_dir("one");
@@ -269,7 +233,124 @@ TEST(CheckpointBadInput, NotAGemma4Checkpoint) {
   write_tiny(dir, 1, 1);
   save_safetensors(dir + "/model.safetensors", {{"something", test::random_tensor({4}, DType::f32)}});
   expect_error([&] { Gemma4Checkpoint::open(dir); }, {dir, "not a Gemma 4 MoE checkpoint"});
-  expect_error([&] { Gemma4Checkpoint::open(dir + "/nope"); }, {dir + "/nope/config.json", "cannot open"});
+  expect_error([&] { Gemma4Checkpoint::open(dir + "/nope"); }, {dir + "/nope", "No such file or directory"});
+}
+
+// Runs f on a thread, expecting an Error holding `parts` within seconds. Should f block opening the
+// FIFO at `fifo` (waiting for a writer), the test fails and opens the FIFO for writing, which
+// releases the blocked open, so that even the failure ends.
+template <class F>
+void expect_error_not_hang(F&& f, const std::string& fifo, const std::vector<std::string>& parts) {
+  std::promise<void> done;
+  std::future<void> finished = done.get_future();
+  std::thread t([&] {
+    expect_error(f, parts);
+    done.set_value();
+  });
+  if (finished.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    ADD_FAILURE() << "blocked on the FIFO " << fifo;
+    const int w = ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+    finished.wait();
+    if (w >= 0) ::close(w);
+  }
+  t.join();
+}
+
+// A FIFO where a file belongs (config.json, the index, a shard) is an error at once: opened
+// without O_NONBLOCK it blocked forever, waiting for a writer.
+TEST(CheckpointBadInput, FifoInPlaceOfAFileIsAnErrorNotAHang) {
+  for (const char* name : {"config.json", "model.safetensors.index.json", "model-00002-of-00002.safetensors"}) {
+    SCOPED_TRACE(name);
+    const std::string dir = fresh_dir("fifo");
+    write_tiny(dir, 2, 2);
+    const std::string path = dir + "/" + name;
+    ASSERT_EQ(std::remove(path.c_str()), 0);
+    ASSERT_EQ(::mkfifo(path.c_str(), 0644), 0);
+    expect_error_not_hang([&] { Gemma4Checkpoint::open(dir); }, path, {path, "is a FIFO, not a file"});
+    expect_error_not_hang([&] { SafetensorsFile::open(path); }, path, {path, "is a FIFO, not a file"});
+  }
+}
+
+// Sizes and counts are range-checked before they are narrowed: 2^31 layers was a negative count
+// and 2^32 + 2 layers was 2.
+TEST(CheckpointBadInput, ConfigIntegersOutOfRangeAreErrors) {
+  const std::string good = tiny_config(1).to_json();
+  const std::pair<const char*, const char*> cases[] = {
+      {"\"num_hidden_layers\": 1", "\"num_hidden_layers\": 2147483648"},
+      {"\"num_hidden_layers\": 1", "\"num_hidden_layers\": 4294967298"},
+      {"\"num_hidden_layers\": 1", "\"num_hidden_layers\": 65537"},
+      {"\"num_experts\": 8", "\"num_experts\": 1099511627776"},
+      {"\"hidden_size\": 128", "\"hidden_size\": 9223372036854775808"},
+      {"\"bits\": 4", "\"bits\": 4294967300"},
+  };
+  for (const auto& [from, to] : cases) {
+    std::string text = good;
+    replace_once(text, from, to);
+    const std::string key = std::string(to).substr(0, std::string(to).find(':'));
+    expect_error([&] { parse_gemma4_config(text, "c.json"); }, {"c.json", key, "must be an integer in [1, "});
+  }
+  std::string text = good;
+  replace_once(text, "\"num_hidden_layers\": 1", "\"num_hidden_layers\": 65536");
+  EXPECT_EQ(parse_gemma4_config(text, "c.json").num_hidden_layers, 65536);
+  Gemma4Config c = tiny_config(1);
+  c.num_hidden_layers = int64_t(1) << 32;  // the writer checks before narrowing too
+  expect_error([&] { write_gemma4_checkpoint(fresh_dir("wl"), c, 1, [](int) { return Gemma4FfnWeights(); }); },
+               {"num_hidden_layers must be in [1, 65536]"});
+}
+
+// Python's json takes the last of two equal keys, a first-match lookup the first: refused.
+TEST(CheckpointBadInput, DuplicateKeysInConfigAndIndexAreErrors) {
+  std::string text = tiny_config(1).to_json();
+  replace_once(text, "\"num_hidden_layers\": 1", "\"num_hidden_layers\": 1, \"num_hidden_layers\": 30");
+  expect_error([&] { parse_gemma4_config(text, "c.json"); }, {"c.json", "duplicate key \"num_hidden_layers\""});
+  const std::string dir = fresh_dir("dupidx");
+  write_tiny(dir, 2, 2);
+  const std::string index = dir + "/model.safetensors.index.json";
+  text = read_all(index);
+  replace_once(text, "\"weight_map\": {", "\"weight_map\": {\"model.layers.0.layer_scalar\": \"x.safetensors\",");
+  write_all(index, text);
+  expect_error([&] { Gemma4Checkpoint::open(dir); }, {index, "duplicate key \"model.layers.0.layer_scalar\""});
+}
+
+// "cannot open" says why; a directory or another kind of file where a file belongs says what it is
+// (a directory config.json was "9223372036854775807 bytes").
+TEST(CheckpointBadInput, OpenErrorsSayWhy) {
+  const std::string dir = fresh_dir("why");
+  write_tiny(dir, 1, 1);
+  const std::string config = dir + "/config.json";
+  const std::string saved = read_all(config);
+  ASSERT_EQ(std::remove(config.c_str()), 0);
+  expect_error([&] { Gemma4Checkpoint::open(dir); }, {config, "cannot open: No such file or directory"});
+  ASSERT_EQ(::mkdir(config.c_str(), 0755), 0);
+  expect_error([&] { Gemma4Checkpoint::open(dir); }, {config, "is a directory, not a file"});
+  ASSERT_EQ(::rmdir(config.c_str()), 0);
+  ASSERT_EQ(::symlink("config.json", config.c_str()), 0);  // a link to itself
+  expect_error([&] { Gemma4Checkpoint::open(dir); }, {config, "Too many levels of symbolic links"});
+  ASSERT_EQ(std::remove(config.c_str()), 0);
+  write_all(config, saved);
+  EXPECT_NO_THROW(Gemma4Checkpoint::open(dir));
+  const std::string shard = dir + "/model.safetensors";
+  expect_error([&] { Gemma4Checkpoint::open(shard); }, {shard, "is a regular file, not a checkpoint directory"});
+  expect_error([&] { Gemma4Checkpoint::open(shard + "/x"); }, {shard + "/x", "Not a directory"});
+  // A dangling index link is reported, not skipped in favour of model.safetensors.
+  const std::string index = dir + "/model.safetensors.index.json";
+  ASSERT_EQ(::symlink("gone.json", index.c_str()), 0);
+  expect_error([&] { Gemma4Checkpoint::open(dir); }, {index, "cannot open: No such file or directory"});
+}
+
+// A shard truncated while it is mapped: reading its pages would kill the process with SIGBUS, so
+// the tensors are not handed out (README: the SIGBUS note).
+TEST(CheckpointBadInput, ShardTruncatedAfterOpenIsAnErrorNotSigbus) {
+  const std::string dir = fresh_dir("shrink");
+  write_tiny(dir, 2, 1);
+  const Gemma4Checkpoint ck = Gemma4Checkpoint::open(dir);
+  const std::string shard = dir + "/model.safetensors";
+  const std::string bytes = read_all(shard);
+  ASSERT_EQ(::truncate(shard.c_str(), off_t(bytes.size() / 2)), 0);
+  expect_error([&] { ck.layer(1); }, {shard, "shrank from", "since it was opened"});
+  expect_error([&] { ck.tensor("model.layers.1.layer_scalar"); }, {shard, "shrank"});
+  write_all(shard, bytes);  // the same size again: readable again
+  EXPECT_NO_THROW(ck.layer(1));
 }
 
 TEST(CheckpointBadInput, WriterRejectsBadArguments) {

@@ -33,10 +33,9 @@ struct Result {
   std::string output;  // stdout and stderr together
 };
 
-// env: NAME=VALUE assignments for the child only (e.g. "EXPERTQMM_EXPERT_TILES=2"), or "".
-Result run_cli(const std::string& args, const std::string& env = "") {
+// Runs a shell command line: its stdout and exit code.
+Result run_shell(const std::string& cmd) {
   Result r;
-  const std::string cmd = (env.empty() ? "" : "env " + env + " ") + "'" + cli_path() + "' " + args + " 2>&1";
   FILE* p = popen(cmd.c_str(), "r");
   if (!p) return r;
   char buf[4096];
@@ -45,6 +44,33 @@ Result run_cli(const std::string& args, const std::string& env = "") {
   const int status = pclose(p);
   r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   return r;
+}
+
+// env: NAME=VALUE assignments for the child only (e.g. "EXPERTQMM_EXPERT_TILES=2"), or "".
+Result run_cli(const std::string& args, const std::string& env = "") {
+  return run_shell((env.empty() ? "" : "env " + env + " ") + "'" + cli_path() + "' " + args + " 2>&1");
+}
+
+// stdout and stderr apart (stderr through a temporary file).
+struct Streams {
+  int exit_code = -1;
+  std::string out, err;
+};
+
+Streams run_cli_streams(const std::string& args) {
+  char tmpl[] = "/tmp/expertqmm_cli_err_XXXXXX";
+  const int fd = mkstemp(tmpl);
+  if (fd >= 0) close(fd);
+  const Result r = run_shell("'" + cli_path() + "' " + args + " 2>'" + tmpl + "'");
+  Streams s;
+  s.exit_code = r.exit_code;
+  s.out = r.output;
+  std::ifstream f(tmpl);
+  std::stringstream e;
+  e << f.rdbuf();
+  s.err = e.str();
+  std::remove(tmpl);
+  return s;
 }
 
 int count_of(const std::string& text, const std::string& what) {
@@ -131,26 +157,52 @@ TEST_F(Cli, UnknownPresetIsAnError) {
   EXPECT_NE(r.output.find("gemma4-26b-a4b"), std::string::npos) << "the error lists the known presets: " << r.output;
 }
 
-TEST_F(Cli, BadOptionsAreErrors) {
+// A bad command line gives exit code 2 and one line naming the option and what it accepts: numbers
+// out of range were a std::bad_alloc, a "cannot create std::vector larger than max_size()", or
+// clamped (--seed 2^64 became LONG_MAX); unknown options were accepted by some commands.
+TEST_F(Cli, BadOptionsGiveOneLineAndExitCode2) {
   struct Case {
     const char* args;
     const char* message;
   };
   const Case cases[] = {
-      {"run --preset tiny --tokens 0 --backend cpu", "--tokens must be >= 1"},
+      {"run --preset tiny --tokens 0 --backend cpu", "--tokens must be an integer in [1, 65536], got '0'"},
       {"run --preset tiny --backend cpu", "--tokens N is required"},
       {"run --preset tiny --tokens 3 --backend tpu", "--backend expects auto, cpu or cuda"},
       {"run --preset tiny --tokens 3 --backend cpu --routing skewed", "--routing expects uniform or zipf"},
-      {"run --preset tiny --tokens 3 --backend cpu --check-tokens 4", "--check-tokens must be in [1, tokens = 3]"},
+      {"run --preset tiny --tokens 3 --backend cpu --check-tokens 4", "--check-tokens must be an integer in [1, 3]"},
       {"run --preset tiny --tokens 3 --backend cpu --frobnicate 1", "unknown option --frobnicate"},
       {"bench --preset tiny --product neither", "--product expects fused, separate or both"},
-      {"bench --preset tiny --tokens 1,0", "every count must be >= 1"},
-      {"bench --preset tiny --expert-tiles sometimes", "--expert-tiles expects auto, off or both"},
+      {"bench --preset tiny --tokens 1,0", "--tokens: every value must be an integer in [1, 65536], got '0'"},
+      {"run --preset tiny --tokens 10000000000 --backend cpu", "expertqmm run: --tokens must be an integer in [1, 65536], got '10000000000'"},
+      {"run --preset tiny --tokens 3 --backend cpu --seed 18446744073709551616",
+       "--seed must be an integer in [0, 9223372036854775807], got '18446744073709551616'"},
+      {"run --preset tiny --tokens 3 --backend cpu --seed -1", "--seed must be an integer in [0, "},
+      {"run --preset tiny --tokens 3 --backend cpu --check-tokens 4611686018427387904", "--check-tokens must be an integer in [1, 3]"},
+      {"run --preset tiny --tokens 3x --backend cpu", "--tokens must be an integer in [1, 65536], got '3x'"},
+      {"run --preset tiny --tokens 3 --tokens 4 --backend cpu", "--tokens is given twice"},
+      {"run --preset tiny 3", "unexpected argument '3'"},
+      {"run --preset nope --tokens 3", "--preset: unknown preset 'nope'"},
+      {"diag --preset tiny --tokens 4611686018427387904", "expertqmm diag: --tokens must be an integer in [1, 65536]"},
+      {"diag --preset tiny --bogus", "expertqmm diag: unknown option --bogus"},
+      {"bench --preset tiny --tokens 1,99999999999999999999", "--tokens: every value must be an integer in [1, 65536]"},
+      {"bench --preset tiny --replays 0", "--replays must be an integer in [1, 100000], got '0'"},
+      {"bench --preset tiny --json", "--json needs a file name"},
+      {"bench --model /nonexistent --tokens 0", "--tokens: every value must be an integer in [1, 65536]"},
+      {"bench --model /nonexistent --bogus 1", "unknown option --bogus"},
+      {"write-checkpoint --out /nonexistent/x --layers 5000", "--layers must be an integer in [1, 1000], got '5000'"},
+      {"write-checkpoint --out /nonexistent/x --preset tiny --layers 2 --shards 3", "--shards must be an integer in [1, 2]"},
+      {"write-checkpoint --out /nonexistent/x --seed 99999999999999999999", "--seed must be an integer in [0, "},
+      {"write-checkpoint --out /nonexistent/x --force yes", "--force takes no value, got 'yes'"},
+      {"write-checkpoint --preset tiny", "--out DIR is required"},
+      {"write-checkpoint --out /nonexistent/x --preset big", "--preset expects gemma4-26b-a4b or tiny, got 'big'"},
+      {"info --verbose", "expertqmm info: unknown option --verbose"},
   };
   for (const Case& c : cases) {
     Result r = run_cli(c.args);
-    EXPECT_NE(r.exit_code, 0) << c.args << "\n" << r.output;
+    EXPECT_EQ(r.exit_code, 2) << c.args << "\n" << r.output;
     EXPECT_NE(r.output.find(c.message), std::string::npos) << c.args << "\n" << r.output;
+    EXPECT_EQ(count_of(r.output, "\n"), 1) << "one line: " << c.args << "\n" << r.output;
   }
 }
 
@@ -169,8 +221,62 @@ TEST_F(Cli, WriteCheckpointWithGroupSize128LeavesExpertsDownIn16Bit) {
   EXPECT_NE(read_file(dir + "/config.json").find("\"group_size\": 128"), std::string::npos);
   Result bad = run_cli("write-checkpoint --preset tiny --group-size 48 --out " + dir);
   EXPECT_NE(bad.exit_code, 0);
-  EXPECT_NE(bad.output.find("--group-size expects 32, 64 or 128, got 48"), std::string::npos) << bad.output;
+  EXPECT_NE(bad.output.find("--group-size expects 32, 64 or 128, got '48'"), std::string::npos) << bad.output;
   std::system(("rm -rf '" + dir + "'").c_str());
+}
+
+// bench and diag take the same --expert-tiles values (diag took auto|on|off, bench auto|off|both).
+TEST_F(Cli, ExpertTilesTakeTheSameValuesInBenchAndDiag) {
+  for (const char* v : {"auto", "on", "off", "both"}) {
+    Result diag = run_cli(std::string("diag --preset tiny --backend cpu --tokens 3 --expert-tiles ") + v);
+    EXPECT_EQ(diag.exit_code, 0) << v << "\n" << diag.output;
+    EXPECT_EQ(count_of(diag.output, "expert tiles " + std::string(v == std::string("both") ? "off" : v) + ","), 1)
+        << v << "\n" << diag.output;
+    Result bench = run_cli(std::string("bench --preset tiny --tokens 1 --replays 1 --expert-tiles ") + v);
+    EXPECT_NE(bench.exit_code, 2) << "bench must accept --expert-tiles " << v << "\n" << bench.output;
+  }
+  EXPECT_EQ(count_of(run_cli("diag --preset tiny --backend cpu --tokens 3 --expert-tiles both").output, ", expert tiles "),
+            2);
+  for (const char* cmd : {"diag", "bench"}) {
+    Result r = run_cli(std::string(cmd) + " --preset tiny --expert-tiles sometimes");
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find("--expert-tiles expects auto, on, off or both, got 'sometimes'"), std::string::npos)
+        << r.output;
+  }
+}
+
+// diag on the CPU says that its zeros are CUDA route counters, and a run of seconds (the 26B-A4B
+// layer on the CPU) shows its stages on stderr, leaving stdout to the result.
+TEST_F(Cli, DiagExplainsCpuZerosAndShowsProgressOnStderr) {
+  const Streams r = run_cli_streams("diag --preset tiny --backend cpu --tokens 3");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("count the CUDA routes"), std::string::npos) << r.out;
+  EXPECT_NE(r.err.find("generating weights ..."), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("running the layer on cpu"), std::string::npos) << r.err;
+  EXPECT_EQ(r.out.find(" ..."), std::string::npos) << "progress belongs on stderr: " << r.out;
+}
+
+// The CLI side of the writer: a non-empty --out is refused (exit 1, nothing touched) unless --force;
+// progress per layer goes to stderr.
+TEST_F(Cli, WriteCheckpointRefusesANonEmptyTargetUnlessForced) {
+  char tmpl[] = "/tmp/expertqmm_cli_ckpt_XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = std::string(tmpl) + "/ckpt";
+  const Streams first = run_cli_streams("write-checkpoint --preset tiny --layers 2 --shards 2 --out " + dir);
+  EXPECT_EQ(first.exit_code, 0) << first.err;
+  EXPECT_NE(first.err.find("layer 2/2 written"), std::string::npos) << first.err;
+  EXPECT_EQ(first.out.find("written"), std::string::npos) << first.out;
+  const std::string config = read_file(dir + "/config.json");
+  const Streams again = run_cli_streams("write-checkpoint --preset tiny --layers 1 --out " + dir);
+  EXPECT_EQ(again.exit_code, 1) << again.err;
+  EXPECT_NE(again.err.find("not empty"), std::string::npos) << again.err;
+  EXPECT_EQ(read_file(dir + "/config.json"), config);
+  EXPECT_EQ(access((dir + "/model-00002-of-00002.safetensors").c_str(), R_OK), 0);
+  const Streams forced = run_cli_streams("write-checkpoint --preset tiny --layers 1 --force --out " + dir);
+  EXPECT_EQ(forced.exit_code, 0) << forced.err;
+  EXPECT_NE(access((dir + "/model-00002-of-00002.safetensors").c_str(), R_OK), 0) << "the old shards are gone";
+  EXPECT_EQ(access((dir + "/model.safetensors").c_str(), R_OK), 0);
+  std::system(("rm -rf '" + std::string(tmpl) + "'").c_str());
 }
 
 TEST_F(Cli, CudaOnlyCommandsExplainAMissingGpu) {

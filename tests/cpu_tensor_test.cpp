@@ -28,6 +28,35 @@ TEST(Tensor, StridedViewGathersInRowMajorOrder) {
 
 TEST(Tensor, NegativeDimensionIsAnError) { EXPECT_THROW(Tensor::empty({2, -1}, DType::f32), Error); }
 
+// Runs f, expecting an Error whose message holds `part`.
+template <class F>
+void expect_error(F&& f, const std::string& part) {
+  try {
+    f();
+    ADD_FAILURE() << "no error; expected one mentioning '" << part << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+  }
+}
+
+// Element counts or byte sizes past int64 are errors, never a wrapped (0-byte) allocation.
+TEST(Tensor, OverflowingShapesAreErrors) {
+  const int64_t big = int64_t(1) << 32;
+  expect_error([&] { Tensor::empty({big, big}, DType::f32); }, "too large");      // 2^64 elements
+  expect_error([&] { Tensor::empty({int64_t(1) << 62, 1}, DType::f32); }, "too large");  // 2^64 bytes
+  expect_error([&] { Tensor::empty({INT64_MAX, 2}, DType::bf16); }, "too large");
+  // No element, but the strides of the non-zero dims would still overflow.
+  expect_error([&] { Tensor::view(nullptr, {0, int64_t(1) << 62, int64_t(1) << 62}, DType::u32); }, "too large");
+  expect_error([&] { shape_numel({big, big}); }, "int64");
+  expect_error([&] { contiguous_strides({1, big, big}); }, "overflows");
+  Tensor t = Tensor::empty({4}, DType::f32);
+  expect_error([&] { t.reshape({big, big, 0}); }, "too large");
+  // Fits in int64 but not in memory: an Error naming the size, not std::bad_alloc.
+  expect_error([] { Tensor::empty({int64_t(1) << 45}, DType::f32); }, "cannot allocate");
+  // The largest shapes that fit are fine when they hold nothing.
+  EXPECT_EQ(Tensor::empty({0, int64_t(1) << 30, int64_t(1) << 30}, DType::f32).nbytes(), 0u);
+}
+
 TEST(Float16, Bf16RoundsToNearestEven) {
   EXPECT_EQ(float_to_bf16(1.0f), 0x3f80);
   // 1 + 2^-8 is exactly halfway between bf16 1.0 and 1.0078125: ties to even (1.0).

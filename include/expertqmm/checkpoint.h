@@ -35,7 +35,8 @@ struct Gemma4Config {
   int64_t moe_intermediate_size = 0;  // expert width
   int64_t num_experts = 0;
   int64_t top_k_experts = 0;
-  int64_t num_hidden_layers = 0;
+  int64_t num_hidden_layers = 0;     // in [1, kMaxLayers] (checked before it is narrowed to int)
+  static constexpr int64_t kMaxLayers = int64_t(1) << 16;
   float rms_norm_eps = 1e-6f;
   // mlx-lm's MLP is 2 * intermediate_size wide on the last num_kv_shared_layers layers when
   // use_double_wide_mlp (mlx-lm's defaults when absent: 20 and true; 26B-A4B: 0).
@@ -72,6 +73,10 @@ class Gemma4Checkpoint {
   // Reads dir/config.json, dir/model.safetensors.index.json when present (else every
   // dir/*.safetensors), maps the files and checks every feed-forward tensor of every layer
   // (presence, dtype, shape against the config and its quantization) up front.
+  // The shards are memory-mapped, not read: truncating or rewriting one in place while it is open
+  // makes the next read of a page past its new end kill the process with SIGBUS (replacing the
+  // files by rename, as write_gemma4_checkpoint does, is safe). layer() and tensor() check each
+  // file's size again and throw if it shrank, which narrows that window but cannot close it.
   static Gemma4Checkpoint open(const std::string& dir);
 
   const Gemma4Config& config() const { return config_; }
@@ -107,15 +112,32 @@ class Gemma4Checkpoint {
   std::map<std::string, int> file_of_;  // tensor name -> index into files_
 };
 
-// Writes a checkpoint in mlx-lm's format under `dir` (created if needed): config.json, and either
-// model.safetensors (shards == 1) or model-0000N-of-0000M.safetensors plus
-// model.safetensors.index.json, with layers split across the shards in order. Tensor names are
-// `prefix` + "layers.N." + the mlx-lm module names. `layer(n)` gives layer n's weights (host
-// tensors; quantized where the config says so, with the config's bits and group size). The data
-// are streamed: one layer is in memory at a time.
+struct CheckpointWriteOptions {
+  // Tensor names are `prefix` + "layers.N." + the mlx-lm module names.
+  std::string prefix = "model.";
+  // Replace an existing non-empty `dir`, if it holds nothing but checkpoint files (config.json,
+  // *.safetensors, the index). Without it a non-empty `dir` is refused.
+  bool force = false;
+  // Called after each layer is written: layers written and in all, bytes written and in all.
+  std::function<void(int, int, uint64_t, uint64_t)> progress;
+  // The free bytes of the filesystem of `parent` (the directory that holds `dir`); unset: statvfs.
+  // Tests stand in a full disk here.
+  std::function<uint64_t(const std::string& parent)> free_bytes;
+};
+
+// Writes a checkpoint in mlx-lm's format to `dir`: config.json, and either model.safetensors
+// (shards == 1) or model-0000N-of-0000M.safetensors plus model.safetensors.index.json, with layers
+// split across the shards in order. `layer(n)` gives layer n's weights (host tensors; quantized
+// where the config says so, with the config's bits and group size). The data are streamed: one
+// layer is in memory at a time.
+// Nothing is lost or mixed: `dir` must be absent or empty (or options.force); the free space is
+// checked first; everything is written into a fresh temporary directory beside `dir` and published
+// with one rename, so that `dir` holds the old checkpoint or the new one, never parts of both, and a
+// failure (an exception from `layer` or `progress` included) removes the temporary directory. A lock
+// file "<dir>.lock" makes a second writer of the same `dir` fail at once.
 void write_gemma4_checkpoint(const std::string& dir, const Gemma4Config& config, int shards,
                              const std::function<Gemma4FfnWeights(int)>& layer,
-                             const std::string& prefix = "model.");
+                             const CheckpointWriteOptions& options = {});
 
 // Synthetic weights for `config` from `seed`: random codes, bf16 scales ±(0.01 + 0.002 n) with
 // biases centring the dequantized values on 0 (quantized modules), N(0, 0.02) dense weights, norm

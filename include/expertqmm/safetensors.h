@@ -23,6 +23,10 @@ class SafetensorsFile {
   bool has(const std::string& name) const { return entries_.count(name) != 0; }
   // A CPU view into the mapping (no copy) that keeps the mapping alive after this object is gone.
   // Only a tensor whose offset is not a multiple of its element size is copied, to stay aligned.
+  // Throws when the file has shrunk below the tensor's end since open(): the file must not be
+  // truncated or rewritten in place while it is mapped (replacing it by rename is safe), as reading
+  // a mapped page past the end of a file kills the process with SIGBUS; this check narrows that
+  // window to the time between get() and the reads, it cannot close it.
   Tensor get(const std::string& name) const;
   // The "__metadata__" string map (empty when absent).
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
@@ -34,9 +38,13 @@ class SafetensorsFile {
     Shape shape;
     size_t begin = 0, end = 0;  // byte range inside the data section
   };
+  // Throws unless the file still holds data section bytes [0, end).
+  void check_size(size_t end) const;
+
   std::string path_;
-  std::shared_ptr<void> mapping_;  // owns the mmap (munmap on release)
+  std::shared_ptr<void> mapping_;  // owns the mmap and the descriptor (closed on release)
   const unsigned char* data_ = nullptr;  // start of the data section
+  uint64_t data_offset_ = 0;             // its offset in the file
   std::map<std::string, Entry> entries_;
   std::vector<std::string> names_;
   std::map<std::string, std::string> metadata_;

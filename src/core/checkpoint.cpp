@@ -7,13 +7,15 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
+#include <cstring>
 #include <set>
 #include <sstream>
 
+#include "core/input_file.h"
 #include "core/json.h"
 #include "expertqmm/error.h"
 
@@ -23,27 +25,18 @@ namespace {
 
 constexpr const char* kOp = "checkpoint";
 constexpr uint64_t kMaxJsonBytes = uint64_t(64) << 20;  // config and index files are kilobytes
+constexpr uint64_t kMaxExperts = uint64_t(1) << 16;     // expert ids are int32 and index [E, ...] tensors
 
 [[noreturn]] void fail(const std::string& file, const std::string& what) { throw Error(kOp, file + ": " + what); }
 
-bool is_file(const std::string& path) {
+// Whether something is at `path`, a dangling link included: opening it then reports the reason
+// instead of the file being silently skipped (as is an entry stat() cannot reach).
+bool exists(const std::string& path) {
   struct stat st;
-  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+  return ::lstat(path.c_str(), &st) == 0 || errno != ENOENT;
 }
 
-std::string read_text(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail(path, "cannot open");
-  in.seekg(0, std::ios::end);
-  const std::streamoff size = in.tellg();
-  if (size < 0) fail(path, "cannot read its size");
-  if (static_cast<uint64_t>(size) > kMaxJsonBytes)
-    fail(path, detail::cat("is ", size, " bytes; a JSON file here is at most ", kMaxJsonBytes));
-  in.seekg(0);
-  std::string text(static_cast<size_t>(size), '\0');
-  if (!in.read(&text[0], size)) fail(path, "read failed");
-  return text;
-}
+std::string read_text(const std::string& path) { return detail::read_input_file(path, kOp, kMaxJsonBytes); }
 
 json::Value parse_json(const std::string& text, const std::string& file) {
   try {
@@ -53,14 +46,19 @@ json::Value parse_json(const std::string& text, const std::string& file) {
   }
 }
 
-// A positive integer member `key` of `obj` (required).
-int64_t positive_int(const json::Value& obj, const char* key, const std::string& file, const std::string& where) {
+// The largest value config.json may give a size or count: far above any real model, and small
+// enough that the products the loader forms (e.g. 2 * I * H * bits) cannot overflow int64.
+constexpr uint64_t kMaxConfigInt = uint64_t(1) << 20;
+
+// An integer member `key` of `obj` in [1, max] (required), checked before it is narrowed.
+int64_t positive_int(const json::Value& obj, const char* key, const std::string& file, const std::string& where,
+                     uint64_t max = kMaxConfigInt) {
   const json::Value* v = obj.find(key);
   if (!v) fail(file, where + "\"" + key + "\" is missing");
   uint64_t u = 0;
-  if (!v->to_uint64(&u) || u == 0 || u > (uint64_t(1) << 40))
-    fail(file, where + "\"" + key + "\" must be a positive integer, got " +
-                   (v->is_number() ? v->number_text() : std::string(json::Value::kind_name(v->kind()))));
+  if (!v->to_uint64(&u) || u == 0 || u > max)
+    fail(file, detail::cat(where, "\"", key, "\" must be an integer in [1, ", max, "], got ",
+                           v->is_number() ? v->number_text() : std::string(json::Value::kind_name(v->kind()))));
   return static_cast<int64_t>(u);
 }
 
@@ -72,7 +70,7 @@ QuantSetting quant_setting(const json::Value& obj, const std::string& file, cons
   const std::string where = "quantization \"" + key + "\": ";
   auto int_or_default = [&](const char* name, int fallback) {
     if (module_entry && !obj.find(name)) return fallback;
-    return static_cast<int>(std::min<int64_t>(positive_int(obj, name, file, where), 1 << 20));
+    return static_cast<int>(positive_int(obj, name, file, where));  // <= kMaxConfigInt: fits int
   };
   QuantSetting q;
   q.bits = int_or_default("bits", 4);
@@ -194,9 +192,9 @@ Gemma4Config parse_gemma4_config(const std::string& text, const std::string& fil
   c.hidden_size = positive_int(cfg, "hidden_size", file, where);
   c.intermediate_size = positive_int(cfg, "intermediate_size", file, where);
   c.moe_intermediate_size = positive_int(cfg, "moe_intermediate_size", file, where);
-  c.num_experts = positive_int(cfg, "num_experts", file, where);
-  c.top_k_experts = positive_int(cfg, "top_k_experts", file, where);
-  c.num_hidden_layers = positive_int(cfg, "num_hidden_layers", file, where);
+  c.num_experts = positive_int(cfg, "num_experts", file, where, kMaxExperts);
+  c.top_k_experts = positive_int(cfg, "top_k_experts", file, where, kMaxExperts);
+  c.num_hidden_layers = positive_int(cfg, "num_hidden_layers", file, where, Gemma4Config::kMaxLayers);
   if (c.top_k_experts > c.num_experts)
     fail(file, detail::cat(where, "top_k_experts=", c.top_k_experts, " exceeds num_experts=", c.num_experts));
   read_layer_structure(cfg, file, where, &c);
@@ -272,6 +270,9 @@ std::string Gemma4Config::to_json() const {
 }
 
 Gemma4Checkpoint Gemma4Checkpoint::open(const std::string& dir) {
+  struct stat st;
+  if (::stat(dir.c_str(), &st) != 0) fail(dir, std::string("cannot open the checkpoint directory: ") + std::strerror(errno));
+  if (!S_ISDIR(st.st_mode)) fail(dir, std::string("is ") + detail::file_kind(st.st_mode) + ", not a checkpoint directory");
   Gemma4Checkpoint ck;
   ck.dir_ = dir;
   const std::string config_path = dir + "/config.json";
@@ -281,7 +282,7 @@ Gemma4Checkpoint Gemma4Checkpoint::open(const std::string& dir) {
   const std::string index_path = dir + "/model.safetensors.index.json";
   std::map<std::string, std::string> index;  // tensor -> file name
   std::vector<std::string> names;
-  if (is_file(index_path)) {
+  if (exists(index_path)) {
     const json::Value root = parse_json(read_text(index_path), index_path);
     const json::Value* map = root.is_object() ? root.find("weight_map") : nullptr;
     if (!map || !map->is_object()) fail(index_path, "\"weight_map\" is missing or not an object");
@@ -295,11 +296,11 @@ Gemma4Checkpoint Gemma4Checkpoint::open(const std::string& dir) {
       if (seen.insert(f).second) names.push_back(f);
     }
     if (names.empty()) fail(index_path, "weight_map is empty");
-  } else if (is_file(dir + "/model.safetensors")) {
+  } else if (exists(dir + "/model.safetensors")) {
     names.push_back("model.safetensors");
   } else {
     DIR* d = ::opendir(dir.c_str());
-    if (!d) fail(dir, "cannot list the directory");
+    if (!d) fail(dir, std::string("cannot list the directory: ") + std::strerror(errno));
     while (dirent* e = ::readdir(d)) {
       const std::string n = e->d_name;
       if (n.size() > 12 && n.compare(n.size() - 12, 12, ".safetensors") == 0) names.push_back(n);

@@ -1,8 +1,9 @@
 // Writing Gemma 4 checkpoints in mlx-lm's format (include/expertqmm/checkpoint.h) and the
 // synthetic layers for them. The shards are streamed: each header is computed from the tensor
 // list up front (every layer has the structure of layer 0), then each layer is generated, written
-// and dropped, so a 30-layer 26B-A4B checkpoint never needs more than one layer in memory.
-#include <sys/stat.h>
+// and dropped, so a 30-layer 26B-A4B checkpoint never needs more than one layer in memory. All files
+// go into a temporary directory that one rename publishes (core/staged_dir.h).
+#include <unistd.h>
 
 #include <cerrno>
 #include <cmath>
@@ -13,6 +14,7 @@
 
 #include "core/float16.h"
 #include "core/json.h"
+#include "core/staged_dir.h"
 #include "expertqmm/checkpoint.h"
 #include "expertqmm/error.h"
 
@@ -195,29 +197,81 @@ std::string header_of(const std::vector<Entry>& entries) {
   return s;
 }
 
-struct File {
-  std::FILE* f = nullptr;
-  std::string path;
-  ~File() {
-    if (f) std::fclose(f);
+// An output file that is flushed to the disk (fsync) before it counts as written: the checkpoint is
+// published by a rename, which must not reach the disk before the data it names.
+class OutFile {
+ public:
+  explicit OutFile(std::string path) : path_(std::move(path)) {
+    f_ = std::fopen(path_.c_str(), "wbx");
+    if (!f_) throw Error(kOp, path_ + ": cannot create: " + std::strerror(errno));
   }
+  ~OutFile() {
+    if (f_) std::fclose(f_);
+  }
+  OutFile(const OutFile&) = delete;
+  OutFile& operator=(const OutFile&) = delete;
+
   void write(const void* data, size_t n) {
-    if (n && std::fwrite(data, 1, n, f) != n) throw Error(kOp, path + ": write failed: " + std::strerror(errno));
+    if (n && std::fwrite(data, 1, n, f_) != n) throw Error(kOp, path_ + ": write failed: " + std::strerror(errno));
   }
+  void close() {
+    const bool ok = std::fflush(f_) == 0 && ::fsync(::fileno(f_)) == 0;
+    const std::string why = ok ? "" : std::strerror(errno);
+    const bool closed = std::fclose(f_) == 0;
+    f_ = nullptr;
+    if (!ok || !closed) throw Error(kOp, path_ + ": write failed: " + (ok ? std::strerror(errno) : why));
+  }
+
+ private:
+  std::string path_;
+  std::FILE* f_ = nullptr;
 };
 
 void write_text(const std::string& path, const std::string& text) {
-  File out;
-  out.path = path;
-  out.f = std::fopen(path.c_str(), "wb");
-  if (!out.f) throw Error(kOp, path + ": cannot create: " + std::strerror(errno));
+  OutFile out(path);
   out.write(text.data(), text.size());
-  if (std::fclose(out.f) != 0) {
-    out.f = nullptr;
-    throw Error(kOp, path + ": close failed: " + std::strerror(errno));
-  }
-  out.f = nullptr;
+  out.close();
 }
+
+// The files a checkpoint directory holds; --force replaces a directory of nothing else.
+bool checkpoint_file(const std::string& name) {
+  auto ends_with = [&](const char* suffix) {
+    const size_t n = std::strlen(suffix);
+    return name.size() >= n && name.compare(name.size() - n, n, suffix) == 0;
+  };
+  return name == "config.json" || ends_with(".safetensors") || ends_with(".safetensors.index.json") ||
+         ends_with(".safetensors.tmp");
+}
+
+// One shard: its file name, the layers [begin, end) it holds and its header.
+struct ShardPlan {
+  std::string name;
+  int begin = 0, end = 0;
+  std::vector<Entry> entries;
+  std::string header;
+  uint64_t bytes() const {
+    uint64_t n = 8 + header.size();
+    for (const Entry& e : entries) n += e.bytes();
+    return n;
+  }
+};
+
+std::string index_json(const std::vector<ShardPlan>& plan, uint64_t data_bytes) {
+  std::map<std::string, std::string> weight_map;
+  for (const ShardPlan& sp : plan)
+    for (const Entry& e : sp.entries) weight_map[e.name] = sp.name;
+  std::ostringstream idx;
+  idx << "{\n  \"metadata\": {\"total_size\": " << data_bytes << "},\n  \"weight_map\": {";
+  bool comma = false;
+  for (const auto& [tname, file] : weight_map) {
+    idx << (comma ? ",\n    " : "\n    ") << json::quote(tname) << ": " << json::quote(file);
+    comma = true;
+  }
+  idx << "\n  }\n}\n";
+  return idx.str();
+}
+
+std::string gb(uint64_t bytes) { return detail::cat(double(bytes) / 1e9, " GB (", bytes, " bytes)"); }
 
 }  // namespace
 
@@ -260,13 +314,14 @@ Gemma4FfnWeights synthetic_gemma4_layer(const Gemma4Config& c, int layer, uint64
 }
 
 void write_gemma4_checkpoint(const std::string& dir, const Gemma4Config& config, int shards,
-                             const std::function<Gemma4FfnWeights(int)>& layer, const std::string& prefix) {
+                             const std::function<Gemma4FfnWeights(int)>& layer, const CheckpointWriteOptions& options) {
+  const std::string& prefix = options.prefix;
+  EXPERTQMM_CHECK(config.num_hidden_layers >= 1 && config.num_hidden_layers <= Gemma4Config::kMaxLayers, kOp,
+                  "num_hidden_layers must be in [1, ", Gemma4Config::kMaxLayers, "], got ", config.num_hidden_layers);
   const int L = static_cast<int>(config.num_hidden_layers);
-  EXPERTQMM_CHECK(L >= 1, kOp, "num_hidden_layers must be >= 1, got ", config.num_hidden_layers);
   EXPERTQMM_CHECK(shards >= 1 && shards <= L, kOp, "shards=", shards, " must be in [1, layers=", L, "]");
   EXPERTQMM_CHECK(prefix.empty() || prefix.back() == '.', kOp, "prefix '", prefix, "' must be empty or end in '.'");
-  if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST)
-    throw Error(kOp, dir + ": cannot create the directory: " + std::strerror(errno));
+  detail::StagedDir staged(dir, options.force, checkpoint_file, kOp);
 
   // Layer 0 sets the structure (names, dtypes, shapes) every layer must have.
   Gemma4FfnWeights first = layer(0);
@@ -279,75 +334,73 @@ void write_gemma4_checkpoint(const std::string& dir, const Gemma4Config& config,
     return e;
   };
 
-  std::map<std::string, std::string> weight_map;
-  size_t total_bytes = 0;
+  // Every header up front: the sizes are known before a byte is written, for the free-space check.
+  std::vector<ShardPlan> plan(static_cast<size_t>(shards));
+  uint64_t data_bytes = 0, total_bytes = 0;
   for (int s = 0; s < shards; ++s) {
-    const int begin = L * s / shards, end = L * (s + 1) / shards;  // layers [begin, end) in shard s
+    ShardPlan& sp = plan[static_cast<size_t>(s)];
+    sp.begin = L * s / shards;
+    sp.end = L * (s + 1) / shards;
     char name[64];
     if (shards == 1)
       std::snprintf(name, sizeof(name), "model.safetensors");
     else
       std::snprintf(name, sizeof(name), "model-%05d-of-%05d.safetensors", s + 1, shards);
-    std::vector<Entry> entries;
-    for (int n = begin; n < end; ++n) {
+    sp.name = name;
+    for (int n = sp.begin; n < sp.end; ++n) {
       const std::vector<Entry> e = entries_of(n);
-      entries.insert(entries.end(), e.begin(), e.end());
+      sp.entries.insert(sp.entries.end(), e.begin(), e.end());
     }
-    const std::string header = header_of(entries);
-    File out;
-    out.path = dir + "/" + name;
-    const std::string tmp = out.path + ".tmp";
-    out.f = std::fopen(tmp.c_str(), "wb");
-    if (!out.f) throw Error(kOp, tmp + ": cannot create: " + std::strerror(errno));
-    const uint64_t header_len = header.size();
+    sp.header = header_of(sp.entries);
+    total_bytes += sp.bytes();
+    data_bytes += sp.bytes() - 8 - sp.header.size();
+  }
+  const std::string config_text = config.to_json();
+  const std::string index_text = shards > 1 ? index_json(plan, data_bytes) : "";
+  total_bytes += config_text.size() + index_text.size();
+  const uint64_t free = options.free_bytes ? options.free_bytes(staged.parent()) : detail::free_bytes(staged.parent(), kOp);
+  if (free < total_bytes)
+    throw Error(kOp, dir + ": the checkpoint needs " + gb(total_bytes) + " but " + staged.parent() + " has " +
+                         gb(free) + " free");
+
+  uint64_t written = 0;
+  int layers_written = 0;
+  for (const ShardPlan& sp : plan) {
+    OutFile out(staged.path() + "/" + sp.name);
+    const uint64_t header_len = sp.header.size();
     out.write(&header_len, 8);
-    out.write(header.data(), header.size());
+    out.write(sp.header.data(), sp.header.size());
+    written += 8 + header_len;
     size_t next = 0;
-    for (int n = begin; n < end; ++n) {
+    for (int n = sp.begin; n < sp.end; ++n) {
       const Gemma4FfnWeights w = n == 0 ? first : layer(n);
       const auto tensors = flatten(w, prefix, n);
       EXPERTQMM_CHECK(tensors.size() == layout0.size(), kOp, "layer ", n, " has ", tensors.size(),
                       " tensors but layer 0 has ", layout0.size());
-      for (const auto& [tname, t] : tensors) {
-        const Entry& e = entries[next++];
+      for (size_t i = 0; i < tensors.size(); ++i) {
+        const auto& [tname, t] = tensors[i];
+        const Entry& e = sp.entries[next++];
+        const Entry& e0 = layout0[i];
         EXPERTQMM_CHECK(tname == e.name && t.dtype() == e.dtype && t.shape() == e.shape, kOp, "layer ", n,
                         ": tensor '", tname, "' ", dtype_name(t.dtype()), shape_str(t.shape()),
-                        " does not match layer 0's '", e.name, "' ", dtype_name(e.dtype), shape_str(e.shape));
+                        " does not match layer 0's '", e0.name, "' ", dtype_name(e0.dtype), shape_str(e0.shape));
         if (t.device() == Device::cpu && t.is_contiguous()) {
           out.write(t.data(), t.nbytes());
         } else {
           const std::vector<uint8_t> bytes = t.to_host_bytes();
           out.write(bytes.data(), bytes.size());
         }
-        weight_map[tname] = name;
-        total_bytes += e.bytes();
+        written += e.bytes();
       }
       if (n == 0) first = Gemma4FfnWeights();  // drop layer 0 once written
+      ++layers_written;
+      if (options.progress) options.progress(layers_written, L, written, total_bytes);
     }
-    if (std::fclose(out.f) != 0) {
-      out.f = nullptr;
-      throw Error(kOp, tmp + ": close failed: " + std::strerror(errno));
-    }
-    out.f = nullptr;
-    if (std::rename(tmp.c_str(), out.path.c_str()) != 0)
-      throw Error(kOp, out.path + ": rename failed: " + std::strerror(errno));
+    out.close();
   }
-
-  write_text(dir + "/config.json", config.to_json());
-  const std::string index_path = dir + "/model.safetensors.index.json";
-  if (shards > 1) {
-    std::ostringstream idx;
-    idx << "{\n  \"metadata\": {\"total_size\": " << total_bytes << "},\n  \"weight_map\": {";
-    bool comma = false;
-    for (const auto& [tname, file] : weight_map) {
-      idx << (comma ? ",\n    " : "\n    ") << json::quote(tname) << ": " << json::quote(file);
-      comma = true;
-    }
-    idx << "\n  }\n}\n";
-    write_text(index_path, idx.str());
-  } else {
-    std::remove(index_path.c_str());  // a stale index would point the reader at other files
-  }
+  write_text(staged.path() + "/config.json", config_text);
+  if (shards > 1) write_text(staged.path() + "/model.safetensors.index.json", index_text);
+  staged.publish();
 }
 
 }  // namespace expertqmm

@@ -1,5 +1,7 @@
 #include "core/json.h"
 
+#include <unordered_set>
+
 #include "expertqmm/error.h"
 
 namespace expertqmm::json {
@@ -145,10 +147,16 @@ class Parser {
       ++pos_;
       return v;
     }
+    std::unordered_set<std::string> keys;  // filled only for large objects; small ones scan members_
     while (true) {
       skip_ws();
       if (at_end() || peek() != '"') fail("expected a string key");
+      const size_t key_at = pos_;
       std::string key = parse_string();
+      if (is_duplicate(v.members_, keys, key)) {
+        pos_ = key_at;
+        fail("duplicate key " + quote(key) + " (readers disagree on which value wins)");
+      }
       skip_ws();
       if (at_end() || peek() != ':') fail("expected ':' after an object key");
       ++pos_;
@@ -167,6 +175,21 @@ class Parser {
       }
       fail("expected ',' or '}' in an object");
     }
+  }
+
+  // Whether `key` is already a member; switches to the hash set once the object is large, so a
+  // header of thousands of tensors stays linear.
+  static bool is_duplicate(const std::vector<std::pair<std::string, Value>>& members,
+                           std::unordered_set<std::string>& keys, const std::string& key) {
+    constexpr size_t kScanLimit = 16;
+    if (members.size() < kScanLimit) {
+      for (const auto& m : members)
+        if (m.first == key) return true;
+      return false;
+    }
+    if (keys.empty())
+      for (const auto& m : members) keys.insert(m.first);
+    return !keys.insert(key).second;
   }
 
   Value parse_array(int depth) {

@@ -1,6 +1,8 @@
 // A small strict JSON parser (RFC 8259) for untrusted checkpoint headers. Strict: no comments, no
 // trailing commas, no leading zeros, no NaN/Infinity, strings must be valid UTF-8 without raw control
-// characters. Bounded: nesting deeper than `max_depth` is an error, never a stack overflow.
+// characters, no duplicate keys in an object (readers disagree on which value wins: Python's json
+// takes the last, others the first). Bounded: nesting deeper than `max_depth` is an error, never a
+// stack overflow.
 // Every failure throws expertqmm::Error("json", "at byte <offset>: <what>").
 #pragma once
 #include <cstdint>
@@ -31,10 +33,10 @@ class Value {
   // (no sign, fraction or exponent); false for every other value, numbers included.
   bool to_uint64(uint64_t* out) const;
 
-  // Array items; object members in the order written, duplicate keys kept (callers decide).
+  // Array items; object members in the order written (keys are unique).
   const std::vector<Value>& items() const;
   const std::vector<std::pair<std::string, Value>>& members() const;
-  // First member named `key`, or nullptr (objects only; nullptr for other kinds).
+  // The member named `key`, or nullptr (objects only; nullptr for other kinds).
   const Value* find(std::string_view key) const;
 
   static const char* kind_name(Kind k);

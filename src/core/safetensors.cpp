@@ -11,6 +11,7 @@
 #include <cstring>
 #include <set>
 
+#include "core/input_file.h"
 #include "core/json.h"
 #include "expertqmm/error.h"
 
@@ -46,12 +47,16 @@ const char* safetensors_dtype_name(DType t) {
 }
 
 // A read-only file mapping; pages are MAP_PRIVATE, so a write through a tensor view stays private
-// to the process instead of faulting or reaching the file.
+// to the process instead of faulting or reaching the file. The descriptor stays open so that the
+// file's size can be checked again before its tensors are handed out: a file truncated while it is
+// mapped turns every read past its new end into SIGBUS.
 struct Mapping {
   void* addr = MAP_FAILED;
   size_t size = 0;
+  int fd = -1;
   ~Mapping() {
     if (addr != MAP_FAILED) ::munmap(addr, size);
+    if (fd >= 0) ::close(fd);
   }
 };
 
@@ -65,29 +70,15 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   SafetensorsFile f;
   f.path_ = path;
 
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail(path, "cannot open: " + errno_text());
-  struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    const std::string why = errno_text();
-    ::close(fd);
-    fail(path, "cannot stat: " + why);
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    fail(path, "not a regular file");
-  }
-  const uint64_t file_size = static_cast<uint64_t>(st.st_size);
-  if (file_size < 8) {
-    ::close(fd);
+  detail::InputFile file(path, kOp);
+  const uint64_t file_size = file.size();
+  if (file_size < 8)
     fail(path, detail::cat("file is ", file_size, " bytes, shorter than the 8-byte header length"));
-  }
   auto mapping = std::make_shared<Mapping>();
   mapping->size = static_cast<size_t>(file_size);
-  mapping->addr = ::mmap(nullptr, mapping->size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
-  const std::string mmap_error = mapping->addr == MAP_FAILED ? errno_text() : "";
-  ::close(fd);  // the mapping stays valid without the descriptor
-  if (mapping->addr == MAP_FAILED) fail(path, "cannot mmap: " + mmap_error);
+  mapping->addr = ::mmap(nullptr, mapping->size, PROT_READ | PROT_WRITE, MAP_PRIVATE, file.fd(), 0);
+  if (mapping->addr == MAP_FAILED) fail(path, "cannot mmap: " + errno_text());
+  mapping->fd = file.release();
   const unsigned char* base = static_cast<const unsigned char*>(mapping->addr);
 
   uint64_t header_len;
@@ -108,20 +99,16 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
   if (!root.is_object())
     fail(path, std::string("header must be a JSON object, got a ") + json::Value::kind_name(root.kind()));
 
-  bool seen_metadata = false;
+  // The parser rejects duplicate keys (tensor names, '__metadata__', fields), so each is seen once.
   for (const auto& [name, value] : root.members()) {
     if (name == "__metadata__") {
-      if (seen_metadata) fail(path, "duplicate '__metadata__' entry");
-      seen_metadata = true;
       if (!value.is_object()) fail(path, "'__metadata__' must be an object of strings");
       for (const auto& [key, v] : value.members()) {
         if (!v.is_string()) fail(path, "'__metadata__' value of '" + key + "' is not a string");
-        if (!f.metadata_.emplace(key, v.as_string()).second)
-          fail(path, "duplicate '__metadata__' key '" + key + "'");
+        f.metadata_.emplace(key, v.as_string());
       }
       continue;
     }
-    if (f.entries_.count(name)) fail_tensor(path, name, "duplicate tensor name");
     if (!value.is_object())
       fail_tensor(path, name, std::string("entry must be an object, got a ") + json::Value::kind_name(value.kind()));
     for (const auto& member : value.members())
@@ -146,14 +133,17 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
     if (!shape->is_array()) fail_tensor(path, name, "'shape' must be an array of non-negative integers");
     if (shape->items().size() > kMaxRank)
       fail_tensor(path, name, detail::cat("shape has ", shape->items().size(), " dims (limit ", kMaxRank, ")"));
-    uint64_t bytes = dtype_size(e.dtype);
+    // bytes: the data size; extent: the same with zero dims counted as 1, which the strides of a
+    // tensor holding nothing still multiply (Tensor's limit: int64).
+    uint64_t bytes = dtype_size(e.dtype), extent = bytes;
     bool overflow = false;
     for (const json::Value& d : shape->items()) {
       uint64_t dim;
       if (!d.to_uint64(&dim) || dim > static_cast<uint64_t>(INT64_MAX))
         fail_tensor(path, name, "'shape' must be an array of non-negative integers");
       e.shape.push_back(static_cast<int64_t>(dim));
-      overflow = overflow || __builtin_mul_overflow(bytes, dim, &bytes);
+      overflow = overflow || __builtin_mul_overflow(bytes, dim, &bytes) ||
+                 __builtin_mul_overflow(extent, dim ? dim : 1, &extent) || extent > uint64_t(INT64_MAX);
     }
     if (overflow) fail_tensor(path, name, "shape " + shape_str(e.shape) + " is too large");
 
@@ -190,14 +180,26 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
 
   for (const auto& entry : f.entries_) f.names_.push_back(entry.first);
   f.data_ = base + 8 + header_len;
+  f.data_offset_ = 8 + header_len;
   f.mapping_ = std::move(mapping);
   return f;
+}
+
+void SafetensorsFile::check_size(size_t end) const {
+  const auto* mapping = static_cast<const Mapping*>(mapping_.get());
+  struct stat st;
+  if (::fstat(mapping->fd, &st) != 0) fail(path_, "cannot stat: " + errno_text());
+  const uint64_t now = static_cast<uint64_t>(st.st_size);
+  if (now < data_offset_ + end)
+    fail(path_, detail::cat("file shrank from ", mapping->size, " to ", now,
+                            " bytes since it was opened (truncated while in use?); its tensors can no longer be read"));
 }
 
 Tensor SafetensorsFile::get(const std::string& name) const {
   auto it = entries_.find(name);
   if (it == entries_.end()) fail(path_, "no tensor named '" + name + "'");
   const Entry& e = it->second;
+  check_size(e.end);  // a view past the file's end would kill the first reader with SIGBUS
   const unsigned char* ptr = data_ + e.begin;
   if (reinterpret_cast<uintptr_t>(ptr) % dtype_size(e.dtype) != 0)  // misaligned: element reads would be UB
     return Tensor::from_host(ptr, e.shape, e.dtype, Device::cpu);

@@ -1,6 +1,7 @@
 #include "expertqmm/tensor.h"
 
 #include <cstring>
+#include <new>
 #include <sstream>
 #include <utility>
 
@@ -17,28 +18,40 @@ std::string shape_str(const Shape& s) {
   return o.str();
 }
 
+// Every product below is overflow-checked: a shape from a file or a command line can hold dims
+// whose product does not fit in int64, and a wrapped product would allocate or address too little.
 Shape contiguous_strides(const Shape& shape) {
   Shape st(shape.size());
   int64_t acc = 1;
   for (int i = static_cast<int>(shape.size()) - 1; i >= 0; --i) {
     st[i] = acc;
-    acc *= shape[i];
+    EXPERTQMM_CHECK(!__builtin_mul_overflow(acc, shape[i], &acc), "contiguous_strides", "shape ", shape_str(shape),
+                    " overflows 64-bit strides");
   }
   return st;
 }
 
 int64_t shape_numel(const Shape& shape) {
   int64_t n = 1;
-  for (int64_t d : shape) n *= d;
+  for (int64_t d : shape)
+    EXPERTQMM_CHECK(!__builtin_mul_overflow(n, d, &n), "shape_numel", "shape ", shape_str(shape),
+                    " has more elements than int64 can count");
   return n;
 }
 
-static void check_shape(const Shape& shape, const char* op) {
-  for (int64_t d : shape) EXPERTQMM_CHECK(d >= 0, op, "negative dimension in shape ", shape_str(shape));
+// Dims >= 0, and the byte size with zero dims counted as 1 fits in int64: then every stride, element
+// count and byte offset of the tensor fits too (they are products of some of these dims).
+static void check_shape(const Shape& shape, DType dtype, const char* op) {
+  int64_t bytes = static_cast<int64_t>(dtype_size(dtype));
+  for (int64_t d : shape) {
+    EXPERTQMM_CHECK(d >= 0, op, "negative dimension in shape ", shape_str(shape));
+    EXPERTQMM_CHECK(!__builtin_mul_overflow(bytes, d == 0 ? 1 : d, &bytes), op, "shape ", shape_str(shape), " of ",
+                    dtype_name(dtype), " is too large: its byte size overflows int64");
+  }
 }
 
 Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
-  check_shape(shape, "Tensor::empty");
+  check_shape(shape, dtype, "Tensor::empty");
   Tensor t;
   t.dtype_ = dtype;
   t.dtype_set_ = true;
@@ -48,7 +61,9 @@ Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {
   size_t bytes = t.nbytes();
   size_t alloc = bytes ? bytes : 1;
   if (device == Device::cpu) {
-    t.storage_ = std::shared_ptr<void>(::operator new(alloc), [](void* p) { ::operator delete(p); });
+    void* p = ::operator new(alloc, std::nothrow);
+    EXPERTQMM_CHECK(p, "Tensor::empty", "cannot allocate ", bytes, " bytes for ", dtype_name(dtype), shape_str(shape));
+    t.storage_ = std::shared_ptr<void>(p, [](void* q) { ::operator delete(q); });
   } else {
     t.storage_ = std::shared_ptr<void>(detail::device_alloc(alloc), [](void* p) { detail::device_free(p); });
   }
@@ -65,7 +80,7 @@ Tensor Tensor::from_host(const void* src, const Shape& shape, DType dtype, Devic
 }
 
 Tensor Tensor::view(void* data, const Shape& shape, DType dtype, Device device, const Shape& strides) {
-  check_shape(shape, "Tensor::view");
+  check_shape(shape, dtype, "Tensor::view");
   EXPERTQMM_CHECK(strides.empty() || strides.size() == shape.size(), "Tensor::view", "strides ",
                   shape_str(strides), " do not match shape ", shape_str(shape));
   Tensor t;
@@ -167,6 +182,7 @@ Tensor Tensor::contiguous() const {
 
 Tensor Tensor::reshape(const Shape& shape) const {
   EXPERTQMM_CHECK(is_contiguous(), "Tensor::reshape", "needs a contiguous tensor, got ", describe());
+  check_shape(shape, dtype_, "Tensor::reshape");
   EXPERTQMM_CHECK(shape_numel(shape) == numel(), "Tensor::reshape", "cannot reshape ", describe(),
                   " to ", shape_str(shape));
   Tensor t = *this;

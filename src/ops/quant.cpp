@@ -7,12 +7,6 @@
 
 namespace expertqmm {
 
-bool valid_bits(int bits) {
-  return bits == 2 || bits == 3 || bits == 4 || bits == 5 || bits == 6 || bits == 8;
-}
-
-bool valid_group_size(int group_size) { return group_size == 32 || group_size == 64 || group_size == 128; }
-
 QuantizedWeight quantize(const Tensor& w, QuantSpec spec) {
   constexpr const char* kOp = "quantize";
   detail::check_bits_group(kOp, spec.bits, spec.group_size);

@@ -128,3 +128,7 @@ QuantizedWeight to_device(const QuantizedWeight& q, Device device) {
 }
 
 }  // namespace expertqmm::test
+
+// Under ASan (EXPERTQMM_SANITIZE) a failed allocation must come back as nullptr, as it does without
+// ASan, so that the tests of "cannot allocate" errors see the library's error, not ASan's report.
+extern "C" const char* __asan_default_options() { return "allocator_may_return_null=1"; }

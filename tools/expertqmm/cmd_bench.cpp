@@ -45,10 +45,10 @@ namespace {
 
 struct BenchOptions {
   const Preset* preset = nullptr;
-  std::vector<long> tokens;
+  std::vector<int64_t> tokens;
   std::string routing;
   std::vector<ProductMode> products;
-  std::vector<RouteSwitch> tile_settings;  // expert tile route: automatic (its default) and/or off
+  std::vector<RouteSwitch> tile_settings;  // expert tile route: auto (its default), on, off, or auto and off
   std::string json_path;
   std::string export_dir;
   int replays = 100;
@@ -58,7 +58,7 @@ struct BenchOptions {
 void print_usage() {
   std::printf(
       "usage: expertqmm bench [--preset gemma4-26b-a4b] [--tokens 1,8,64,512,1024,2048] [--routing uniform|zipf]\n"
-      "                       [--product fused|separate|both] [--expert-tiles auto|off|both] [--json FILE]\n"
+      "                       [--product fused|separate|both] [--expert-tiles auto|on|off|both] [--json FILE]\n"
       "                       [--replays 100] [--export-dir DIR]\n"
       "                       [--seed S]\n"
       "Times the whole MoE layer as CUDA graph replays (4 weight copies round robin, L2 flushed between\n"
@@ -71,34 +71,16 @@ BenchOptions parse_options(int argc, char** argv) {
   args.check_known({"preset", "tokens", "routing", "product", "expert-tiles", "json", "replays", "export-dir", "seed"});
   BenchOptions o;
   o.preset = &find_preset(args.get("preset", "gemma4-26b-a4b"));
-  o.tokens = args.get_int_list("tokens", {1, 8, 64, 512, 1024, 2048});
-  EXPERTQMM_CHECK(!o.tokens.empty(), "bench", "--tokens needs at least one token count");
-  for (long t : o.tokens) EXPERTQMM_CHECK(t >= 1, "bench", "--tokens: every count must be >= 1, got ", t);
-  o.routing = args.get("routing", "uniform");
-  EXPERTQMM_CHECK(o.routing == "uniform" || o.routing == "zipf", "bench",
-                  "--routing expects uniform or zipf, got '", o.routing, "'");
-  const std::string product = args.get("product", "fused");
-  if (product == "both") o.products = {ProductMode::fused, ProductMode::separate};
-  else if (product == "fused") o.products = {ProductMode::fused};
-  else if (product == "separate") o.products = {ProductMode::separate};
-  else throw Error("bench", detail::cat("--product expects fused, separate or both, got '", product, "'"));
+  o.tokens = args.get_int_list("tokens", {1, 8, 64, 512, 1024, 2048}, 1, kMaxTokens);
+  o.routing = args.get_choice("routing", "uniform", {"uniform", "zipf"});
+  o.products = product_modes(args, "fused");
   // --expert-tiles off (or both) also times the layer with the sorted tile route switched off, so one
   // run shows the tile route against the generic routes it falls back to.
-  const std::string tiles = args.get("expert-tiles", "auto");
-  if (tiles == "both") o.tile_settings = {RouteSwitch::automatic, RouteSwitch::off};
-  else if (tiles == "auto") o.tile_settings = {RouteSwitch::automatic};
-  else if (tiles == "off") o.tile_settings = {RouteSwitch::off};
-  else throw Error("bench", detail::cat("--expert-tiles expects auto, off or both, got '", tiles, "'"));
-  EXPERTQMM_CHECK(!args.has("json") || !args.get("json").empty(), "bench", "--json needs a file name");
-  o.json_path = args.get("json");
-  EXPERTQMM_CHECK(!args.has("export-dir") || !args.get("export-dir").empty(), "bench", "--export-dir needs a directory");
-  o.export_dir = args.get("export-dir");
-  const long replays = args.get_int("replays", 100);
-  EXPERTQMM_CHECK(replays >= 1 && replays <= 100000, "bench", "--replays must be in [1, 100000], got ", replays);
-  o.replays = int(replays);
-  const long seed = args.get_int("seed", 1);
-  EXPERTQMM_CHECK(seed >= 0, "bench", "--seed must be >= 0, got ", seed);
-  o.seed = uint64_t(seed);
+  o.tile_settings = expert_tile_settings(args);
+  o.json_path = args.get_optional("json", "a file name");
+  o.export_dir = args.get_optional("export-dir", "a directory");
+  o.replays = int(args.get_int("replays", 100, 1, 100000));
+  o.seed = uint64_t(args.get_int("seed", 1, 0, kMaxSeed));
   return o;
 }
 
@@ -450,7 +432,6 @@ std::string utc_now() {
 }
 
 const char* product_name(ProductMode m) { return m == ProductMode::fused ? "fused" : "separate"; }
-const char* tiles_name(RouteSwitch s) { return s == RouteSwitch::off ? "off" : s == RouteSwitch::on ? "on" : "auto"; }
 
 // ---- export for the torch peer (bench/peers/torch_grouped.py) ----
 
@@ -603,7 +584,7 @@ int run_bench(int argc, char** argv) {
       const double sec = m.us.median * 1e-6;
       const std::string label = tiles == RouteSwitch::automatic
                                     ? std::string(product_name(mode))
-                                    : std::string(product_name(mode)) + "/tiles-" + tiles_name(tiles);
+                                    : std::string(product_name(mode)) + "/tiles-" + expert_tiles_name(tiles);
       std::printf("  %-16s %10.1f %9.1f %9.1f %8.1f %8.0f %10.1f %10.2f %7d %10.2e %8.1f%s\n", label.c_str(),
                   m.us.median, m.us.p10, m.us.p90, flops / sec / 1e12, bytes / sec / 1e9, floor_us,
                   m.us.median / floor_us, m.nodes.kernels, err, m.workspace_bytes / 1e6, pass ? "" : "  FAIL");
@@ -612,7 +593,7 @@ int run_bench(int argc, char** argv) {
       if (tiles == o.tile_settings.front()) medians.push_back(m.us.median);
 
       rows_json << (n_rows++ ? ",\n    " : "") << "{\"tokens\": " << T << ", \"product\": \"" << product_name(mode)
-                << "\", \"expert_tiles\": \"" << tiles_name(tiles) << "\", \"assignments\": " << T * k << ", \"experts_hit\": " << experts_hit
+                << "\", \"expert_tiles\": \"" << expert_tiles_name(tiles) << "\", \"assignments\": " << T * k << ", \"experts_hit\": " << experts_hit
                 << ", \"replays\": " << o.replays << ", \"us_median\": " << json_number(m.us.median)
                 << ", \"us_p10\": " << json_number(m.us.p10) << ", \"us_p90\": " << json_number(m.us.p90)
                 << ", \"tflops\": " << json_number(flops / sec / 1e12) << ", \"gbps\": " << json_number(bytes / sec / 1e9)

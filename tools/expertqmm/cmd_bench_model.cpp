@@ -13,6 +13,7 @@
 #include "expertqmm/backend.h"
 #include "expertqmm/checkpoint.h"
 #include "expertqmm/error.h"
+#include "presets.h"
 #include "synthetic.h"
 #ifdef EXPERTQMM_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -28,7 +29,7 @@ constexpr int64_t kDecodeMaxTokens = 64;  // token counts up to this are reporte
 
 struct ModelBenchOptions {
   std::string dir;
-  std::vector<long> tokens;
+  std::vector<int64_t> tokens;
   std::vector<ProductMode> products;
   int replays = 20;
   std::string json_path;
@@ -48,24 +49,12 @@ ModelBenchOptions parse_model_options(int argc, char** argv) {
   Args args(argc, argv);
   args.check_known({"model", "tokens", "product", "replays", "json", "seed"});
   ModelBenchOptions o;
-  o.dir = args.get("model");
-  EXPERTQMM_CHECK(!o.dir.empty(), "bench", "--model needs a checkpoint directory");
-  o.tokens = args.get_int_list("tokens", {1, 8, 512, 1024, 2048});
-  EXPERTQMM_CHECK(!o.tokens.empty(), "bench", "--tokens needs at least one token count");
-  for (long t : o.tokens) EXPERTQMM_CHECK(t >= 1 && t <= 65536, "bench", "--tokens: every count must be in [1, 65536], got ", t);
-  const std::string product = args.get("product", "both");
-  if (product == "both") o.products = {ProductMode::fused, ProductMode::separate};
-  else if (product == "fused") o.products = {ProductMode::fused};
-  else if (product == "separate") o.products = {ProductMode::separate};
-  else throw Error("bench", detail::cat("--product expects fused, separate or both, got '", product, "'"));
-  const long replays = args.get_int("replays", 20);
-  EXPERTQMM_CHECK(replays >= 1 && replays <= 10000, "bench", "--replays must be in [1, 10000], got ", replays);
-  o.replays = int(replays);
-  EXPERTQMM_CHECK(!args.has("json") || !args.get("json").empty(), "bench", "--json needs a file name");
-  o.json_path = args.get("json");
-  const long seed = args.get_int("seed", 1);
-  EXPERTQMM_CHECK(seed >= 0, "bench", "--seed must be >= 0, got ", seed);
-  o.seed = uint64_t(seed);
+  o.dir = args.get_required("model", "DIR");
+  o.tokens = args.get_int_list("tokens", {1, 8, 512, 1024, 2048}, 1, kMaxTokens);
+  o.products = product_modes(args, "both");
+  o.replays = int(args.get_int("replays", 20, 1, 10000));
+  o.json_path = args.get_optional("json", "a file name");
+  o.seed = uint64_t(args.get_int("seed", 1, 0, kMaxSeed));
   return o;
 }
 

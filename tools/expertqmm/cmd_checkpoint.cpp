@@ -1,27 +1,34 @@
 // `expertqmm write-checkpoint`: writes a synthetic Gemma 4 checkpoint in mlx-lm's format (random
 // codes, no quantizer run, so the 30-layer 26B-A4B geometry takes seconds plus disk time).
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <string>
 
 #include "cli.h"
 #include "expertqmm/checkpoint.h"
 #include "expertqmm/error.h"
+#include "presets.h"
 
 namespace expertqmm::cli {
 
 namespace {
 
+constexpr int64_t kMaxLayers = 1000;
+
 void print_usage() {
   std::printf(
       "usage: expertqmm write-checkpoint --out DIR [--preset gemma4-26b-a4b|tiny] [--layers 30] [--seed 1]\n"
-      "                                  [--shards N] [--prefix model.] [--group-size 64]\n"
+      "                                  [--shards N] [--prefix model.] [--group-size 64] [--force]\n"
       "Writes config.json and model.safetensors (or N shards and model.safetensors.index.json) with\n"
       "synthetic weights: experts 4-bit g64, dense MLP and router.proj 8-bit g64 (as the QAT checkpoint).\n"
       "--group-size 32|64|128 sets the default (the experts'); as mlx-lm's quantize_model, a module whose\n"
       "input width is not a multiple of it stays bf16 (at 128: the experts' down_proj, 704 inputs).\n"
       "gemma4-26b-a4b: H=2816, I=2112, 128 experts x 704, top-8 (~0.45 GB a layer); tiny: H=128, I=192,\n"
-      "8 experts x 64, top-2. Default shards: one per 5 GB, as mlx-lm.\n");
+      "8 experts x 64, top-2. Default shards: one per 5 GB, as mlx-lm.\n"
+      "DIR must not exist or be empty; --force replaces a checkpoint there (a directory holding other\n"
+      "files is still refused). The files are written into a temporary directory beside DIR and moved\n"
+      "into place at the end, so an interrupted or failed write leaves DIR as it was.\n");
 }
 
 }  // namespace
@@ -29,20 +36,14 @@ void print_usage() {
 int run_write_checkpoint(int argc, char** argv) {
   Args args(argc, argv);
   if (args.has("help")) return print_usage(), 0;
-  args.check_known({"out", "preset", "layers", "seed", "shards", "prefix", "group-size"});
-  const std::string out = args.get("out");
-  EXPERTQMM_CHECK(!out.empty(), "write-checkpoint", "--out DIR is required");
-  const std::string preset = args.get("preset", "gemma4-26b-a4b");
-  const long layers = args.get_int("layers", preset == "tiny" ? 2 : 30);
-  EXPERTQMM_CHECK(layers >= 1 && layers <= 1000, "write-checkpoint", "--layers must be in [1, 1000], got ", layers);
-  const long seed = args.get_int("seed", 1);
-  EXPERTQMM_CHECK(seed >= 0, "write-checkpoint", "--seed must be >= 0, got ", seed);
-  const std::string prefix = args.get("prefix", "model.");
-  EXPERTQMM_CHECK(prefix == "model." || prefix == "language_model.model.", "write-checkpoint",
-                  "--prefix expects model. or language_model.model., got '", prefix, "'");
-  const long group_size = args.get_int("group-size", 64);
-  EXPERTQMM_CHECK(valid_group_size(int(group_size)), "write-checkpoint", "--group-size expects 32, 64 or 128, got ",
-                  group_size);
+  args.check_known({"out", "preset", "layers", "seed", "shards", "prefix", "group-size", "force"});
+  const std::string out = args.get_required("out", "DIR");
+  const std::string preset = args.get_choice("preset", "gemma4-26b-a4b", {"gemma4-26b-a4b", "tiny"});
+  const int64_t layers = args.get_int("layers", preset == "tiny" ? 2 : 30, 1, kMaxLayers);
+  const uint64_t seed = uint64_t(args.get_int("seed", 1, 0, kMaxSeed));
+  const std::string prefix = args.get_choice("prefix", "model.", {"model.", "language_model.model."});
+  const bool force = args.get_flag("force");
+  const int group_size = std::stoi(args.get_choice("group-size", "64", {"32", "64", "128"}));
   Gemma4Config c = Gemma4Config::gemma4_26b_a4b(layers, prefix);
   c.default_quant.group_size = int(group_size);
   if (preset == "tiny") {
@@ -51,25 +52,27 @@ int run_write_checkpoint(int argc, char** argv) {
     c.moe_intermediate_size = 64;
     c.num_experts = 8;
     c.top_k_experts = 2;
-  } else {
-    EXPERTQMM_CHECK(preset == "gemma4-26b-a4b", "write-checkpoint", "--preset expects gemma4-26b-a4b or tiny, got '",
-                    preset, "'");
   }
-  const size_t layer_bytes = synthetic_gemma4_layer(c, 0, uint64_t(seed), prefix).nbytes();
-  const long default_shards = std::max<long>(1, std::min<long>(layers, long((layer_bytes * size_t(layers)) / (5ull << 30)) + 1));
-  const long shards = args.get_int("shards", default_shards);
-  EXPERTQMM_CHECK(shards >= 1 && shards <= layers, "write-checkpoint", "--shards must be in [1, layers=", layers,
-                  "], got ", shards);
-  std::fprintf(stderr, "writing %ld layers (%.2f GB) in %ld file(s) to %s ...\n", layers,
-               double(layer_bytes) * double(layers) / 1e9, shards, out.c_str());
+  const size_t layer_bytes = synthetic_gemma4_layer(c, 0, seed, prefix).nbytes();
+  const int64_t default_shards =
+      std::max<int64_t>(1, std::min<int64_t>(layers, int64_t((layer_bytes * size_t(layers)) / (5ull << 30)) + 1));
+  const int64_t shards = args.get_int("shards", default_shards, 1, layers);
+  std::fprintf(stderr, "writing %lld layers (%.2f GB) in %lld file(s) to %s ...\n", (long long)layers,
+               double(layer_bytes) * double(layers) / 1e9, (long long)shards, out.c_str());
+
+  CheckpointWriteOptions options;
+  options.prefix = prefix;
+  options.force = force;
+  const auto t0 = std::chrono::steady_clock::now();
+  options.progress = [&](int done, int all, uint64_t written, uint64_t total) {
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::fprintf(stderr, "  layer %d/%d written, %.2f of %.2f GB, %.0f s\n", done, all, double(written) / 1e9,
+                 double(total) / 1e9, s);
+    std::fflush(stderr);
+  };
   write_gemma4_checkpoint(
-      out, c, int(shards),
-      [&](int n) {
-        std::fprintf(stderr, "  layer %d\n", n);
-        return synthetic_gemma4_layer(c, n, uint64_t(seed), prefix);
-      },
-      prefix);
-  std::printf("wrote %s: %ld layers, %ld file(s)\n", out.c_str(), layers, shards);
+      out, c, int(shards), [&](int n) { return synthetic_gemma4_layer(c, n, seed, prefix); }, options);
+  std::printf("wrote %s: %lld layers, %lld file(s)\n", out.c_str(), (long long)layers, (long long)shards);
   return 0;
 }
 

@@ -36,16 +36,6 @@ std::string sci(double v) {
   return buf;
 }
 
-// Stage messages on stderr, only for presets big enough that a stage takes seconds.
-struct Progress {
-  bool on;
-  void say(const char* what) const {
-    if (!on) return;
-    std::fprintf(stderr, "%s ...\n", what);
-    std::fflush(stderr);
-  }
-};
-
 // C distinct token ids in [0, T), ascending, drawn with the seed.
 std::vector<int64_t> sample_tokens(int64_t T, int64_t C, uint64_t seed) {
   std::vector<int64_t> all(T);
@@ -85,19 +75,14 @@ int run_run(int argc, char** argv) {
   }
   args.check_known({"preset", "tokens", "backend", "seed", "routing", "check-tokens"});
   const Preset& preset = find_preset(args.get("preset", "gemma4-26b-a4b"));
-  EXPERTQMM_CHECK(args.has("tokens"), "run", "--tokens N is required");
-  const int64_t T = args.get_int("tokens", 0);
-  EXPERTQMM_CHECK(T >= 1, "run", "--tokens must be >= 1, got ", T);
-  const long seed_arg = args.get_int("seed", 1);
-  EXPERTQMM_CHECK(seed_arg >= 0, "run", "--seed must be >= 0, got ", seed_arg);
-  const uint64_t seed = uint64_t(seed_arg);
-  const std::string routing = args.get("routing", "uniform");
-  EXPERTQMM_CHECK(routing == "uniform" || routing == "zipf", "run", "--routing expects uniform or zipf, got '",
-                  routing, "'");
-  const int64_t C = args.get_int("check-tokens", std::min<int64_t>(T, 4));
-  EXPERTQMM_CHECK(C >= 1 && C <= T, "run", "--check-tokens must be in [1, tokens = ", T, "], got ", C);
+  args.get_required("tokens", "N");
+  const int64_t T = args.get_int("tokens", 0, 1, kMaxTokens);
+  const uint64_t seed = uint64_t(args.get_int("seed", 1, 0, kMaxSeed));
+  const std::string routing = args.get_choice("routing", "uniform", {"uniform", "zipf"});
+  const int64_t C = args.get_int("check-tokens", std::min<int64_t>(T, 4), 1, T);
   const Device device = resolve_backend(args.get("backend", "auto"));
   const int64_t H = preset.hidden, k = preset.top_k;
+  // Only for presets big enough that a stage takes seconds.
   const Progress progress{preset.expert_bytes() > (int64_t(64) << 20)};
 
   progress.say("generating weights");

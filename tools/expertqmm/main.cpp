@@ -10,7 +10,10 @@
 
 namespace {
 
-int cmd_info(int, char**) {
+int cmd_info(int argc, char** argv) {
+  const expertqmm::cli::Args args(argc, argv);
+  if (args.has("help")) return std::printf("usage: expertqmm info\nPrints the build and the devices found.\n"), 0;
+  args.check_known({});
   std::printf("expertqmm %s\n", EXPERTQMM_VERSION_STRING);
   std::printf("cuda backend built: %s\n", expertqmm::cuda_built() ? "yes" : "no");
   std::printf("cuda device: %s\n", expertqmm::cuda_available() ? expertqmm::cuda_device_name() : "none");
@@ -40,6 +43,9 @@ int main(int argc, char** argv) {
     if (!std::strcmp(argv[1], "info")) return cmd_info(argc - 1, argv + 1);
     for (const expertqmm::cli::Command& c : expertqmm::cli::commands())
       if (!std::strcmp(argv[1], c.name)) return c.run(argc - 1, argv + 1);
+  } catch (const expertqmm::cli::UsageError& e) {
+    std::fprintf(stderr, "expertqmm %s: %s\n", argv[1], e.what());
+    return 2;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "error: %s\n", e.what());
     return 1;

@@ -37,17 +37,33 @@ const Preset& find_preset(const std::string& name) {
     known += known.empty() ? "" : ", ";
     known += p.name;
   }
-  throw Error("cli", detail::cat("unknown preset '", name, "' (known: ", known, ")"));
+  usage_error(detail::cat("--preset: unknown preset '", name, "' (known: ", known, ")"));
 }
 
 Device resolve_backend(const std::string& name) {
   if (name == "cpu") return Device::cpu;
   if (name == "auto") return best_device();
-  EXPERTQMM_CHECK(name == "cuda", "cli", "--backend expects auto, cpu or cuda, got '", name, "'");
+  if (name != "cuda") usage_error("--backend expects auto, cpu or cuda, got '" + name + "'");
   EXPERTQMM_CHECK(cuda_built(), "cli",
                   "--backend cuda: this build has no CUDA backend (configure with -DEXPERTQMM_CUDA=ON)");
   EXPERTQMM_CHECK(cuda_available(), "cli", "--backend cuda: no usable CUDA device on this machine");
   return Device::cuda;
+}
+
+std::vector<RouteSwitch> expert_tile_settings(const Args& args) {
+  const std::string v = args.get_choice("expert-tiles", "auto", {"auto", "on", "off", "both"});
+  if (v == "both") return {RouteSwitch::automatic, RouteSwitch::off};
+  return {v == "on" ? RouteSwitch::on : v == "off" ? RouteSwitch::off : RouteSwitch::automatic};
+}
+
+const char* expert_tiles_name(RouteSwitch s) {
+  return s == RouteSwitch::off ? "off" : s == RouteSwitch::on ? "on" : "auto";
+}
+
+std::vector<ProductMode> product_modes(const Args& args, const std::string& fallback) {
+  const std::string v = args.get_choice("product", fallback, {"fused", "separate", "both"});
+  if (v == "both") return {ProductMode::fused, ProductMode::separate};
+  return {v == "fused" ? ProductMode::fused : ProductMode::separate};
 }
 
 std::string device_label(Device d) {

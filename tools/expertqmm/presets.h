@@ -1,9 +1,13 @@
-// Workload presets of the CLI (a data table) and the backend choice of `run` / `diag`.
+// Workload presets of the CLI (a data table), the backend choice of `run` / `diag`, and the option
+// values several commands share.
 #pragma once
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "cli.h"
+#include "expertqmm/backend.h"
+#include "expertqmm/diagnostics.h"
 #include "expertqmm/dtype.h"
 #include "expertqmm/ops.h"
 
@@ -30,12 +34,24 @@ struct Preset {
 };
 
 const std::vector<Preset>& presets();
-// Throws Error("cli") naming the unknown preset and the known ones.
+
+// Token counts the commands accept: far beyond a benchmark's 2048, small enough that no buffer
+// size built from them overflows or asks for an absurd allocation.
+constexpr int64_t kMaxTokens = 65536;
+constexpr int64_t kMaxSeed = INT64_MAX;
+// Throws UsageError naming the unknown preset and the known ones.
 const Preset& find_preset(const std::string& name);
 
 // "auto" (CUDA when expertqmm::cuda_available(), else CPU), "cpu" or "cuda". Throws when CUDA is
 // requested and this build or this machine cannot provide it.
 Device resolve_backend(const std::string& name);
+
+// --expert-tiles auto|on|off|both, the same values in every command: the tile route at its
+// default, forced on, forced off, or both the default and off (one run compares them).
+std::vector<RouteSwitch> expert_tile_settings(const Args& args);
+const char* expert_tiles_name(RouteSwitch s);
+// --product fused|separate|both.
+std::vector<ProductMode> product_modes(const Args& args, const std::string& fallback);
 
 // Name of the device that runs `d`: the CUDA device name, or the host CPU's model name.
 std::string device_label(Device d);
