@@ -187,55 +187,5 @@ TEST(SwitchGlu16Bit, WeightChecksNameTheProjection) {
   expect_error([&] { switch_glu(x, idx, w); }, "switch_glu", {"gate (16-bit) must be [E, N, K]"});
 }
 
-// Host memory labelled cuda: the op front must throw before anything reads it (no kernel exists
-// for 16-bit experts yet), in a build with or without the CUDA backend.
-Tensor on_cuda(const Tensor& t) {
-  return Tensor::view(t.data(), t.shape(), t.dtype(), Device::cuda, t.strides());
-}
-
-TEST(SwitchGlu16Bit, CudaInputsAreRejectedAtTheOpFrontNamingTheWeight) {
-  const int64_t E = 4, D = 64, I = 32, T = 3;
-  const SwitchGLUWeights host = experts(E, D, I, true, true, false, Activation::geglu);
-  SwitchGLUWeights dev = host;
-  for (QuantizedWeight* q : {&dev.gate, &dev.up}) {
-    q->w = on_cuda(q->w);
-    q->scales = on_cuda(q->scales);
-    q->biases = on_cuda(q->biases);
-  }
-  dev.down_dense = on_cuda(host.down_dense);
-  const Tensor xh = test::random_tensor({T, D}, DType::bf16), ih = test::ids_tensor({0, 1, 2, 3, 1, 0}, {T, 2});
-  const Tensor x = on_cuda(xh), idx = on_cuda(ih);
-  const std::vector<std::string> why = {"experts down", "bfloat16", "CUDA backend has no 16-bit expert kernels"};
-  expect_error([&] { switch_glu(x, idx, dev); }, "switch_glu", why);
-  const Tensor hidden = test::random_tensor({T, 1, I}, DType::bf16), rows = test::ids_tensor({0, 1, 2}, {T});
-  expect_error([&] { gather_mm(on_cuda(hidden), dev.down_dense.swapaxes(-1, -2), Tensor(), on_cuda(rows)); },
-               "gather_mm", {"bfloat16", "CUDA backend has no 16-bit expert kernels"});
-  MoeWeights m;
-  m.experts = dev;
-  const Tensor proj = test::random_tensor({E, D}, DType::bf16), scale = test::random_tensor({D}, DType::bf16);
-  const Tensor pes = test::random_tensor({E}, DType::bf16);
-  m.router.proj_dense = on_cuda(proj);
-  m.router.scale = on_cuda(scale);
-  m.router.per_expert_scale = on_cuda(pes);
-  m.router.top_k = 2;
-  expect_error([&] { moe_layer(x, x, m); }, "moe_layer", why);
-  const Tensor outh = Tensor::empty({T, D}, DType::bf16);
-  Tensor out = on_cuda(outh);
-  Workspace ws;
-  expect_error([&] { moe_layer_into(out, x, x, m, ws); }, "moe_layer_into", why);
-  // gemma4_ffn refuses before its dense MLP runs.
-  Gemma4FfnWeights f;
-  const Tensor norm = test::random_tensor({D}, DType::bf16), ls = test::random_tensor({1}, DType::bf16);
-  f.pre_feedforward_layernorm = f.post_feedforward_layernorm_1 = f.pre_feedforward_layernorm_2 =
-      f.post_feedforward_layernorm_2 = f.post_feedforward_layernorm = on_cuda(norm);
-  f.layer_scalar = on_cuda(ls);
-  const Tensor mg = test::random_tensor({48, D}, DType::bf16), md = test::random_tensor({D, 48}, DType::bf16);
-  f.mlp.gate.dense = f.mlp.up.dense = on_cuda(mg);
-  f.mlp.down.dense = on_cuda(md);
-  f.moe = m;
-  expect_error([&] { gemma4_ffn(x, f); }, "gemma4_ffn", why);
-  expect_error([&] { gemma4_ffn_into(out, x, f, ws); }, "gemma4_ffn", why);
-}
-
 }  // namespace
 }  // namespace expertqmm

@@ -9,8 +9,7 @@ namespace expertqmm {
 // Each projection is quantized or 16-bit on its own: mlx-lm leaves a SwitchLinear unquantized
 // (e.g. down_proj when I is not a multiple of the group size), stored as a float [E, N, K] weight
 // and applied with MLX's gather_mm. Give exactly one of `gate` / `gate_dense` (and so on); mixes
-// such as gate/up quantized and down bf16 are valid. 16-bit experts run on the CPU only so far: the
-// ops throw an Error naming the weight when they would reach the CUDA backend.
+// such as gate/up quantized and down bf16 are valid, on both backends.
 struct SwitchGLUWeights {
   QuantizedWeight gate;
   QuantizedWeight up;
@@ -22,7 +21,7 @@ struct SwitchGLUWeights {
   Tensor down_dense;        // [E, D, I]
   Activation activation = Activation::geglu;
   bool fused() const { return gate_up.defined() || gate_up_dense.defined(); }
-  // True when any projection is 16-bit (the CPU-only form).
+  // True when any projection is 16-bit.
   bool has_dense() const {
     return gate_dense.defined() || up_dense.defined() || gate_up_dense.defined() || down_dense.defined();
   }

@@ -23,7 +23,8 @@ inline Tensor gather_qmm(const Tensor& x, const QuantizedWeight& q, const Tensor
 // mx.gather_mm, the unquantized form (mlx-lm's SwitchLinear when experts stay 16-bit). a [*Ba, M, K];
 // b [*Bb, K, N], any strides (mlx-lm passes weight.swapaxes(-1, -2) of an [E, N, K] weight);
 // indices as gather_qmm. Output S + [M, N] in promote(a, b) dtype: fp32 accumulation, one rounding.
-// The CUDA backend has no kernel for it yet: cuda inputs give an Error naming the op and backend.
+// On CUDA: a tensor-core route for sorted rows, a GEMV route for decode sizes and a simt route for
+// everything else (src/cuda/gather_mm.h).
 Tensor gather_mm(const Tensor& a, const Tensor& b, const Tensor& lhs_indices, const Tensor& rhs_indices,
                  bool sorted_indices = false);
 

@@ -22,7 +22,7 @@ AtomicCounters& counters(detail::Primitive p) {
   return all[static_cast<int>(p)];
 }
 
-std::atomic<detail::DeviceRetractionReader> g_retraction_reader{nullptr};
+std::atomic<detail::DeviceRetractionReader> g_retraction_readers[detail::kPrimitiveCount] = {};
 }  // namespace
 
 const char* fallback_name(Fallback f) {
@@ -52,6 +52,7 @@ const char* primitive_name(Primitive p) {
   switch (p) {
     case Primitive::gather_qmm: return "gather_qmm";
     case Primitive::moe_decode_layer: return "moe_decode_layer";
+    case Primitive::gather_mm: return "gather_mm";
     case Primitive::count_: break;
   }
   throw Error("primitive_name", cat("value ", static_cast<int>(p), " is not a Primitive"));
@@ -81,8 +82,10 @@ void record_selection(Primitive p, bool requested, bool available, bool hit, Fal
     c.fallbacks[static_cast<int>(why)].fetch_add(1, relaxed);
 }
 
-void set_device_retraction_reader(DeviceRetractionReader read_and_reset) {
-  g_retraction_reader.store(read_and_reset);
+void set_device_retraction_reader(DeviceRetractionReader read_and_reset, Primitive p) {
+  EXPERTQMM_CHECK(static_cast<int>(p) < kPrimitiveCount, "set_device_retraction_reader", "primitive ",
+                  static_cast<int>(p), " out of range");
+  g_retraction_readers[static_cast<int>(p)].store(read_and_reset);
 }
 
 }  // namespace detail
@@ -101,8 +104,8 @@ std::vector<RouteCounters> snapshot() {
     r.available = c.available.load(relaxed);
     r.hits = c.hits.load(relaxed);
     for (int f = 0; f < kFallbackCount; ++f) r.fallbacks[f] = c.fallbacks[f].load(relaxed);
-    if (p == detail::Primitive::gather_qmm) {
-      if (detail::DeviceRetractionReader reader = g_retraction_reader.load()) {
+    {
+      if (detail::DeviceRetractionReader reader = g_retraction_readers[i].load()) {
         // Each device retraction was recorded as a hit; clamped in case work queued before a
         // reset() retracted after it (its hit is gone, so there is nothing to move).
         const uint64_t moved = std::min(reader(false), r.hits);
@@ -125,7 +128,8 @@ void reset() {
     c.hits.store(0, relaxed);
     for (auto& f : c.fallbacks) f.store(0, relaxed);
   }
-  if (detail::DeviceRetractionReader reader = g_retraction_reader.load()) reader(true);
+  for (auto& slot : g_retraction_readers)
+    if (detail::DeviceRetractionReader reader = slot.load()) reader(true);
 }
 
 std::string format(const std::vector<RouteCounters>& counters) {

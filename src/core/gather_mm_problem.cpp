@@ -52,4 +52,11 @@ GatherMmProblem make_gather_mm_problem(const Tensor& a, const Tensor& b, const T
   return p;
 }
 
+std::string GatherMmProblem::describe() const {
+  return cat("gather_mm problem {M=", M, " N=", N, " K=", K, " sorted_indices=", sorted_indices,
+             " batch=", shape_str(batch), " x_batch=", x_batch, " w_batch(E)=", w_batch, " dtype=", dtype_name(dtype),
+             " device=", device_name(device), " x=", x.describe(), " w=", w.describe(), " w strides (batch, k, n)=(",
+             w_batch_stride, ", ", w_stride_k, ", ", w_stride_n, ")}");
+}
+
 }  // namespace expertqmm::detail

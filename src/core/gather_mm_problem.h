@@ -17,6 +17,10 @@ struct GatherMmProblem : GatherBatch {
   // mlx-lm's weight.swapaxes(-1, -2) of an [E, N, K] weight needs no copy.
   Tensor w;
   int64_t w_batch_stride = 0, w_stride_k = 0, w_stride_n = 0;
+  // CUDA tile route: a tile plan already built for rhs on the current stream (shared by the GEMMs of
+  // an MoE layer, as GatherQmmProblem::tile_plan); nullptr: the route builds one.
+  const void* tile_plan = nullptr;
+  std::string describe() const;  // every field, for "no route" errors
 };
 
 // Validates every argument (throws Error naming "gather_mm" and the values) and builds the problem.

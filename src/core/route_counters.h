@@ -9,7 +9,8 @@ namespace expertqmm::detail {
 
 // gather_qmm: the expert tile route vs the generic routes. moe_decode_layer: the three-kernel decode
 // layer vs the general moe_layer_into path (a "hit" is a layer served by the decode kernels).
-enum class Primitive : uint8_t { gather_qmm, moe_decode_layer, count_ };
+// gather_mm: the 16-bit expert tile route vs the GEMV and simt routes.
+enum class Primitive : uint8_t { gather_qmm, moe_decode_layer, gather_mm, count_ };
 constexpr int kPrimitiveCount = static_cast<int>(Primitive::count_);
 const char* primitive_name(Primitive p);
 
@@ -19,11 +20,11 @@ const char* primitive_name(Primitive p);
 // Error (they are selector bugs) and count nothing. Relaxed atomics: safe from any thread.
 void record_selection(Primitive p, bool requested, bool available, bool hit, Fallback why);
 
-// Reads the device-side count of retracted gather_qmm plans (each of which the selector had
+// Reads the device-side count of retracted tile plans of primitive `p` (each of which the selector had
 // recorded as a hit) and zeroes it when `reset` is true. snapshot() calls it with false and moves
 // that many counts from hits to fallbacks[sortedness_retracted]; reset() calls it with true.
 // nullptr unregisters. The reader may synchronize the device.
 using DeviceRetractionReader = uint64_t (*)(bool reset);
-void set_device_retraction_reader(DeviceRetractionReader read_and_reset);
+void set_device_retraction_reader(DeviceRetractionReader read_and_reset, Primitive p = Primitive::gather_qmm);
 
 }  // namespace expertqmm::detail

@@ -1,5 +1,4 @@
-// The CUDA backend's table of core/backend_ops.h: every op but gather_mm, the fused layer paths
-// included.
+// The CUDA backend's table of core/backend_ops.h: every op, the fused layer paths included.
 #include "cuda/cuda_backend.h"
 
 namespace expertqmm::detail {
@@ -11,6 +10,7 @@ const BackendOps* cuda_backend_ops() {
     t.quantize = cuda::quantize;
     t.dequantize = cuda::dequantize;
     t.gather_qmm = cuda::gather_qmm;
+    t.gather_mm = cuda::gather_mm;
     t.gather_sort = cuda::gather_sort;
     t.scatter_unsort = cuda::scatter_unsort;
     t.glu_product = cuda::glu_product;
@@ -23,7 +23,7 @@ const BackendOps* cuda_backend_ops() {
     t.switch_glu = cuda::switch_glu;
     t.moe_layer_into = cuda::moe_layer_into;
     t.gemma4_ffn_into = cuda::gemma4_ffn_into;
-    return t;  // gather_mm: no 16-bit expert kernels yet (the front reports it)
+    return t;
   }();
   return &table;
 }

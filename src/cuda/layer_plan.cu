@@ -29,6 +29,10 @@ void* nominal_base() { return reinterpret_cast<void*>(uintptr_t{ArenaLayout::kAl
 // problem's dtype (offsets s_off / b_off).
 void gemm_params(const QuantizedWeight& q, bool cast, DType dtype, void* base, size_t s_off, size_t b_off,
                  Tensor& scales, Tensor& biases) {
+  if (!q.defined()) {  // a 16-bit projection: no parameters
+    scales = biases = Tensor();
+    return;
+  }
   if (!cast) {
     scales = q.scales.contiguous();
     biases = q.biases.contiguous();
@@ -40,7 +44,7 @@ void gemm_params(const QuantizedWeight& q, bool cast, DType dtype, void* base, s
 
 // The gather_qmm problem over the n (token, slot) rows with M = 1: row b multiplies x row lhs[b]
 // (lhs null: row b) by expert rhs[b]'s weight. x holds x_rows rows of K values, x_row_stride apart.
-detail::GatherQmmProblem expert_problem(const QuantizedWeight& q, const Tensor& scales, const Tensor& biases,
+detail::GatherQmmProblem quantized_problem(const QuantizedWeight& q, const Tensor& scales, const Tensor& biases,
                                         DType dtype, void* x, int64_t x_rows, int64_t x_row_stride, int64_t K, int64_t N,
                                         int64_t n, int32_t* lhs, int32_t* rhs, bool sorted, const void* plan) {
   detail::GatherQmmProblem p;
@@ -70,6 +74,47 @@ detail::GatherQmmProblem expert_problem(const QuantizedWeight& q, const Tensor& 
   return p;
 }
 
+// The gather_mm problem of the same rows for a 16-bit weight w [E, N, K] (mlx-lm's layout, read
+// through its strides as w.swapaxes(-1, -2), as the CPU's switch_linear passes it).
+detail::GatherMmProblem dense_problem(const Tensor& w, DType dtype, void* x, int64_t x_rows, int64_t x_row_stride,
+                                      int64_t K, int64_t N, int64_t n, int32_t* lhs, int32_t* rhs, bool sorted,
+                                      const void* plan) {
+  detail::GatherMmProblem p;
+  p.M = 1;
+  p.N = N;
+  p.K = K;
+  p.sorted_indices = sorted;
+  p.batch = {n};
+  p.B = n;
+  p.x_batch = x_rows;
+  p.w_batch = w.size(0);
+  p.dtype = dtype;
+  p.device = Device::cuda;
+  p.x = view(x, {x_rows, 1, K}, dtype, {x_row_stride, K, 1});
+  p.x_batch_stride = x_row_stride;
+  p.w = w.swapaxes(-1, -2);
+  p.w_batch_stride = w.stride(0);
+  p.w_stride_k = w.stride(2);
+  p.w_stride_n = w.stride(1);
+  p.lhs_is_identity = lhs == nullptr;
+  if (lhs) p.lhs = view(lhs, {n}, DType::i32);
+  p.rhs_is_identity = false;
+  p.rhs = view(rhs, {n}, DType::i32);
+  p.tile_plan = plan;
+  return p;
+}
+
+// One projection's GEMM: quantized (q, with scales/biases as the GEMM reads them) or 16-bit (dense).
+LayerGemm expert_gemm(const QuantizedWeight& q, const Tensor& dense, const Tensor& scales, const Tensor& biases,
+                      DType dtype, void* x, int64_t x_rows, int64_t x_row_stride, int64_t K, int64_t N, int64_t n,
+                      int32_t* lhs, int32_t* rhs, bool sorted, const void* plan) {
+  LayerGemm g;
+  g.dense = dense.defined();
+  if (g.dense) g.mm = dense_problem(dense, dtype, x, x_rows, x_row_stride, K, N, n, lhs, rhs, sorted, plan);
+  else g.q = quantized_problem(q, scales, biases, dtype, x, x_rows, x_row_stride, K, N, n, lhs, rhs, sorted, plan);
+  return g;
+}
+
 // Reserves the buffers every experts-path plan has, whatever the fusions: the routing outputs (when
 // the layer routes), the sort, the casts, the hidden rows.
 void reserve_fixed(LayerPlan& p, const SwitchGLUWeights& w, bool routes, DType route_weight_dtype,
@@ -91,11 +136,14 @@ void reserve_fixed(LayerPlan& p, const SwitchGLUWeights& w, bool routes, DType r
   }
   p.cast_x = s.x_dtype != s.hidden_dtype;
   if (p.cast_x) sc.x_cast = layout.reserve(bytes_of(s.T * s.D, s.hidden_dtype));
-  p.cast_gate_up = s.gate_up_scales_dtype != s.hidden_dtype;
+  // Quantized gate/up parts read scales and biases in hidden_dtype: when one part's differ, every
+  // quantized part gets a cast copy (16-bit parts read their weight widened, with no copy).
+  const QuantizedWeight* parts[2] = {s.fused ? &w.gate_up : &w.gate, s.fused ? nullptr : &w.up};
+  for (const QuantizedWeight* q : parts)
+    if (q && q->defined() && q->scales.dtype() != s.hidden_dtype) p.cast_gate_up = true;
   if (p.cast_gate_up) {
-    const QuantizedWeight* parts[2] = {s.fused ? &w.gate_up : &w.gate, s.fused ? nullptr : &w.up};
     for (int i = 0; i < 2; ++i) {
-      if (!parts[i]) continue;
+      if (!parts[i] || !parts[i]->defined()) continue;
       sc.gu_scales[i] = layout.reserve(bytes_of(parts[i]->scales.numel(), s.hidden_dtype));
       sc.gu_biases[i] = layout.reserve(bytes_of(parts[i]->biases.numel(), s.hidden_dtype));
     }
@@ -103,7 +151,7 @@ void reserve_fixed(LayerPlan& p, const SwitchGLUWeights& w, bool routes, DType r
   sc.hidden = layout.reserve(bytes_of(s.n * s.I, s.hidden_dtype));
   p.cast_hidden = s.hidden_dtype != s.out_dtype;
   if (p.cast_hidden) sc.hidden_cast = layout.reserve(bytes_of(s.n * s.I, s.out_dtype));
-  p.cast_down = s.down_scales_dtype != s.out_dtype;
+  p.cast_down = !s.down_dense && w.down.scales.dtype() != s.out_dtype;
   if (p.cast_down) {
     sc.down_scales = layout.reserve(bytes_of(w.down.scales.numel(), s.out_dtype));
     sc.down_biases = layout.reserve(bytes_of(w.down.biases.numel(), s.out_dtype));
@@ -121,21 +169,23 @@ void plan_experts(LayerPlan& p, const Tensor& x, const int32_t* ids, const Switc
   LayerGemms g = layer_gemms(p, x, ids, w, nominal_base());
   // The selector's choice for each GEMM, in mlx-lm's order (up, gate, down). The GEMMs of one layer
   // share their sorted ids, so when the tile route takes the first, one plan serves them all.
+  // The tile plan (quantized and 16-bit tile routes read the same format) is built when the first
+  // GEMM takes a tile route; the fusions exist only for quantized GEMMs.
   if (s.fused) {
-    p.gate_up_route = &select_gather_qmm_route(g.gate_up);
-    p.tiles = is_expert_tiles(*p.gate_up_route);
+    p.gate_up_route = select_layer_route(g.gate_up);
+    p.tiles = p.gate_up_route.on_tiles();
   } else {
-    p.up_route = &select_gather_qmm_route(g.up);
-    p.gate_route = &select_gather_qmm_route(g.gate);
-    p.tiles = is_expert_tiles(*p.up_route);
-    p.glu_fused = p.mode == ProductMode::fused && !p.cast_x && !p.cast_gate_up && p.tiles &&
-                  is_expert_tiles(*p.gate_route) && gate_up_glu_fits(g.gate, g.up);
+    p.up_route = select_layer_route(g.up);
+    p.gate_route = select_layer_route(g.gate);
+    p.tiles = p.up_route.on_tiles();
+    p.glu_fused = p.mode == ProductMode::fused && !s.gate_dense && !s.up_dense && !p.cast_x && !p.cast_gate_up &&
+                  p.tiles && p.gate_route.on_tiles() && gate_up_glu_fits(g.gate.q, g.up.q);
   }
-  p.down_route = &select_gather_qmm_route(g.down);
-  p.combine_fused = try_combine && !deterministic() && s.sorted && !p.cast_hidden && !p.cast_down && p.tiles &&
-                    is_expert_tiles(*p.down_route) && down_combine_fits(g.down);
-  if (p.glu_fused) p.up_route = p.gate_route = nullptr;
-  if (p.combine_fused) p.down_route = nullptr;
+  p.down_route = select_layer_route(g.down);
+  p.combine_fused = try_combine && !deterministic() && s.sorted && !s.down_dense && !p.cast_hidden && !p.cast_down &&
+                    p.tiles && p.down_route.on_tiles() && down_combine_fits(g.down.q);
+  if (p.glu_fused) p.up_route = p.gate_route = GemmRoute{};
+  if (p.combine_fused) p.down_route = GemmRoute{};
 
   ExpertScratch& sc = p.scratch;
   if (p.tiles) sc.tile_plan = layout.reserve(tile_plan_bytes(s.n, static_cast<int>(s.E)));
@@ -160,17 +210,36 @@ ExpertShape expert_shape(const Tensor& x, int64_t k, const SwitchGLUWeights& w) 
   s.k = k;
   s.n = s.T * k;
   s.fused = w.fused();
+  s.gate_dense = s.fused ? w.gate_up_dense.defined() : w.gate_dense.defined();
+  s.up_dense = s.fused ? s.gate_dense : w.up_dense.defined();
+  s.down_dense = w.down_dense.defined();
   const QuantizedWeight& first = s.fused ? w.gate_up : w.gate;
-  s.E = first.w.size(0);
-  s.I = s.fused ? first.w.size(1) / 2 : first.w.size(1);
+  const Tensor& first_dense = s.fused ? w.gate_up_dense : w.gate_dense;
+  // A quantized projection widens x by its scales, a 16-bit one by its weight (the front checked
+  // that gate and up agree).
+  const Tensor& first_w = s.gate_dense ? first_dense : first.w;
+  s.E = first_w.size(0);
+  s.I = s.fused ? first_w.size(1) / 2 : first_w.size(1);
   s.sorted = s.n >= kSortThreshold;
   s.x_dtype = x.dtype();
-  s.gate_up_scales_dtype = first.scales.dtype();
-  s.down_scales_dtype = w.down.scales.dtype();
-  s.hidden_dtype = promote_floating(s.x_dtype, s.gate_up_scales_dtype);
-  s.out_dtype = promote_floating(s.hidden_dtype, s.down_scales_dtype);
+  s.hidden_dtype = promote_floating(s.x_dtype, s.gate_dense ? first_dense.dtype() : first.scales.dtype());
+  s.out_dtype = promote_floating(s.hidden_dtype, s.down_dense ? w.down_dense.dtype() : w.down.scales.dtype());
   EXPERTQMM_CHECK(s.n <= INT32_MAX && s.T <= INT32_MAX, "switch_glu", "T*k=", s.n, " rows exceed int32 indexing");
   return s;
+}
+
+GemmRoute select_layer_route(const LayerGemm& g) {
+  GemmRoute r;
+  if (g.dense) r.mm = &select_gather_mm_route(g.mm);
+  else r.qmm = &select_gather_qmm_route(g.q);
+  return r;
+}
+
+void run_layer_gemm(const GemmRoute& route, const LayerGemm& g, void* out, Workspace* ws) {
+  EXPERTQMM_CHECK(g.dense ? route.mm != nullptr : route.qmm != nullptr, "moe_layer", "the layer plan gave a ",
+                  g.dense ? "16-bit" : "quantized", " GEMM no route");
+  if (g.dense) run_gather_mm_route(*route.mm, g.mm, out, ws);
+  else run_gather_qmm_route(*route.qmm, g.q, out, ws);
 }
 
 LayerGemms layer_gemms(const LayerPlan& p, const Tensor& x, const int32_t* ids, const SwitchGLUWeights& w,
@@ -187,21 +256,21 @@ LayerGemms layer_gemms(const LayerPlan& p, const Tensor& x, const int32_t* ids, 
   Tensor scales, biases;
   if (s.fused) {
     gemm_params(w.gate_up, p.cast_gate_up, s.hidden_dtype, base, sc.gu_scales[0], sc.gu_biases[0], scales, biases);
-    g.gate_up = expert_problem(w.gate_up, scales, biases, s.hidden_dtype, x_rows, s.T, x_stride, s.D, 2 * s.I, s.n,
-                               token_of_row, rhs, s.sorted, plan);
+    g.gate_up = expert_gemm(w.gate_up, w.gate_up_dense, scales, biases, s.hidden_dtype, x_rows, s.T, x_stride, s.D,
+                            2 * s.I, s.n, token_of_row, rhs, s.sorted, plan);
   } else {
     gemm_params(w.up, p.cast_gate_up, s.hidden_dtype, base, sc.gu_scales[1], sc.gu_biases[1], scales, biases);
-    g.up = expert_problem(w.up, scales, biases, s.hidden_dtype, x_rows, s.T, x_stride, s.D, s.I, s.n, token_of_row,
-                          rhs, s.sorted, plan);
+    g.up = expert_gemm(w.up, w.up_dense, scales, biases, s.hidden_dtype, x_rows, s.T, x_stride, s.D, s.I, s.n,
+                       token_of_row, rhs, s.sorted, plan);
     gemm_params(w.gate, p.cast_gate_up, s.hidden_dtype, base, sc.gu_scales[0], sc.gu_biases[0], scales, biases);
-    g.gate = expert_problem(w.gate, scales, biases, s.hidden_dtype, x_rows, s.T, x_stride, s.D, s.I, s.n,
-                            token_of_row, rhs, s.sorted, plan);
+    g.gate = expert_gemm(w.gate, w.gate_dense, scales, biases, s.hidden_dtype, x_rows, s.T, x_stride, s.D, s.I, s.n,
+                         token_of_row, rhs, s.sorted, plan);
   }
   // down: row b of hidden (already in row order) times expert rhs[b]
   void* down_in = at(base, p.cast_hidden ? sc.hidden_cast : sc.hidden);
   gemm_params(w.down, p.cast_down, s.out_dtype, base, sc.down_scales, sc.down_biases, scales, biases);
-  g.down = expert_problem(w.down, scales, biases, s.out_dtype, down_in, s.n, s.I, s.I, s.D, s.n, nullptr, rhs, s.sorted,
-                          plan);
+  g.down = expert_gemm(w.down, w.down_dense, scales, biases, s.out_dtype, down_in, s.n, s.I, s.I, s.D, s.n, nullptr,
+                       rhs, s.sorted, plan);
   return g;
 }
 

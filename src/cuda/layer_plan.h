@@ -2,8 +2,9 @@
 // before anything is launched (FlashInfer's plan/run split: the plan is data):
 //   - the path: the three-kernel decode layer (moe_decode_layer.cu), or the experts path
 //     route -> sort -> tile plan -> gate/up (+GLU) -> down (+combine) (moe.cu);
-//   - on the experts path, the route of each GEMM (picked and counted by the route selector,
-//     gather_qmm.cu, once per GEMM whether or not it is then fused), the casts, and the fusions:
+//   - on the experts path, the route of each GEMM (picked and counted by the route selector of its
+//     kind, once per GEMM whether or not it is then fused: gather_qmm.cu for a quantized projection,
+//     gather_mm.cu for a 16-bit one), the casts, and the fusions, only between quantized GEMMs:
 //     gate/up with the GLU product in one wgmma launch, the weighted combine in the down GEMM;
 //   - every scratch buffer, as an offset into the layer arena (workspace slot kSlotLayerArena), and
 //     the fp32 combine accumulator's size (slot kSlotRouterArena, free once the routing is written).
@@ -12,8 +13,10 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "core/gather_mm_problem.h"
 #include "core/gather_qmm_problem.h"
-#include "cuda/gather_qmm_routes.h"
+#include "cuda/gather_mm.h"
+#include "cuda/gather_qmm.h"
 #include "cuda/moe_internal.h"
 
 namespace expertqmm::cuda {
@@ -23,15 +26,35 @@ struct ExpertShape {
   int64_t T = 0, k = 0, n = 0, D = 0, I = 0, E = 0;  // n = T * k (token, slot) rows
   bool fused = false;   // one gate_up weight [E, 2I, D] (HF layout) instead of gate and up
   bool sorted = false;  // rows sorted by expert (mlx-lm sorts when n >= 64)
+  // 16-bit (MLX gather_mm) instead of quantized projections; with a fused gate_up both gate flags
+  // are the gate_up weight's.
+  bool gate_dense = false, up_dense = false, down_dense = false;
   DType x_dtype = DType::bf16;
-  DType gate_up_scales_dtype = DType::bf16;
-  DType down_scales_dtype = DType::bf16;
-  DType hidden_dtype = DType::bf16;  // gate/up outputs and the product: promote(x, gate/up scales)
-  DType out_dtype = DType::bf16;     // down output: promote(hidden, down scales)
+  // gate/up outputs and the product: promote(x, the gate/up scales, or the 16-bit weight), as the
+  // CPU's switch_linear (src/ops/moe.cpp) gets from gather_qmm or gather_mm
+  DType hidden_dtype = DType::bf16;
+  DType out_dtype = DType::bf16;  // down output: promote(hidden, down scales or 16-bit weight)
 };
 ExpertShape expert_shape(const Tensor& x, int64_t k, const SwitchGLUWeights& w);
 
 enum class LayerPath : uint8_t { decode, experts };
+
+// One GEMM of the layer: a quantized projection (gather_qmm problem) or a 16-bit one (gather_mm).
+struct LayerGemm {
+  bool dense = false;
+  detail::GatherQmmProblem q;   // !dense
+  detail::GatherMmProblem mm;   // dense
+};
+// The route picked for a LayerGemm: exactly one of the two is set when the GEMM runs on its own.
+struct GemmRoute {
+  const GatherQmmRoute* qmm = nullptr;
+  const GatherMmRoute* mm = nullptr;
+  bool on_tiles() const { return qmm ? is_expert_tiles(*qmm) : mm != nullptr && is_mm_tiles(*mm); }
+};
+// The selector of g's kind picks (and counts) its route.
+GemmRoute select_layer_route(const LayerGemm& g);
+// Runs g on the route the plan picked.
+void run_layer_gemm(const GemmRoute& route, const LayerGemm& g, void* out, Workspace* ws);
 
 // Offsets in the layer arena (ArenaLayout pieces, each 256-byte aligned wherever the arena lands).
 // kNotReserved: the plan needs no such buffer.
@@ -64,12 +87,9 @@ struct LayerPlan {
   bool glu_fused = false;      // gate, up and the GLU product in one wgmma launch
   bool combine_fused = false;  // the down GEMM adds w * y into an fp32 [T, D] accumulator
   size_t combine_acc_bytes = 0;
-  // The selector's route of each GEMM that runs on its own (null for those the plan fused, and for
+  // The selector's route of each GEMM that runs on its own (empty for those the plan fused, and for
   // gate_up / up+gate of the other weight layout).
-  const GatherQmmRoute* gate_up_route = nullptr;
-  const GatherQmmRoute* up_route = nullptr;
-  const GatherQmmRoute* gate_route = nullptr;
-  const GatherQmmRoute* down_route = nullptr;
+  GemmRoute gate_up_route, up_route, gate_route, down_route;
 };
 
 // moe_layer_into: h, x [T, H] and out [T, H] on the device, validated by the op front.
@@ -82,7 +102,7 @@ LayerPlan plan_switch_glu(const Tensor& x, const Tensor& indices, const SwitchGL
 // aligned wherever the arena lands), moe.cu over the real one to launch them. ids: the flat expert
 // ids of the (token, slot) rows when the layer does not route them itself (switch_glu), else null.
 struct LayerGemms {
-  detail::GatherQmmProblem gate_up, up, gate, down;  // gate_up or up/gate, by the weight layout
+  LayerGemm gate_up, up, gate, down;  // gate_up or up/gate, by the weight layout
 };
 LayerGemms layer_gemms(const LayerPlan& plan, const Tensor& x, const int32_t* ids, const SwitchGLUWeights& w,
                        void* base);

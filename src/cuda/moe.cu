@@ -31,6 +31,7 @@ struct Arena {
 // Casts q's scales and biases into the arena pieces the plan reserved for them.
 void cast_params(const QuantizedWeight& q, DType dtype, const Arena& a, size_t s_off, size_t b_off,
                  cudaStream_t stream) {
+  if (!q.defined()) return;  // a 16-bit projection: nothing to cast
   const Tensor s = q.scales.contiguous(), b = q.biases.contiguous();
   launch_cast(s.dtype(), s.data(), dtype, a.at(s_off), s.numel(), stream);
   launch_cast(b.dtype(), b.data(), dtype, a.at(b_off), b.numel(), stream);
@@ -69,23 +70,25 @@ void run_experts(const LayerPlan& p, const Tensor& x, const int32_t* ids, const 
   if (p.cast_down) cast_params(w.down, s.out_dtype, a, sc.down_scales, sc.down_biases, stream);
 
   const LayerGemms g = layer_gemms(p, x, user_ids, w, a.base);
-  // One tile plan per layer: the GEMMs share the sorted ids (built on the stream before the first).
-  if (p.tiles) build_expert_tile_plan(s.fused ? g.gate_up : g.up, a.at(sc.tile_plan));
+  // One tile plan per layer: the GEMMs share the sorted ids (built on the stream before the first;
+  // the quantized and the 16-bit tile routes read the same plan).
+  if (p.tiles)
+    launch_build_tile_plan_at(a.i32(sc.sorted_ids), s.n, static_cast<int>(s.E), a.at(sc.tile_plan), stream);
 
   // gate/up (mlx-lm order: up first, then gate) -> product
   void* hidden = a.at(sc.hidden);
   void* intermediate = p.mode == ProductMode::separate ? a.at(sc.intermediate) : nullptr;
   if (s.fused) {
     void* gate_up = a.at(sc.gate_up_out);  // [n, 2I]: gate columns [0, I), up columns [I, 2I)
-    run_gather_qmm_route(*p.gate_up_route, g.gate_up, gate_up, &ws);
+    run_layer_gemm(p.gate_up_route, g.gate_up, gate_up, &ws);
     const char* up = static_cast<const char*>(gate_up) + bytes_of(s.I, s.hidden_dtype);
     launch_glu_product(w.activation, p.mode, s.hidden_dtype, gate_up, up, s.n, s.I, 2 * s.I, hidden, intermediate,
                        stream);
   } else if (p.glu_fused) {
-    launch_gate_up_glu(g.gate, g.up, w.activation, hidden);  // no [n, I] gate/up intermediates
+    launch_gate_up_glu(g.gate.q, g.up.q, w.activation, hidden);  // no [n, I] gate/up intermediates
   } else {
-    run_gather_qmm_route(*p.up_route, g.up, a.at(sc.up_out), &ws);
-    run_gather_qmm_route(*p.gate_route, g.gate, a.at(sc.gate_out), &ws);
+    run_layer_gemm(p.up_route, g.up, a.at(sc.up_out), &ws);
+    run_layer_gemm(p.gate_route, g.gate, a.at(sc.gate_out), &ws);
     launch_glu_product(w.activation, p.mode, s.hidden_dtype, a.at(sc.gate_out), a.at(sc.up_out), s.n, s.I, s.I,
                        hidden, intermediate, stream);
   }
@@ -95,10 +98,10 @@ void run_experts(const LayerPlan& p, const Tensor& x, const int32_t* ids, const 
   if (p.combine_fused) {
     // acc[t] = sum over the token's slots of w * y, added inside the down GEMM.
     EXPERTQMM_CUDA_CHECK(cudaMemsetAsync(acc, 0, p.combine_acc_bytes, stream));
-    launch_down_combine(g.down, a.i32(sc.order), route_weights, static_cast<int>(s.k), acc);
+    launch_down_combine(g.down.q, a.i32(sc.order), route_weights, static_cast<int>(s.k), acc);
     return;
   }
-  run_gather_qmm_route(*p.down_route, g.down, sc.y != kNotReserved ? a.at(sc.y) : y_out, &ws);
+  run_layer_gemm(p.down_route, g.down, sc.y != kNotReserved ? a.at(sc.y) : y_out, &ws);
 }
 
 // Flat int32 view of [T, k] ids (uint32 ids keep their bits: >= 2^31 reads as negative, out of range).

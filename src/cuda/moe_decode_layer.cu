@@ -74,7 +74,8 @@ RouteSupport supports_decode_layer(const Tensor& out, const Tensor& h, const Ten
   if (H % 32 != 0 || H > INT32_MAX / 4) return route_miss(Fallback::shape);
   if (!rows_aligned(h) || !rows_aligned(x) || !is_aligned(out.data(), 16)) return route_miss(Fallback::alignment);
 
-  // Experts.
+  // Experts: quantized only (16-bit experts take the experts path, gather_mm's GEMV at these sizes).
+  if (ex.has_dense()) return route_miss(Fallback::quantization);
   const QuantizedWeight& first = ex.fused() ? ex.gate_up : ex.gate;
   if (!first.defined() || first.w.ndim() != 3) return route_miss(Fallback::topology);
   const int64_t E = first.w.size(0);

@@ -248,7 +248,6 @@ ExpertDims check_moe(const char* op, const Tensor& h, const Tensor& x, const Moe
                   " must have the same shape");
   check_on_device(op, "x", x, h.device());
   EXPERTQMM_CHECK(rd.E == ed.E, op, "the router scores E=", rd.E, " experts but the experts have E=", ed.E);
-  detail::reject_16bit_experts_on_cuda(op, w.experts, h.device());
   return ed;
 }
 
@@ -284,7 +283,6 @@ Tensor switch_glu(const Tensor& x, const Tensor& indices, const SwitchGLUWeights
   const char* op = "switch_glu";
   const ExpertDims d = check_experts(op, x, weights);
   const int64_t k = check_expert_indices(op, indices, d.T, d.E, x.device());
-  detail::reject_16bit_experts_on_cuda(op, weights, x.device());
   if (d.T * k == 0) return Tensor::empty({d.T, k, d.D}, d.out_dtype, x.device());
   const detail::BackendOps& be = backend_ops(op, x.device());
   if (be.switch_glu) return be.switch_glu(x.contiguous(), indices.contiguous(), weights);

@@ -69,11 +69,9 @@ Tensor gather_mm(const Tensor& a, const Tensor& b, const Tensor& lhs_indices, co
   Shape out_shape = p.batch;
   out_shape.push_back(p.M);
   out_shape.push_back(p.N);
-  const detail::BackendOps& be = backend_ops("gather_mm", p.device);
-  if (!be.gather_mm) detail::no_cuda_16bit_experts("gather_mm", "b", b);
   if (p.M == 0 || p.N == 0 || p.B == 0) return Tensor::empty(out_shape, p.dtype, p.device);
   if (p.K == 0) return zeros(out_shape, p.dtype, p.device);  // empty dot products
-  return be.gather_mm(p);
+  return backend_ops("gather_mm", p.device).gather_mm(p);
 }
 
 SortedRows gather_sort(const Tensor& x, const Tensor& indices) {

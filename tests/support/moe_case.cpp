@@ -8,6 +8,7 @@
 #include <map>
 #include <numeric>
 #include <random>
+#include <utility>
 
 #include "core/gather_qmm_problem.h"
 #include "support/reference.h"
@@ -164,13 +165,12 @@ RouterWeights router_to(const RouterWeights& r, Device device) {
 
 SwitchGLUWeights experts_to(const SwitchGLUWeights& w, Device device) {
   SwitchGLUWeights d = w;
-  if (w.fused()) {
-    d.gate_up = to_device(w.gate_up, device);
-  } else {
-    d.gate = to_device(w.gate, device);
-    d.up = to_device(w.up, device);
-  }
-  d.down = to_device(w.down, device);
+  // Each projection quantized or 16-bit.
+  for (auto [q, qd] : {std::pair{&w.gate, &d.gate}, {&w.up, &d.up}, {&w.gate_up, &d.gate_up}, {&w.down, &d.down}})
+    if (q->defined()) *qd = to_device(*q, device);
+  for (auto [t, td] : {std::pair{&w.gate_dense, &d.gate_dense}, {&w.up_dense, &d.up_dense},
+                       {&w.gate_up_dense, &d.gate_up_dense}, {&w.down_dense, &d.down_dense}})
+    if (t->defined()) *td = t->to(device);
   return d;
 }
 

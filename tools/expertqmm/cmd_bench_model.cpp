@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <fstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cli.h"
@@ -87,6 +88,25 @@ double median_of(std::vector<double> v) {
 
 const char* product_label(ProductMode m) { return m == ProductMode::fused ? "fused" : "separate"; }
 
+// The 16-bit (unquantized) weights of layer l's feed-forward part, by module name ("l0.experts.down").
+std::vector<std::string> sixteen_bit_weights(const Gemma4FfnWeights& w, int l) {
+  std::vector<std::string> names;
+  const std::string p = "l" + std::to_string(l) + ".";
+  const SwitchGLUWeights& e = w.moe.experts;
+  const std::pair<const char*, bool> all[] = {
+      {"mlp.gate", w.mlp.gate.defined() && !w.mlp.gate.is_quantized()},
+      {"mlp.up", w.mlp.up.defined() && !w.mlp.up.is_quantized()},
+      {"mlp.down", w.mlp.down.defined() && !w.mlp.down.is_quantized()},
+      {"router.proj", w.moe.router.proj_dense.defined()},
+      {"experts.gate", e.gate_dense.defined()},
+      {"experts.up", e.up_dense.defined()},
+      {"experts.gate_up", e.gate_up_dense.defined()},
+      {"experts.down", e.down_dense.defined()}};
+  for (const auto& [name, dense] : all)
+    if (dense) names.push_back(p + name);
+  return names;
+}
+
 // Runs all layers: layer 0 reads x0 (kept intact so every replay starts from the same input),
 // the others ping-pong between a and b. Returns the buffer holding the last layer's output.
 Tensor* run_layers(const std::vector<Gemma4FfnWeights>& layers, const Tensor& x0, Tensor& a, Tensor& b, Workspace& ws) {
@@ -129,8 +149,10 @@ int run_bench_model(int argc, char** argv) {
   std::fprintf(stderr, "loading %d layers of %s to the GPU ...\n", ck.num_layers(), o.dir.c_str());
   std::vector<Gemma4FfnWeights> layers;
   size_t weight_bytes = 0;
+  std::vector<std::string> dense_weights;
   for (int l = 0; l < ck.num_layers(); ++l) {
     layers.push_back(ck.layer(l).to(Device::cuda));
+    for (const std::string& name : sixteen_bit_weights(layers.back(), l)) dense_weights.push_back(name);
     weight_bytes += layers.back().nbytes();
   }
 
@@ -195,6 +217,9 @@ int run_bench_model(int argc, char** argv) {
               (long long)c.moe_intermediate_size, (long long)c.top_k_experts);
   std::printf("device %s: layer weights %.2f GiB, GPU memory used %.2f GiB (weights + workspace + buffers)\n",
               cuda_device_name(), double(weight_bytes) / double(1ull << 30), used_gib);
+  std::printf("16-bit weights: %zu%s\n", dense_weights.size(),
+              dense_weights.empty() ? " (every projection quantized)"
+                                    : (" (first: " + dense_weights.front() + ")").c_str());
   std::printf("%-8s %6s %-8s %12s %12s %14s\n", "phase", "tokens", "product", "all layers", "per layer", "tokens/s");
   for (const Row& r : rows)
     std::printf("%-8s %6lld %-8s %10.1f us %10.1f us %14.1f\n", r.tokens <= kDecodeMaxTokens ? "decode" : "prefill",
@@ -208,7 +233,9 @@ int run_bench_model(int argc, char** argv) {
        << "  \"model\": " << '"' << o.dir << '"' << ",\n  \"device\": \"" << cuda_device_name() << "\",\n"
        << "  \"layers\": " << L << ",\n  \"hidden\": " << H << ",\n  \"weight_bytes\": " << weight_bytes
        << ",\n  \"gpu_memory_used_bytes\": " << (free_before - std::min(free_before, free_after))
-       << ",\n  \"replays\": " << o.replays << ",\n  \"results\": [";
+       << ",\n  \"replays\": " << o.replays << ",\n  \"sixteen_bit_weights\": [";
+    for (size_t i = 0; i < dense_weights.size(); ++i) js << (i ? ", " : "") << '"' << dense_weights[i] << '"';
+    js << "],\n  \"results\": [";
     for (size_t i = 0; i < rows.size(); ++i) {
       const Row& r = rows[i];
       js << (i ? "," : "") << "\n    {\"phase\": \"" << (r.tokens <= kDecodeMaxTokens ? "decode" : "prefill")

@@ -372,9 +372,10 @@ __device__ __forceinline__ void tile_gemm(const TileArgs& a, int expert, int64_t
 // fn(expert, row0, load_rows, run_begin, run_end) once per run, where the callee computes all
 // load_rows rows of the tile and stores only the run's local rows [run_begin, run_end). Sorted ids
 // give one run per tile; any order stays correct, only slower. tile_expert: (kBM,) int in shared
-// memory. Called by all threads of the CTA.
-template <int kBM, class Fn>
-__device__ __forceinline__ void for_each_expert_run(const TileArgs& a, int64_t tile, int* tile_expert, Fn&& fn) {
+// memory. Called by all threads of the CTA. Args: any argument struct with rows, M and rhs as in
+// TileArgs (gather_mm's tile route uses it too).
+template <int kBM, class Args, class Fn>
+__device__ __forceinline__ void for_each_expert_run(const Args& a, int64_t tile, int* tile_expert, Fn&& fn) {
   const int64_t row0 = tile * kBM;
   const int load_rows = static_cast<int>(min(static_cast<int64_t>(kBM), a.rows - row0));
   if (static_cast<int>(threadIdx.x) < load_rows) {
