@@ -83,16 +83,6 @@ const GatherQmmRoute& pick_route(const detail::GatherQmmProblem& p, bool record)
 
 }  // namespace
 
-size_t device_l2_bytes() {
-  static const size_t bytes = [] {
-    int device = 0, l2 = 0;
-    EXPERTQMM_CUDA_CHECK(cudaGetDevice(&device));
-    EXPERTQMM_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device));
-    return static_cast<size_t>(l2);
-  }();
-  return bytes;
-}
-
 int device_sm_count() {
   static const int count = [] {
     int device = 0, sms = 0;

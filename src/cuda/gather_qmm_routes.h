@@ -86,8 +86,7 @@ void call_simt(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
 device::QuantView quant_view(const detail::GatherQmmProblem& p);
 // A quantized weight [..., N, K*bits/32] with K values per row, as the decode kernels read it.
 device::QuantView quant_view(const QuantizedWeight& q, int64_t K);
-int device_sm_count();      // multiprocessors of the current device (queried once)
-size_t device_l2_bytes();  // L2 cache of the current device (queried once)
+int device_sm_count();  // multiprocessors of the current device (queried once)
 inline bool is_aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 inline bool fits_int32(int64_t v) { return v >= 0 && v <= std::numeric_limits<int32_t>::max(); }
 inline int log2_of(int v) {

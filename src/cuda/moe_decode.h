@@ -75,7 +75,6 @@ struct DecodePlan {
 
 // ---------------------------------------------------------------------------------------------
 // Kernel 1: router.
-constexpr int kPrefetchRanges = 9;  // codes, scales, biases of gate, up (or gate_up) and down
 struct RouterArgs {
   const uint16_t* h;  // (T, H) of D, rows h_stride elements apart
   int64_t h_stride;
@@ -92,15 +91,6 @@ struct RouterArgs {
   int32_t* indices;    // (T, k) out
   uint16_t* weights;   // (T, k) of D out
   DecodePlan* plan;    // out
-  // The chosen experts' weights, asked of the L2 by the last CTA as soon as the routing is known
-  // (device::prefetch_l2_bulk), so that their bytes stream while the next kernels launch and the
-  // gate/up GEMVs run: up to kPrefetchRanges ranges per expert (codes, scales, biases of gate, up
-  // and down), expert e's range r at base[r] + e * bytes[r]; only when the distinct experts number
-  // at most prefetch_max_experts (their bytes fit the L2 budget; 0: never).
-  const unsigned char* prefetch_base[kPrefetchRanges];
-  uint32_t prefetch_bytes[kPrefetchRanges];
-  int prefetch_ranges;
-  int prefetch_max_experts;
 };
 
 

@@ -27,9 +27,6 @@ using namespace decode;
 
 namespace {
 
-// Share of the L2 the router's prefetch of the chosen experts may fill.
-constexpr double kPrefetchL2Share = 0.6;
-
 bool rows_aligned(const Tensor& t) {
   return is_aligned(t.data(), 16) && (t.size(0) <= 1 || t.stride(0) % 8 == 0);
 }
@@ -173,21 +170,6 @@ void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, 
   ra.indices = static_cast<int32_t*>(arena_at(base, sc.indices));
   ra.weights = static_cast<uint16_t*>(arena_at(base, sc.weights));
   ra.plan = plan;
-  // L2 prefetch of the chosen experts: every weight byte of one expert, for as many experts as fit
-  // kPrefetchL2Share of the L2 (T = 1 at the Gemma geometry: 8 experts, 25 MB; T = 8: off).
-  size_t expert_bytes = 0;
-  for (const QuantizedWeight* q : {&gate, ex.fused() ? nullptr : &up, &ex.down}) {
-    if (!q) continue;
-    for (const Tensor* t : {&q->w, &q->scales, &q->biases}) {
-      const size_t bytes = t->nbytes() / static_cast<size_t>(E);
-      ra.prefetch_base[ra.prefetch_ranges] = static_cast<const unsigned char*>(t->data());
-      ra.prefetch_bytes[ra.prefetch_ranges] = static_cast<uint32_t>(std::min<size_t>(bytes, UINT32_MAX));
-      ++ra.prefetch_ranges;
-      expert_bytes += bytes;
-    }
-  }
-  ra.prefetch_max_experts = static_cast<int>(kPrefetchL2Share * static_cast<double>(device_l2_bytes()) /
-                                             static_cast<double>(std::max<size_t>(expert_bytes, 1)));
 
   GateUpArgs ga{};
   ga.x = x.data_as<const uint16_t>();

@@ -1,6 +1,5 @@
 // Kernel 1 of the decode layer (moe_decode.h): the router with top-k, softmax and the expert plan.
 #include "cuda/moe_decode.h"
-#include "cuda/device/cp_async.cuh"
 #include "cuda/device/route_topk.cuh"
 
 namespace expertqmm::cuda::decode {
@@ -8,7 +7,6 @@ namespace expertqmm::cuda::decode {
 namespace {
 
 constexpr int kRouterThreads = 256;
-constexpr uint64_t kPrefetchPiece = 64 * 1024;  // bytes per bulk L2 prefetch
 constexpr int kRouterWarps = kRouterThreads / 32;
 constexpr int kRouterChunks = 2;      // 16-byte weight chunks per thread per batch (c = tid + 256 i)
 constexpr int kRouterUnits = 12;      // 16-byte h units per thread per staging batch
@@ -299,18 +297,6 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
     a.plan->count[g] = same;
   }
   if (tid == 0) a.plan->groups = groups;
-
-  // The chosen experts' weights to the L2 now (see RouterArgs::prefetch_base): the thread of each
-  // expert's first row issues its ranges in 64 KB pieces, the 16-byte aligned inner part of each.
-  if (groups <= a.prefetch_max_experts && tid < n && before == 0) {
-    for (int r = 0; r < a.prefetch_ranges; ++r) {
-      const uint64_t begin = reinterpret_cast<uint64_t>(a.prefetch_base[r]) + static_cast<uint64_t>(mine) * a.prefetch_bytes[r];
-      const uint64_t first = (begin + 15) & ~uint64_t{15}, last = (begin + a.prefetch_bytes[r]) & ~uint64_t{15};
-      for (uint64_t p = first; p < last; p += kPrefetchPiece)
-        device::prefetch_l2_bulk(reinterpret_cast<const void*>(p),
-                                 static_cast<uint32_t>(last - p < kPrefetchPiece ? last - p : kPrefetchPiece));
-    }
-  }
 }
 
 

@@ -21,18 +21,6 @@ __device__ __forceinline__ void cp_async_4(void* smem, const void* gmem, int src
                : "memory");
 }
 
-// Asks the L2 to fetch [p, p + bytes) from global memory, without waiting and without a
-// destination (sm_90: one bulk prefetch by the copy engine; earlier architectures: nothing).
-// p 16-byte aligned, bytes a multiple of 16.
-__device__ __forceinline__ void prefetch_l2_bulk(const void* p, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
-#else
-  (void)p;
-  (void)bytes;
-#endif
-}
-
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 
 // Waits until at most `kPending` committed groups of this thread are still in flight.
