@@ -26,12 +26,6 @@ const GatherMmRoute kTestRoutes[] = {
     {"gemv_unsplit", supports_mm_gemv, call_mm_gemv_unsplit},
 };
 
-void check_index_tensor(const Tensor& t, const char* name, int64_t B) {
-  EXPERTQMM_CHECK(t.defined(), kOp, name, " indices are missing but not marked identity");
-  EXPERTQMM_CHECK(t.dtype() == DType::i32 && t.numel() == B && t.is_contiguous() && t.device() == Device::cuda, kOp,
-                  name, " indices must be contiguous int32 [", B, "] on cuda, got ", t.describe());
-}
-
 // The problem arrives validated by make_gather_mm_problem (or built by the layer plan); this checks
 // what every CUDA route relies on. Returns false when there is nothing to compute.
 bool check_problem(const detail::GatherMmProblem& p, const void* out) {
@@ -43,22 +37,14 @@ bool check_problem(const detail::GatherMmProblem& p, const void* out) {
                   p.describe());
   EXPERTQMM_CHECK(is_floating(p.dtype) && p.x.dtype() == p.dtype && is_floating(p.w.dtype()), kOp,
                   "x must be in the output dtype and w a float tensor: ", p.describe());
-  if (!p.lhs_is_identity) check_index_tensor(p.lhs, "lhs", p.B);
-  if (!p.rhs_is_identity) check_index_tensor(p.rhs, "rhs", p.B);
+  if (!p.lhs_is_identity) check_index_tensor(kOp, p.lhs, "lhs", p.B);
+  if (!p.rhs_is_identity) check_index_tensor(kOp, p.rhs, "rhs", p.B);
   return true;
 }
 
+// Picks the route; with `record`, counts the tile route's hit or the class of its miss.
 const GatherMmRoute& pick_route(const detail::GatherMmProblem& p, bool record) {
-  const bool requested = expert_tiles_setting() != RouteSwitch::off;
-  const RouteSupport tiles = supports_mm_tiles(p);
-  const bool hit = requested && tiles.ok;
-  if (record)
-    detail::record_selection(detail::Primitive::gather_mm, requested, tiles.ok, hit,
-                             !requested ? Fallback::disabled : tiles.reason);
-  if (hit) return kRoutes[0];
-  for (size_t i = 1; i < sizeof(kRoutes) / sizeof(kRoutes[0]); ++i)
-    if (kRoutes[i].supports(p).ok) return kRoutes[i];
-  throw Error(kOp, "no CUDA route for " + p.describe());
+  return select_route(kOp, detail::Primitive::gather_mm, kRoutes, p, record);
 }
 
 }  // namespace
@@ -90,33 +76,19 @@ void run_gather_mm_route(const GatherMmRoute& route, const detail::GatherMmProbl
 }
 
 Tensor gather_mm(const detail::GatherMmProblem& p) {
-  Shape shape = p.batch;
-  shape.push_back(p.M);
-  shape.push_back(p.N);
-  Tensor out = Tensor::empty(shape, p.dtype, Device::cuda);
+  Tensor out = gathered_output(p);
   gather_mm_into(p, out.data(), nullptr);
   return out;
 }
 
-std::vector<std::string> gather_mm_route_names() {
-  std::vector<std::string> names;
-  for (const GatherMmRoute& r : kRoutes) names.emplace_back(r.name);
-  return names;
-}
+std::vector<std::string> gather_mm_route_names() { return route_names(kRoutes); }
 
 std::string gather_mm_selected_route(const detail::GatherMmProblem& p) { return pick_route(p, false).name; }
 
 void gather_mm_into_route(const std::string& route, const detail::GatherMmProblem& p, void* out, Workspace* ws) {
-  const GatherMmRoute* found = nullptr;
-  for (const GatherMmRoute& r : kRoutes)
-    if (route == r.name) found = &r;
-  for (const GatherMmRoute& r : kTestRoutes)
-    if (route == r.name) found = &r;
-  EXPERTQMM_CHECK(found != nullptr, kOp, "unknown CUDA route '", route, "'");
-  const RouteSupport s = found->supports(p);
-  EXPERTQMM_CHECK(s.ok, kOp, "route ", route, " does not support ", p.describe(), " (", fallback_name(s.reason), ")");
+  const GatherMmRoute& r = route_named(kOp, route, kRoutes, kTestRoutes, p);
   if (!check_problem(p, out)) return;
-  found->call(p, out, ws);
+  r.call(p, out, ws);
 }
 
 }  // namespace expertqmm::cuda

@@ -15,13 +15,7 @@
 
 namespace expertqmm::cuda {
 
-using GatherMmSupportsFn = RouteSupport (*)(const detail::GatherMmProblem& p);
-using GatherMmCallFn = void (*)(const detail::GatherMmProblem& p, void* out, Workspace* ws);
-struct GatherMmRoute {
-  const char* name;
-  GatherMmSupportsFn supports;
-  GatherMmCallFn call;
-};
+using GatherMmRoute = Route<detail::GatherMmProblem>;  // route_table.h
 
 // --- checks shared by the tensor-core and GEMV routes -------------------------------------------
 // bf16/f16 with the weight in the output dtype (Fallback::dtype); the weight k-contiguous, each

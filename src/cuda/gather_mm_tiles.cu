@@ -263,25 +263,6 @@ __global__ void __launch_bounds__(kThreads)
     });
 }
 
-// Cumulative count of retracted plans on this route, folded into diagnostics::snapshot().
-unsigned long long* mm_retraction_counter() {
-  static unsigned long long* counter = [] {
-    unsigned long long* p = nullptr;
-    EXPERTQMM_CUDA_CHECK(cudaMalloc(&p, sizeof(unsigned long long)));
-    EXPERTQMM_CUDA_CHECK(cudaMemset(p, 0, sizeof(unsigned long long)));
-    detail::set_device_retraction_reader(
-        [](bool reset) -> uint64_t {
-          unsigned long long v = 0;
-          EXPERTQMM_CUDA_CHECK(cudaStreamSynchronize(current_stream()));
-          EXPERTQMM_CUDA_CHECK(cudaMemcpy(&v, mm_retraction_counter(), sizeof(v), cudaMemcpyDeviceToHost));
-          if (reset) EXPERTQMM_CUDA_CHECK(cudaMemset(mm_retraction_counter(), 0, sizeof(v)));
-          return v;
-        },
-        detail::Primitive::gather_mm);
-    return p;
-  }();
-  return counter;
-}
 
 template <class T>
 void launch_mm_tiles(const MmTileArgs& args, const TilePlanView& plan) {
@@ -295,7 +276,7 @@ void launch_mm_tiles(const MmTileArgs& args, const TilePlanView& plan) {
   const int64_t slots = std::max<int64_t>(plan.tile_slots, (args.rows + 15) / 16);
   const dim3 grid(ceil_div(args.N, kBN), static_cast<unsigned>(std::min<int64_t>(slots, 65535)));
   mm_tiles_kernel<T><<<grid, kThreads, kSmemBytes, current_stream()>>>(args, plan.tiles, plan.header,
-                                                                        mm_retraction_counter());
+                                                                        retraction_counter(detail::Primitive::gather_mm));
   EXPERTQMM_CUDA_CHECK_LAUNCH("mm_tiles_kernel");
 }
 

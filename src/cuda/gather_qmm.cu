@@ -34,13 +34,6 @@ const GatherQmmRoute kTestRoutes[] = {
     {"rhs_tiles_bm64", supports_rhs_tiles, call_rhs_tiles_bm64},
 };
 
-void check_index_tensor(const Tensor& t, const char* name, int64_t B) {
-  EXPERTQMM_CHECK(t.defined(), kOp, name, " indices are missing but not marked identity");
-  EXPERTQMM_CHECK(t.dtype() == DType::i32 && t.numel() == B && t.is_contiguous(), kOp, name,
-                  " indices must be contiguous int32 [", B, "], got ", t.describe());
-  EXPERTQMM_CHECK(t.device() == Device::cuda, kOp, name, " indices must be on cuda, got ", t.describe());
-}
-
 // The problem arrives validated by make_gather_qmm_problem; this checks what the CUDA routes rely on.
 // Returns false when there is nothing to compute.
 bool check_problem(const detail::GatherQmmProblem& p, const void* out) {
@@ -58,27 +51,14 @@ bool check_problem(const detail::GatherQmmProblem& p, const void* out) {
   EXPERTQMM_CHECK(p.w.dtype() == DType::u32 && p.w.is_contiguous() && p.scales.is_contiguous() &&
                       p.biases.is_contiguous(),
                   kOp, "w must be contiguous uint32 and scales/biases contiguous: ", p.describe());
-  if (!p.lhs_is_identity) check_index_tensor(p.lhs, "lhs", p.B);
-  if (!p.rhs_is_identity) check_index_tensor(p.rhs, "rhs", p.B);
+  if (!p.lhs_is_identity) check_index_tensor(kOp, p.lhs, "lhs", p.B);
+  if (!p.rhs_is_identity) check_index_tensor(kOp, p.rhs, "rhs", p.B);
   return true;
 }
 
-// Whether the expert tile route is requested: the API/env setting, or in automatic mode the
-// measured default (bench/NOTES.md): on for every sorted problem the route supports.
-bool expert_tiles_requested() { return expert_tiles_setting() != RouteSwitch::off; }
-
-// Picks the route; with `record`, counts the expert tile route's hit or the class of its miss.
+// Picks the route; with `record`, counts the tile route's hit or the class of its miss.
 const GatherQmmRoute& pick_route(const detail::GatherQmmProblem& p, bool record) {
-  const bool requested = expert_tiles_requested();
-  const RouteSupport tiles = supports_expert_tiles(p);
-  const bool hit = requested && tiles.ok;
-  if (record)
-    detail::record_selection(detail::Primitive::gather_qmm, requested, tiles.ok, hit,
-                             !requested ? Fallback::disabled : tiles.reason);
-  if (hit) return kRoutes[0];
-  for (size_t i = 1; i < sizeof(kRoutes) / sizeof(kRoutes[0]); ++i)
-    if (kRoutes[i].supports(p).ok) return kRoutes[i];
-  throw Error(kOp, "no CUDA route for " + p.describe());
+  return select_route(kOp, detail::Primitive::gather_qmm, kRoutes, p, record);
 }
 
 }  // namespace
@@ -156,33 +136,19 @@ detail::GatherQmmProblem single_matrix_problem(const void* x, int64_t T, int64_t
 }
 
 Tensor gather_qmm(const detail::GatherQmmProblem& p) {
-  Shape shape = p.batch;
-  shape.push_back(p.M);
-  shape.push_back(p.N);
-  Tensor out = Tensor::empty(shape, p.dtype, Device::cuda);
+  Tensor out = gathered_output(p);
   gather_qmm_into(p, out.data(), nullptr);
   return out;
 }
 
-std::vector<std::string> gather_qmm_route_names() {
-  std::vector<std::string> names;
-  for (const GatherQmmRoute& r : kRoutes) names.emplace_back(r.name);
-  return names;
-}
+std::vector<std::string> gather_qmm_route_names() { return route_names(kRoutes); }
 
 std::string gather_qmm_selected_route(const detail::GatherQmmProblem& p) { return pick_route(p, false).name; }
 
 void gather_qmm_into_route(const std::string& route, const detail::GatherQmmProblem& p, void* out, Workspace* ws) {
-  const GatherQmmRoute* found = nullptr;
-  for (const GatherQmmRoute& r : kRoutes)
-    if (route == r.name) found = &r;
-  for (const GatherQmmRoute& r : kTestRoutes)
-    if (route == r.name) found = &r;
-  EXPERTQMM_CHECK(found != nullptr, kOp, "unknown CUDA route '", route, "'");
-  const RouteSupport s = found->supports(p);
-  EXPERTQMM_CHECK(s.ok, kOp, "route ", route, " does not support ", p.describe(), " (", fallback_name(s.reason), ")");
+  const GatherQmmRoute& r = route_named(kOp, route, kRoutes, kTestRoutes, p);
   if (!check_problem(p, out)) return;
-  found->call(p, out, ws);
+  r.call(p, out, ws);
 }
 
 }  // namespace expertqmm::cuda

@@ -104,8 +104,6 @@ __global__ void __launch_bounds__(ExpertTiles64::THREADS)
     device::tile_gemm_runs<ExpertTiles16, T, kBits>(a, tile, blockIdx.x, smem, tile_expert);
 }
 
-unsigned long long* retraction_counter();
-
 template <class T, int kBits>
 void launch_expert_tiles(const TileArgs& args, const ExpertTile* tiles, const TilePlanHeader* header,
                          int64_t tile_slots) {
@@ -121,7 +119,7 @@ void launch_expert_tiles(const TileArgs& args, const ExpertTile* tiles, const Ti
   const int64_t slots = std::max<int64_t>(tile_slots, (args.rows + 15) / 16);
   const dim3 grid(ceil_div(args.N, ExpertTiles64::BN), static_cast<unsigned>(std::min<int64_t>(slots, 65535)));
   expert_tiles_kernel<T, kBits>
-      <<<grid, ExpertTiles64::THREADS, kSmem, current_stream()>>>(args, tiles, header, retraction_counter());
+      <<<grid, ExpertTiles64::THREADS, kSmem, current_stream()>>>(args, tiles, header, retraction_counter(detail::Primitive::gather_qmm));
   EXPERTQMM_CUDA_CHECK_LAUNCH("expert_tiles_kernel");
 }
 
@@ -136,24 +134,6 @@ const ExpertTilesVariant kExpertTilesVariants[] = {
     {DType::f16, 4, launch_expert_tiles<__half, 4>},
     {DType::f16, 8, launch_expert_tiles<__half, 8>},
 };
-
-// Cumulative count of retracted plans, read by diagnostics::snapshot() through the reader below.
-unsigned long long* retraction_counter() {
-  static unsigned long long* counter = [] {
-    unsigned long long* p = nullptr;
-    EXPERTQMM_CUDA_CHECK(cudaMalloc(&p, sizeof(unsigned long long)));
-    EXPERTQMM_CUDA_CHECK(cudaMemset(p, 0, sizeof(unsigned long long)));
-    detail::set_device_retraction_reader([](bool reset) -> uint64_t {
-      unsigned long long v = 0;
-      EXPERTQMM_CUDA_CHECK(cudaStreamSynchronize(current_stream()));
-      EXPERTQMM_CUDA_CHECK(cudaMemcpy(&v, retraction_counter(), sizeof(v), cudaMemcpyDeviceToHost));
-      if (reset) EXPERTQMM_CUDA_CHECK(cudaMemset(retraction_counter(), 0, sizeof(v)));
-      return v;
-    });
-    return p;
-  }();
-  return counter;
-}
 
 }  // namespace
 
@@ -207,7 +187,7 @@ void run_expert_tiles(const detail::GatherQmmProblem& p, void* out, Workspace* w
   if (kernel == TileKernel::wgmma) {
     WgmmaTileArgs args;
     args.tile = make_tile_args(p, out);
-    args.retractions = retraction_counter();
+    args.retractions = retraction_counter(detail::Primitive::gather_qmm);
     args.calls = 1;
     launch_expert_tiles_wgmma(args, WgmmaForm::plain, p.dtype, v.tiles, v.header, v.tile_slots);
   } else {
@@ -250,7 +230,7 @@ void launch_gate_up_glu(const detail::GatherQmmProblem& gate, const detail::Gath
   WgmmaTileArgs args;
   args.tile = make_tile_args(gate, hidden);
   args.up = quant_view(up);
-  args.retractions = retraction_counter();
+  args.retractions = retraction_counter(detail::Primitive::gather_qmm);
   args.calls = 2;
   const TilePlanView v = plan_view(gate, gate.tile_plan);
   launch_expert_tiles_wgmma(args, act == Activation::geglu ? WgmmaForm::geglu : WgmmaForm::swiglu, gate.dtype, v.tiles,
@@ -269,7 +249,7 @@ void launch_down_combine(const detail::GatherQmmProblem& down, const int32_t* sl
   args.combine_weight = static_cast<const uint16_t*>(weights);
   args.combine_out = acc;
   args.top_k = top_k;
-  args.retractions = retraction_counter();
+  args.retractions = retraction_counter(detail::Primitive::gather_qmm);
   args.calls = 1;
   const TilePlanView v = plan_view(down, down.tile_plan);
   launch_expert_tiles_wgmma(args, WgmmaForm::combine, down.dtype, v.tiles, v.header, v.tile_slots);

@@ -8,6 +8,7 @@
 
 #include "core/gather_qmm_problem.h"
 #include "core/workspace_slots.h"
+#include "cuda/route_table.h"
 #include "cuda/device/quant_view.cuh"
 #include "expertqmm/diagnostics.h"
 #include "expertqmm/moe.h"
@@ -18,21 +19,7 @@ namespace device {
 struct TileArgs;
 }
 
-// A route's verdict on a problem: supported, or the first Fallback class that rules it out.
-struct RouteSupport {
-  bool ok = true;
-  Fallback reason = Fallback::disabled;  // meaningful only when !ok
-};
-inline RouteSupport route_ok() { return {}; }
-inline RouteSupport route_miss(Fallback reason) { return {false, reason}; }
-
-using RouteSupportsFn = RouteSupport (*)(const detail::GatherQmmProblem& p);
-using RouteCallFn = void (*)(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
-struct GatherQmmRoute {
-  const char* name;
-  RouteSupportsFn supports;
-  RouteCallFn call;
-};
+using GatherQmmRoute = Route<detail::GatherQmmProblem>;  // route_table.h
 
 // --- expert_tiles: the sorted tile route (gather_qmm_expert_tiles.cu) ------------------------
 // Sorted problems with fewer rows than kExpertTilesMinRows (defined below: the rows qmv takes,

@@ -143,3 +143,42 @@ uint32_t* device_faults() {
 }
 
 }  // namespace expertqmm::cuda
+
+namespace expertqmm::cuda {
+
+namespace {
+
+unsigned long long* retraction_counters() {  // one per primitive, zeroed once
+  static unsigned long long* counters = [] {
+    unsigned long long* p = nullptr;
+    EXPERTQMM_CUDA_CHECK(cudaMalloc(&p, detail::kPrimitiveCount * sizeof(unsigned long long)));
+    EXPERTQMM_CUDA_CHECK(cudaMemset(p, 0, detail::kPrimitiveCount * sizeof(unsigned long long)));
+    return p;
+  }();
+  return counters;
+}
+
+template <int P>
+uint64_t read_retractions(bool reset) {
+  unsigned long long v = 0;
+  unsigned long long* counter = retraction_counters() + P;
+  EXPERTQMM_CUDA_CHECK(cudaStreamSynchronize(current_stream()));
+  EXPERTQMM_CUDA_CHECK(cudaMemcpy(&v, counter, sizeof(v), cudaMemcpyDeviceToHost));
+  if (reset) EXPERTQMM_CUDA_CHECK(cudaMemset(counter, 0, sizeof(v)));
+  return v;
+}
+
+template <int... P>
+constexpr detail::DeviceRetractionReader kReaders[] = {read_retractions<P>...};
+
+}  // namespace
+
+unsigned long long* retraction_counter(detail::Primitive p) {
+  static_assert(detail::kPrimitiveCount == 3, "one reader per primitive below");
+  static std::once_flag registered[detail::kPrimitiveCount];
+  const int i = static_cast<int>(p);
+  std::call_once(registered[i], [&] { detail::set_device_retraction_reader(kReaders<0, 1, 2>[i], p); });
+  return retraction_counters() + i;
+}
+
+}  // namespace expertqmm::cuda

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "core/route_counters.h"
 #include "cuda/check.cuh"
 #include "expertqmm/backend.h"
 
@@ -23,6 +24,10 @@ __device__ __forceinline__ void record_fault(uint32_t* faults, uint32_t code, ui
     faults[2] = limit;
   }
 }
+
+// The device count of tile plans found retracted by primitive p's GEMM kernels (each had been
+// counted as a hit); folded into diagnostics::snapshot() through a reader registered on first use.
+unsigned long long* retraction_counter(detail::Primitive p);
 
 inline unsigned ceil_div(int64_t a, int64_t b) { return static_cast<unsigned>((a + b - 1) / b); }
 
