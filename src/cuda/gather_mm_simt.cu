@@ -39,20 +39,10 @@ __global__ void mm_simt_kernel(MmSimtArgs a) {
   const int64_t total = a.rows * a.N;
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = idx / a.N, n = idx - r * a.N;
-    const int64_t b = r / a.M, m = r - b * a.M;
-    const int64_t expert = a.rhs ? static_cast<int64_t>(a.rhs[b]) : b;
-    if (expert < 0 || expert >= a.E) {
-      record_fault(a.faults, kFaultExpertOutOfRange, static_cast<uint32_t>(expert), static_cast<uint32_t>(a.E));
-      continue;
-    }
-    const int64_t xb = a.lhs ? static_cast<int64_t>(a.lhs[b]) : b;
-    if (xb < 0 || xb >= a.x_batch) {
-      record_fault(a.faults, kFaultRowOutOfRange, static_cast<uint32_t>(xb), static_cast<uint32_t>(a.x_batch));
-      continue;
-    }
-    const T* xrow = x + xb * a.x_batch_stride + m * a.K;
-    const W* wcol = w + expert * a.w_batch + n * a.w_n;
+    GatheredElement el;
+    if (!gathered_element(a, idx, el)) continue;
+    const T* xrow = x + el.xb * a.x_batch_stride + el.m * a.K;
+    const W* wcol = w + el.expert * a.w_batch + el.n * a.w_n;
     float acc = 0.f;
     for (int64_t k = 0; k < a.K; ++k) acc = fmaf(Elem<T>::to_float(xrow[k]), Elem<W>::to_float(wcol[k * a.w_k]), acc);
     out[idx] = Elem<T>::from_float(acc);

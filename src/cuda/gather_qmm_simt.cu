@@ -44,19 +44,10 @@ __global__ void simt_kernel(SimtArgs a) {
   const int64_t total = a.rows * a.N;
   for (int64_t idx = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = idx / a.N, n = idx - r * a.N;
-    const int64_t b = r / a.M, m = r - b * a.M;
-    const int64_t expert = a.rhs ? static_cast<int64_t>(a.rhs[b]) : b;
-    if (expert < 0 || expert >= a.E) {
-      record_fault(a.faults, kFaultExpertOutOfRange, static_cast<uint32_t>(expert), static_cast<uint32_t>(a.E));
-      continue;
-    }
-    const int64_t xb = a.lhs ? static_cast<int64_t>(a.lhs[b]) : b;
-    if (xb < 0 || xb >= a.x_batch) {
-      record_fault(a.faults, kFaultRowOutOfRange, static_cast<uint32_t>(xb), static_cast<uint32_t>(a.x_batch));
-      continue;
-    }
-    const T* xrow = x + xb * a.x_batch_stride + m * a.K;
+    GatheredElement el;
+    if (!gathered_element(a, idx, el)) continue;
+    const int64_t n = el.n, expert = el.expert;
+    const T* xrow = x + el.xb * a.x_batch_stride + el.m * a.K;
     float acc = 0.f;
     if (a.transpose) {
       const int64_t wrow = expert * a.N + n;  // row of (E*N, K) codes

@@ -29,6 +29,32 @@ __device__ __forceinline__ void record_fault(uint32_t* faults, uint32_t code, ui
 // counted as a hit); folded into diagnostics::snapshot() through a reader registered on first use.
 unsigned long long* retraction_counter(detail::Primitive p);
 
+// Output element idx = (row r, column n) of a gathered matmul in a simt kernel: its batch element
+// b = r / M, row m = r % M, and the expert (rhs) and x matrix (lhs) of b, range-checked (a bad id is
+// recorded as a fault and the element skipped: false). A: any argument struct with N, M, E,
+// x_batch, lhs, rhs and faults.
+struct GatheredElement {
+  int64_t r, n, m, expert, xb;
+};
+template <class A>
+__device__ __forceinline__ bool gathered_element(const A& a, int64_t idx, GatheredElement& el) {
+  el.r = idx / a.N;
+  el.n = idx - el.r * a.N;
+  const int64_t b = el.r / a.M;
+  el.m = el.r - b * a.M;
+  el.expert = a.rhs ? static_cast<int64_t>(a.rhs[b]) : b;
+  if (el.expert < 0 || el.expert >= a.E) {
+    record_fault(a.faults, kFaultExpertOutOfRange, static_cast<uint32_t>(el.expert), static_cast<uint32_t>(a.E));
+    return false;
+  }
+  el.xb = a.lhs ? static_cast<int64_t>(a.lhs[b]) : b;
+  if (el.xb < 0 || el.xb >= a.x_batch) {
+    record_fault(a.faults, kFaultRowOutOfRange, static_cast<uint32_t>(el.xb), static_cast<uint32_t>(a.x_batch));
+    return false;
+  }
+  return true;
+}
+
 inline unsigned ceil_div(int64_t a, int64_t b) { return static_cast<unsigned>((a + b - 1) / b); }
 
 }  // namespace expertqmm::cuda
