@@ -23,6 +23,10 @@ const std::vector<Preset>& presets() {
        64, Activation::geglu, false},
       {"gemma4-26b-a4b-fused", "Gemma 4 26B-A4B experts, HF layout (fused gate_up [E, 2I, H])", 128, 8, 2816,
        704, 4, 64, Activation::geglu, true},
+      // 8-bit experts (mlx-community publishes 8-bit Gemma 4 checkpoints): the decode layer's scalar
+      // kernels at T <= 8 (moe_decode_scalar.cu), the mma.sync expert tiles above.
+      {"gemma4-26b-a4b-q8", "Gemma 4 26B-A4B experts quantized 8-bit g64 (mlx-lm layout)", 128, 8, 2816, 704, 8, 64,
+       Activation::geglu, false},
       {"tiny", "small geometry for tests: E=8, k=2, H=256, I=128", 8, 2, 256, 128, 4, 64, Activation::geglu,
        false},
       {"tiny-fused", "tiny with a fused gate_up", 8, 2, 256, 128, 4, 64, Activation::geglu, true},
