@@ -39,7 +39,7 @@ struct ModelBenchOptions {
 
 void print_model_usage() {
   std::printf(
-      "usage: expertqmm bench --model DIR [--tokens 1,8,512,1024,2048] [--product fused|separate|both]\n"
+      "usage: expertqmm bench --model DIR [--tokens 1,8,16,32,64,512,1024,2048] [--product fused|separate|both]\n"
       "                       [--replays 20] [--json FILE] [--seed S]\n"
       "Loads every layer of the Gemma 4 checkpoint in DIR to the GPU and times the feed-forward part of\n"
       "all layers back to back (attention excluded) as one CUDA graph per token count: median of the\n"
@@ -51,7 +51,7 @@ ModelBenchOptions parse_model_options(int argc, char** argv) {
   args.check_known({"model", "tokens", "product", "replays", "json", "seed"});
   ModelBenchOptions o;
   o.dir = args.get_required("model", "DIR");
-  o.tokens = args.get_int_list("tokens", {1, 8, 512, 1024, 2048}, 1, kMaxTokens);
+  o.tokens = args.get_int_list("tokens", {1, 8, 16, 32, 64, 512, 1024, 2048}, 1, kMaxTokens);
   o.products = product_modes(args, "both");
   o.replays = int(args.get_int("replays", 20, 1, 10000));
   o.json_path = args.get_optional("json", "a file name");
