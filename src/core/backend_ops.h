@@ -17,8 +17,7 @@ namespace expertqmm::detail {
 
 // X(return type, name, parameter list). The last three are the fused layer paths: a backend may
 // leave them null, and the front then composes them from the ops above them (the CPU reference
-// does, in mlx-lm's order, so the composition reads as the spec). gather_mm (16-bit experts) is
-// null where a backend has no kernels for it yet (CUDA): the front says so in its error.
+// does, in mlx-lm's order, so the composition reads as the spec).
 #define EXPERTQMM_BACKEND_OPS(X)                                                                           \
   X(QuantizedWeight, quantize, (const Tensor& w, QuantSpec spec))                                          \
   X(Tensor, dequantize, (const Tensor& w, const Tensor& scales, const Tensor& biases, int group_size, int bits)) \

@@ -1,4 +1,5 @@
-// The CUDA backend's table of core/backend_ops.h: every op, the fused layer paths included.
+// The CUDA backend's table of core/backend_ops.h: every op of the list, the fused layer paths
+// included (so it is filled from the list itself).
 #include "cuda/cuda_backend.h"
 
 namespace expertqmm::detail {
@@ -7,22 +8,9 @@ const BackendOps* cuda_backend_ops() {
   static const BackendOps table = [] {
     BackendOps t;
     t.name = "cuda";
-    t.quantize = cuda::quantize;
-    t.dequantize = cuda::dequantize;
-    t.gather_qmm = cuda::gather_qmm;
-    t.gather_mm = cuda::gather_mm;
-    t.gather_sort = cuda::gather_sort;
-    t.scatter_unsort = cuda::scatter_unsort;
-    t.glu_product = cuda::glu_product;
-    t.route = cuda::route;
-    t.weighted_combine = cuda::weighted_combine;
-    t.rms_norm = cuda::rms_norm;
-    t.add = cuda::add;
-    t.add_scaled = cuda::add_scaled;
-    t.dense_linear = cuda::dense_linear;
-    t.switch_glu = cuda::switch_glu;
-    t.moe_layer_into = cuda::moe_layer_into;
-    t.gemma4_ffn_into = cuda::gemma4_ffn_into;
+#define EXPERTQMM_CUDA_TABLE_ENTRY(ret, name, params) t.name = cuda::name;
+    EXPERTQMM_BACKEND_OPS(EXPERTQMM_CUDA_TABLE_ENTRY)
+#undef EXPERTQMM_CUDA_TABLE_ENTRY
     return t;
   }();
   return &table;
