@@ -83,6 +83,7 @@ class Workspace {
  private:
   struct Slot { void* ptr = nullptr; size_t bytes = 0; };
   Slot slots_[16];
+  Slot& slot_at(int slot);           // range-checked
   bool grow(Slot& s, size_t bytes);  // true when it (re)allocated
 };
 

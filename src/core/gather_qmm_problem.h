@@ -30,7 +30,7 @@ struct GatherQmmProblem {
   bool rhs_is_identity = false;  // rhs[b] == b (no rhs given and no broadcast)
   bool lhs_is_identity = false;  // lhs[b] == b
   // CUDA expert tile route: a plan already built for rhs on the current stream (one plan serves
-  // every GEMM of an MoE layer; see cuda::build_expert_tile_plan); nullptr: the route builds one.
+  // every GEMM of an MoE layer; the layer plan builds it, cuda/layer_plan.h); nullptr: the route builds one.
   const void* tile_plan = nullptr;
   // CUDA rhs_tiles split-K: caller-owned scratch of at least cuda::gather_qmm_split_k_bytes(B * M,
   // N, K) bytes for the fp32 slices (e.g. inside the router's arena, free while it runs); nullptr:

@@ -26,18 +26,20 @@ bool Workspace::grow(Slot& s, size_t bytes) {
   return true;
 }
 
-void* Workspace::get(int slot, size_t bytes) {
+Workspace::Slot& Workspace::slot_at(int slot) {
   EXPERTQMM_CHECK(slot >= 0 && slot < detail::kSlotCount, "Workspace", "slot ", slot, " out of range [0, ",
                   detail::kSlotCount, ")");
-  Slot& s = slots_[slot];
+  return slots_[slot];
+}
+
+void* Workspace::get(int slot, size_t bytes) {
+  Slot& s = slot_at(slot);
   grow(s, bytes);
   return s.ptr;
 }
 
 void* Workspace::get_zeroed(int slot, size_t bytes) {
-  EXPERTQMM_CHECK(slot >= 0 && slot < detail::kSlotCount, "Workspace", "slot ", slot, " out of range [0, ",
-                  detail::kSlotCount, ")");
-  Slot& s = slots_[slot];
+  Slot& s = slot_at(slot);
   if (grow(s, bytes)) detail::device_zero(s.ptr, s.bytes);
   return s.ptr;
 }

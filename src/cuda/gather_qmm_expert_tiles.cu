@@ -214,8 +214,6 @@ void call_expert_tiles_wgmma(const detail::GatherQmmProblem& p, void* out, Works
   run_expert_tiles(p, out, ws, TileKernel::wgmma);
 }
 
-void build_expert_tile_plan(const detail::GatherQmmProblem& p, void* plan) { build_plan_into(p, plan); }
-
 bool gate_up_glu_fits(const detail::GatherQmmProblem& gate, const detail::GatherQmmProblem& up) {
   const bool same = gate.N == up.N && gate.K == up.K && gate.w_batch == up.w_batch && gate.bits == up.bits &&
                     gate.group_size == up.group_size && gate.dtype == up.dtype && gate.B == up.B;

@@ -27,9 +27,6 @@ using GatherQmmRoute = Route<detail::GatherQmmProblem>;  // route_table.h
 // The predicate without the on/off setting (the selector applies that).
 RouteSupport supports_expert_tiles(const detail::GatherQmmProblem& p);
 void call_expert_tiles(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
-// Builds the tile plan of p's rhs ids into `plan` (tile_plan_bytes(p.B, p.w_batch) bytes, device) on
-// the current stream, for GatherQmmProblem::tile_plan: every GEMM of a layer shares one plan.
-void build_expert_tile_plan(const detail::GatherQmmProblem& p, void* plan);
 // The route with its kernel pinned (tests): the sm_80 mma.sync kernel, or the sm_90a wgmma one
 // (supported only where wgmma_tiles_fit; gather_qmm_wgmma.h).
 void call_expert_tiles_mma_sync(const detail::GatherQmmProblem& p, void* out, Workspace* ws);

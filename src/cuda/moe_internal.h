@@ -1,6 +1,6 @@
 // Internal pieces shared by the CUDA ops files (quantize, sort, activation, router, combine, moe):
-// element-type traits usable on host and device, a dtype dispatcher, the workspace arena, and the
-// launch entry points each file exports to the device MoE path. Included by .cu files only.
+// a dtype dispatcher, the arena layout of a workspace slot, and the launch entry points each file
+// exports to the device MoE path (element types: device/elem.cuh). Included by .cu files only.
 #pragma once
 #include <cstddef>
 #include <cstdint>
