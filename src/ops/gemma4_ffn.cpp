@@ -141,13 +141,14 @@ size_t Gemma4FfnWeights::nbytes() const {
 
 Tensor gemma4_ffn(const Tensor& h, const Gemma4FfnWeights& w) {
   check_ffn(h, w);
-  if (detail::backend_ops(kOp, h.device()).gemma4_ffn_into) {
+  if (h.size(0) == 0) return Tensor::empty(h.shape(), h.dtype(), h.device());
+  const detail::BackendOps& be = detail::backend_ops(kOp, h.device());
+  if (be.gemma4_ffn_into) {  // checked once above, so straight to the backend
     Tensor out = Tensor::empty(h.shape(), h.dtype(), h.device());
     Workspace ws;  // owned by this call: the allocating convenience path
-    gemma4_ffn_into(out, h, w, ws);
+    be.gemma4_ffn_into(out, h.contiguous(), w, ws);
     return out;
   }
-  if (h.size(0) == 0) return Tensor::empty(h.shape(), h.dtype(), h.device());
   // h1 = post_feedforward_layernorm_1(mlp(pre_feedforward_layernorm(h)))
   const Tensor x1 = rms_norm(h, w.pre_feedforward_layernorm, w.eps);
   const Tensor gate = linear(x1, w.mlp.gate);
