@@ -20,7 +20,9 @@ namespace {
 
 constexpr double kTolerance = 1e-2;  // docs/numerics.md: bf16 vs bf16 across backends
 
-Gemma4Config small_config() {
+// dense_bits: the dense MLP's bits (8: mlx-vlm's and the QAT uploads' 8-bit dense MLP; 4: mlx-lm's
+// default), which pick the decode gate/up kernel of the block's dense branch at T <= 8.
+Gemma4Config small_config(int dense_bits = 8) {
   Gemma4Config c;
   c.hidden_size = 256;
   c.intermediate_size = 384;
@@ -30,8 +32,9 @@ Gemma4Config small_config() {
   c.num_hidden_layers = 1;
   c.quantized = true;
   c.default_quant = {4, 64};
-  for (const char* m : {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "router.proj"})
-    c.overrides[std::string("model.layers.0.") + m] = {8, 64};
+  for (const char* m : {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"})
+    c.overrides[std::string("model.layers.0.") + m] = {dense_bits, 64};
+  c.overrides["model.layers.0.router.proj"] = {8, 64};
   return c;
 }
 
@@ -42,39 +45,42 @@ Gemma4Config small_config() {
 // match within the tolerance.
 TEST(GpuGemma4Ffn, MatchesTheCpuReferenceInBothProductModes) {
   EXPERTQMM_REQUIRE_GPU();
-  const Gemma4FfnWeights cpu_w = synthetic_gemma4_layer(small_config(), 0, 11);
-  const Gemma4FfnWeights gpu_w = cpu_w.to(Device::cuda);
   const ProductMode saved = product_mode();
-  for (ProductMode mode : {ProductMode::fused, ProductMode::separate}) {
-    set_product_mode(mode);
-    for (int64_t T : {1, 3, 8, 40, 300}) {
-      const std::string what = detail::cat("T=", T, " mode=", mode == ProductMode::fused ? "fused" : "separate");
-      const Tensor h = test::random_tensor({T, 256}, DType::bf16, 1.0f);
-      const Tensor expected = gemma4_ffn(h, cpu_w);
-      const Tensor got = gemma4_ffn(h.to(Device::cuda), gpu_w);
-      EXPECT_EQ(got.device(), Device::cuda) << what;
-      // Which tokens did the two routers send to the same experts?
-      const std::vector<int32_t> cpu_idx = test::to_i32(route(h, cpu_w.moe.router).indices);
-      const std::vector<int32_t> gpu_idx = test::to_i32(route(h.to(Device::cuda), gpu_w.moe.router).indices);
-      const int64_t k = cpu_w.moe.router.top_k, H = h.size(1);
-      const std::vector<float> g = test::to_float(got), e = test::to_float(expected);
-      std::vector<float> g_same, e_same;
-      int64_t rerouted = 0;
-      for (int64_t t = 0; t < T; ++t) {
-        std::vector<int32_t> a(cpu_idx.begin() + t * k, cpu_idx.begin() + (t + 1) * k);
-        std::vector<int32_t> b(gpu_idx.begin() + t * k, gpu_idx.begin() + (t + 1) * k);
-        std::sort(a.begin(), a.end());
-        std::sort(b.begin(), b.end());
-        if (a != b) {
-          ++rerouted;
-          continue;
+  for (int dense_bits : {8, 4}) {
+    const Gemma4FfnWeights cpu_w = synthetic_gemma4_layer(small_config(dense_bits), 0, 11);
+    const Gemma4FfnWeights gpu_w = cpu_w.to(Device::cuda);
+    for (ProductMode mode : {ProductMode::fused, ProductMode::separate}) {
+      set_product_mode(mode);
+      for (int64_t T : {1, 3, 8, 40, 300}) {
+        const std::string what = detail::cat("T=", T, " mode=", mode == ProductMode::fused ? "fused" : "separate",
+                                             " dense MLP ", dense_bits, "-bit");
+        const Tensor h = test::random_tensor({T, 256}, DType::bf16, 1.0f);
+        const Tensor expected = gemma4_ffn(h, cpu_w);
+        const Tensor got = gemma4_ffn(h.to(Device::cuda), gpu_w);
+        EXPECT_EQ(got.device(), Device::cuda) << what;
+        // Which tokens did the two routers send to the same experts?
+        const std::vector<int32_t> cpu_idx = test::to_i32(route(h, cpu_w.moe.router).indices);
+        const std::vector<int32_t> gpu_idx = test::to_i32(route(h.to(Device::cuda), gpu_w.moe.router).indices);
+        const int64_t k = cpu_w.moe.router.top_k, H = h.size(1);
+        const std::vector<float> g = test::to_float(got), e = test::to_float(expected);
+        std::vector<float> g_same, e_same;
+        int64_t rerouted = 0;
+        for (int64_t t = 0; t < T; ++t) {
+          std::vector<int32_t> a(cpu_idx.begin() + t * k, cpu_idx.begin() + (t + 1) * k);
+          std::vector<int32_t> b(gpu_idx.begin() + t * k, gpu_idx.begin() + (t + 1) * k);
+          std::sort(a.begin(), a.end());
+          std::sort(b.begin(), b.end());
+          if (a != b) {
+            ++rerouted;
+            continue;
+          }
+          g_same.insert(g_same.end(), g.begin() + t * H, g.begin() + (t + 1) * H);
+          e_same.insert(e_same.end(), e.begin() + t * H, e.begin() + (t + 1) * H);
         }
-        g_same.insert(g_same.end(), g.begin() + t * H, g.begin() + (t + 1) * H);
-        e_same.insert(e_same.end(), e.begin() + t * H, e.begin() + (t + 1) * H);
+        EXPECT_LE(rerouted, std::max<int64_t>(1, T / 50)) << what << test::seed_note();
+        EXPECT_LE(test::rel_error(g_same, e_same), kTolerance) << what << " (" << rerouted << " tokens rerouted) "
+                                                                << test::seed_note();
       }
-      EXPECT_LE(rerouted, std::max<int64_t>(1, T / 50)) << what << test::seed_note();
-      EXPECT_LE(test::rel_error(g_same, e_same), kTolerance) << what << " (" << rerouted << " tokens rerouted) "
-                                                              << test::seed_note();
     }
   }
   set_product_mode(saved);
@@ -117,7 +123,21 @@ TEST(GpuGemma4Ffn, OneLayerCapturedInACudaGraphReplaysTheSameOutput) {
     EXPECT_EQ(ws.bytes_held(), held) << what << ": the workspace grew during the captured call";
     size_t nodes = 0;
     ASSERT_EQ(cudaGraphGetNodes(graph, nullptr, &nodes), cudaSuccess);
-    EXPECT_GT(nodes, 12u) << what << ": the graph should hold the whole feed-forward part";
+    // entry norms; dense gate/up (+ GLU) and down; router, gate/up and down of the experts; exit
+    EXPECT_GE(nodes, 7u) << what << ": the graph should hold the whole feed-forward part";
+    // The dense MLP and the experts are two parallel paths: the entry norms fan out to both, and the
+    // exit waits for both.
+    size_t edges = 0;
+    ASSERT_EQ(cudaGraphGetEdges(graph, nullptr, nullptr, nullptr, &edges), cudaSuccess);
+    std::vector<cudaGraphNode_t> from(edges), to(edges);
+    ASSERT_EQ(cudaGraphGetEdges(graph, from.data(), to.data(), nullptr, &edges), cudaSuccess);
+    size_t fan_out = 0, fan_in = 0;
+    for (size_t i = 0; i < edges; ++i) {
+      fan_out = std::max<size_t>(fan_out, std::count(from.begin(), from.end(), from[i]));
+      fan_in = std::max<size_t>(fan_in, std::count(to.begin(), to.end(), to[i]));
+    }
+    EXPECT_GE(fan_out, 2u) << what << ": the dense MLP should branch off beside the experts";
+    EXPECT_GE(fan_in, 2u) << what << ": the exit should wait for both branches";
     test::expect_replays_match(graph, stream.get(), replayed, expected, 2, what);
   }
 #endif

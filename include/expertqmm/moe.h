@@ -1,5 +1,6 @@
 // SwitchGLU, the Gemma 4 router, the weighted combine and the MoE layer built from them.
 #pragma once
+#include <memory>
 #include "expertqmm/ops.h"
 
 namespace expertqmm {
@@ -78,11 +79,16 @@ class Workspace {
   // get(), and every byte is zero when the buffer is (re)allocated: for device counters that the
   // kernels using them leave at zero when they finish.
   void* get_zeroed(int slot, size_t bytes);
+  // Scratch for work that runs beside this workspace's on another stream (the Gemma 4 block's dense
+  // MLP beside its experts): a second set of slots, made on first use and freed with this one.
+  Workspace& branch();
+  // Bytes of every slot, the branch's included.
   size_t bytes_held() const;
 
  private:
   struct Slot { void* ptr = nullptr; size_t bytes = 0; };
   Slot slots_[16];
+  std::unique_ptr<Workspace> branch_;
   Slot& slot_at(int slot);           // range-checked
   bool grow(Slot& s, size_t bytes);  // true when it (re)allocated
 };

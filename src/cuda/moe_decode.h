@@ -107,10 +107,28 @@ struct GateUpArgs {
   int gate_row0, up_row0;
   int H, I, E, k;
   int rows_per_pass;  // activation rows staged at once: min(kGuRowsPerPass, T) (an expert has <= T rows)
-  const DecodePlan* plan;
+  const DecodePlan* plan;  // null: the identity plan of identity_rows rows (plan_group below)
+  int identity_rows;
   uint16_t* hidden;  // (n, I) of D: row t*k + j = act(gate) * up of slot (t, j)
   uint32_t* faults;
 };
+
+
+// The expert group g of a gate/up CTA: the router's plan, or without one (a.plan null) the identity
+// plan of a dense MLP run as one always-chosen expert (E = 1, k = 1: the Gemma 4 block's dense
+// branch, gemma4_ffn.cu): one group of expert 0 holding rows 0 .. identity_rows - 1 in order.
+struct PlanGroup {
+  int groups, expert, begin, count;
+};
+__device__ __forceinline__ PlanGroup plan_group(const GateUpArgs& a, int g) {
+  if (!a.plan) return {1, 0, 0, a.identity_rows};
+  const DecodePlan& p = *a.plan;
+  const int groups = p.groups;
+  if (g >= groups) return {groups, 0, 0, 0};
+  return {groups, p.expert[g], p.begin[g], p.count[g]};
+}
+// Entry i of the plan's row order (a flat row t*k + j).
+__device__ __forceinline__ int plan_row(const GateUpArgs& a, int i) { return a.plan ? a.plan->row[i] : i; }
 
 
 // ---------------------------------------------------------------------------------------------

@@ -120,6 +120,53 @@ RouteSupport supports_decode_layer(const Tensor& out, const Tensor& h, const Ten
 }
 
 
+RouteSupport supports_decode_glu(const Tensor& x, const QuantizedWeight& gate, const QuantizedWeight& up,
+                                 Activation act) {
+  const DType D = x.dtype();
+  if (D != DType::bf16 && D != DType::f16) return route_miss(Fallback::dtype);
+  if (x.ndim() != 2 || !x.is_contiguous() || x.device() != Device::cuda) return route_miss(Fallback::topology);
+  const int64_t T = x.size(0), H = x.size(1);
+  if (T < 1 || T > kDecodeMaxTokens) return route_miss(Fallback::shape);
+  if (H % 32 != 0 || H > INT32_MAX / 4 || !rows_aligned(x)) return route_miss(Fallback::alignment);
+  if (act != Activation::geglu && act != Activation::swiglu) return route_miss(Fallback::topology);
+  if (!gate.defined() || gate.w.ndim() != 2) return route_miss(Fallback::topology);
+  const int64_t I = gate.w.size(0);
+  if (I < 1 || I > INT32_MAX / 8 || I % 32 != 0) return route_miss(Fallback::shape);  // whole column blocks
+  RouteSupport s;
+  if (!(s = check_weight(gate, 0, I, H, D)).ok) return s;
+  if (!(s = check_weight(up, 0, I, H, D)).ok) return s;
+  if (gate.bits != up.bits || gate.group_size != up.group_size) return route_miss(Fallback::quantization);
+  // 4-bit only: the tensor-core kernel. The scalar 8-bit one lost to two qmv launches and the GLU
+  // kernel on the block's 8-bit dense MLP (bench/NOTES.md step 11: 188 vs 168 us per layer at T = 8).
+  if (gate.bits != 4) return route_miss(Fallback::quantization);
+  for (const QuantizedWeight* q : {&gate, &up})  // scale and bias spans are copied in 16-byte units
+    if (!is_aligned(q->scales.data(), 16) || !is_aligned(q->biases.data(), 16)) return route_miss(Fallback::alignment);
+  if (gate_up_mma_smem(H, gate.group_size) > kDecodeMaxSmem) return route_miss(Fallback::shape);
+  return route_ok();
+}
+
+void launch_decode_glu(const Tensor& x, const QuantizedWeight& gate, const QuantizedWeight& up, Activation act,
+                       void* hidden) {
+  const int T = static_cast<int>(x.size(0)), H = static_cast<int>(x.size(1));
+  const int I = static_cast<int>(gate.w.size(0));
+  GateUpArgs ga{};
+  ga.x = x.data_as<const uint16_t>();
+  ga.x_stride = H;
+  ga.gate = quant_view(gate, H);
+  ga.up = quant_view(up, H);
+  ga.gate_rows_per_expert = I;
+  ga.up_rows_per_expert = I;
+  ga.H = H;
+  ga.I = I;
+  ga.E = 1;
+  ga.k = 1;
+  ga.plan = nullptr;
+  ga.identity_rows = T;
+  ga.hidden = static_cast<uint16_t*>(hidden);
+  ga.faults = device_faults();
+  launch_gate_up_mma(x.dtype(), gate.group_size, act, ga, T, gate_up_mma_smem(H, gate.group_size), current_stream());
+}
+
 DecodeScratch decode_scratch(int64_t T, int64_t k, int64_t E, int64_t I) {
   DecodeScratch sc;
   ArenaLayout layout;

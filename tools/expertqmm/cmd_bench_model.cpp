@@ -229,8 +229,9 @@ int run_bench_model(int argc, char** argv) {
   if (!o.json_path.empty()) {
     std::ofstream js(o.json_path);
     EXPERTQMM_CHECK(bool(js), "bench", "cannot write --json file '", o.json_path, "'");
-    js << "{\n  \"bench\": \"model_ffn\",\n  \"note\": \"attention excluded: feed-forward part of every layer\",\n"
-       << "  \"model\": " << '"' << o.dir << '"' << ",\n  \"device\": \"" << cuda_device_name() << "\",\n"
+    js << "{\n  \"bench\": \"model_ffn\",\n  \"commit\": " << json_string(commit_id()) << ",\n  \"gpu\": "
+       << json_string(cuda_device_name()) << ",\n  \"note\": \"attention excluded: feed-forward part of every layer\",\n"
+       << "  \"model\": " << json_string(o.dir) << ",\n  \"device\": " << json_string(cuda_device_name()) << ",\n"
        << "  \"layers\": " << L << ",\n  \"hidden\": " << H << ",\n  \"weight_bytes\": " << weight_bytes
        << ",\n  \"gpu_memory_used_bytes\": " << (free_before - std::min(free_before, free_after))
        << ",\n  \"replays\": " << o.replays << ",\n  \"sixteen_bit_weights\": [";
