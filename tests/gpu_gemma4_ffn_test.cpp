@@ -127,10 +127,13 @@ TEST(GpuGemma4Ffn, OneLayerCapturedInACudaGraphReplaysTheSameOutput) {
     EXPECT_GE(nodes, 7u) << what << ": the graph should hold the whole feed-forward part";
     // The dense MLP and the experts are two parallel paths: the entry norms fan out to both, and the
     // exit waits for both.
+    // (With the edge data: a graph whose edges are not all plain full dependencies, e.g. programmatic
+    // ones, refuses a query without it as lossy.)
     size_t edges = 0;
     ASSERT_EQ(cudaGraphGetEdges(graph, nullptr, nullptr, nullptr, &edges), cudaSuccess);
     std::vector<cudaGraphNode_t> from(edges), to(edges);
-    ASSERT_EQ(cudaGraphGetEdges(graph, from.data(), to.data(), nullptr, &edges), cudaSuccess);
+    std::vector<cudaGraphEdgeData> edge_data(edges);
+    ASSERT_EQ(cudaGraphGetEdges(graph, from.data(), to.data(), edge_data.data(), &edges), cudaSuccess);
     size_t fan_out = 0, fan_in = 0;
     for (size_t i = 0; i < edges; ++i) {
       fan_out = std::max<size_t>(fan_out, std::count(from.begin(), from.end(), from[i]));
