@@ -198,8 +198,7 @@ class MoeBlock(nn.Module):
                     module.add_module(part, nn.Module())
                 module = getattr(module, part)
             module.register_buffer(leaf, t)
-        self._handle: Optional[int] = None
-        MoeWeights.from_mlx(dict(self.named_buffers()), top_k=top_k, eps=eps, activation=activation)  # validate
+        self._handle = self._register()
 
     @classmethod
     def from_state_dict(cls, state_dict: Mapping[str, torch.Tensor], prefix: str = "", *, top_k: int = 8,
@@ -221,20 +220,24 @@ class MoeBlock(nn.Module):
         block = cls(tensors, top_k=ck.config.top_k_experts, eps=ck.config.rms_norm_eps)
         return block.to(device) if device is not None else block
 
+    def _register(self) -> int:
+        # Eagerly (at construction and after a move), so that forward only reads an int: torch.compile
+        # then sees a constant, never the DLPack calls.
+        weights = MoeWeights.from_mlx(dict(self.named_buffers()), top_k=self.top_k, eps=self.eps,
+                                      activation=self.activation)
+        handle = register_moe_weights(weights)
+        weakref.finalize(self, release, handle)
+        return handle
+
     def handle(self) -> int:
-        """The registered handle of the current buffers (made on first use and after a move)."""
-        if self._handle is None:
-            weights = MoeWeights.from_mlx(dict(self.named_buffers()), top_k=self.top_k, eps=self.eps,
-                                          activation=self.activation)
-            self._handle = register_moe_weights(weights)
-            weakref.finalize(self, release, self._handle)
+        """The registered handle of the current buffers (``torch.ops.expertqmm.moe_layer``'s third argument)."""
         return self._handle
 
     def _apply(self, fn, *args, **kwargs):
         result = super()._apply(fn, *args, **kwargs)
-        if self._handle is not None:  # the buffers moved or changed type: views of the old ones are stale
+        if getattr(self, "_handle", None) is not None:  # the buffers moved or changed type: re-register the new ones
             release(self._handle)
-            self._handle = None
+            self._handle = self._register()
         return result
 
     def forward(self, h: torch.Tensor, x: Optional[torch.Tensor] = None) -> torch.Tensor:
