@@ -126,3 +126,16 @@ def test_released_handles_and_bad_activations_raise_expertqmm_error():
     block = eqt.MoeBlock(sd, top_k=2)
     with pytest.raises(expertqmm.Error, match="must be bfloat16, float16 or float32"):
         block(h[3].double())
+
+
+def test_the_readmes_python_example_runs():
+    import os
+    import re
+
+    readme = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "README.md")).read()
+    section = readme[readme.index("### Python"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    scope = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert scope["y"].shape == (8, 128) and scope["z"].shape == (3, 1, 64) and scope["out"].shape == (8, 128)
+    assert len(code.strip().splitlines()) <= 12
