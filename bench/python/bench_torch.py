@@ -251,8 +251,11 @@ def main():
                 f.write("\n")
     print(table(result))
     if args.png:
-        plot(result, args.png)
-        print(f"plot: {args.png}")
+        try:
+            plot(result, args.png)
+            print(f"plot: {args.png}")
+        except ImportError:  # the GPU machine may lack it: the JSON is written, plot it elsewhere
+            print(f"no matplotlib: no {args.png}; plot with --from-json {args.json or 'FILE'} --png ... elsewhere")
     if any(r.get("check") == "FAIL" for r in result["rows"]):
         sys.exit("bench_torch.py: a row failed its check against float64")
 
