@@ -139,3 +139,24 @@ def test_the_readmes_python_example_runs():
     exec(compile(code, "README.md", "exec"), scope)
     assert scope["y"].shape == (8, 128) and scope["z"].shape == (3, 1, 64) and scope["out"].shape == (8, 128)
     assert len(code.strip().splitlines()) <= 12
+
+
+def test_expertqmm_torch_documents_its_functions_and_modules():
+    import inspect
+
+    missing = []
+    for name, obj in vars(eqt).items():
+        if name.startswith("_") or getattr(obj, "__module__", "") != eqt.__name__:
+            continue
+        if inspect.isfunction(obj) or inspect.isclass(obj):
+            if not (obj.__doc__ or "").strip():
+                missing.append(name)
+        if inspect.isclass(obj):
+            for member, fn in vars(obj).items():
+                fn = fn.__func__ if isinstance(fn, classmethod) else fn
+                if not member.startswith("_") and inspect.isfunction(fn) and not (fn.__doc__ or "").strip():
+                    missing.append(f"{name}.{member}")
+    assert not missing, missing
+    for op in ("quantize", "dequantize", "gather_qmm", "gather_mm", "moe_layer", "gemma4_ffn"):
+        fn = getattr(getattr(eqt, op), "_init_fn", getattr(eqt, op))  # the custom op's own function
+        assert (fn.__doc__ or "").strip(), op
