@@ -41,7 +41,7 @@ Activation parse_activation(const std::string& s) {
 }
 
 PyMoeWeights make_moe_weights(nb::handle router_proj, const PyTensor& router_scale, const PyTensor& per_expert_scale,
-                              int top_k, float eps, nb::handle gate, nb::handle up, nb::handle gate_up,
+                              int top_k, double eps, nb::handle gate, nb::handle up, nb::handle gate_up,
                               nb::handle down, const std::string& activation) {
   PyMoeWeights m;
   RouterWeights& r = m.weights.router;
@@ -49,7 +49,7 @@ PyMoeWeights make_moe_weights(nb::handle router_proj, const PyTensor& router_sca
   r.scale = router_scale.tensor;
   r.per_expert_scale = per_expert_scale.tensor;
   r.top_k = top_k;
-  r.eps = eps;
+  r.eps = static_cast<float>(eps);
   m.keep.insert(m.keep.end(), {router_scale, per_expert_scale});
   SwitchGLUWeights& e = m.weights.experts;
   set_projection(gate, "gate", &e.gate, &e.gate_dense, m);
@@ -106,7 +106,7 @@ void bind_ops(nb::module_& m) {
                            "The router and SwitchGLU expert weights of one MoE block (views of the arrays given, "
                            "which it keeps alive).")
       .def(nb::new_(&make_moe_weights), arg("router_proj"), arg("router_scale"), arg("per_expert_scale"),
-           arg("top_k"), arg("eps") = 1e-6f, arg("gate").none() = nb::none(), arg("up").none() = nb::none(),
+           arg("top_k"), arg("eps") = 1e-6, arg("gate").none() = nb::none(), arg("up").none() = nb::none(),
            arg("gate_up").none() = nb::none(), arg("down").none() = nb::none(), arg("activation") = "geglu",
            "Each projection is a Quantized or a dense Tensor; give gate and up, or gate_up (gate rows first).")
       .def("output_dtype", &moe_output_dtype, arg("x_dtype"), "The dtype moe_layer returns for input dtype x_dtype.")
