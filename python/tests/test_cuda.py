@@ -99,3 +99,23 @@ def test_cuda_ops_match_the_cpu(tiny_checkpoint):
     ffn_gpu = eqt.Gemma4FeedForward.from_mlx_checkpoint(tiny_checkpoint, 1, device="cuda")
     assert ref.rel_error(ffn_gpu(h.cuda()).cpu(), expertqmm.gemma4_ffn(h, ck.layer(1))) <= BF16_BOUND
     expertqmm.cuda_check()
+
+
+def test_cuda_gemma4_feed_forward_graph_capture(tiny_checkpoint):
+    require_cuda(torch)
+    ffn = eqt.Gemma4FeedForward.from_mlx_checkpoint(tiny_checkpoint, 0, device="cuda")
+    static_h = torch.randn(24, 128, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ffn(static_h)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = ffn(static_h)
+    fresh = torch.randn(24, 128, device="cuda", dtype=torch.bfloat16)
+    static_h.copy_(fresh)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert ref.rel_error(static_out, ffn(fresh)) <= 1e-3
+    expertqmm.cuda_check()
