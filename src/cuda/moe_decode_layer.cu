@@ -95,7 +95,9 @@ RouteSupport supports_decode_layer(const Tensor& out, const Tensor& h, const Ten
   if (I % 8 != 0) return route_miss(Fallback::alignment);
   if (ex.activation != Activation::geglu && ex.activation != Activation::swiglu) return route_miss(Fallback::topology);
 
-  // Router.
+  // Router: its kernel computes Gemma 4's (norm, scale, top-k, softmax over the k); other kinds
+  // take the general path's route_into.
+  if (rt.kind != RouterKind::gemma4) return route_miss(Fallback::topology);
   if (!rt.scale.defined() || !is_floating(rt.scale.dtype()) || rt.scale.numel() != H || !rt.scale.is_contiguous())
     return route_miss(Fallback::dtype);
   if (!is_aligned(rt.scale.data(), 16)) return route_miss(Fallback::alignment);  // read in 16-byte units

@@ -169,29 +169,4 @@ std::vector<uint16_t> random_routing_weights(int64_t T, int k, uint64_t seed) {
   return out;
 }
 
-QuantizedWeight to_device(const QuantizedWeight& q, Device device) {
-  if (!q.defined()) return q;
-  QuantizedWeight r = q;
-  r.w = q.w.to(device);
-  r.scales = q.scales.to(device);
-  r.biases = q.biases.to(device);
-  return r;
-}
-
-MoeWeights to_device(const MoeWeights& w, Device device) {
-  MoeWeights r = w;
-  auto move = [device](Tensor& t) {
-    if (t.defined()) t = t.to(device);
-  };
-  r.router.proj = to_device(w.router.proj, device);
-  move(r.router.proj_dense);
-  move(r.router.scale);
-  move(r.router.per_expert_scale);
-  r.experts.gate = to_device(w.experts.gate, device);
-  r.experts.up = to_device(w.experts.up, device);
-  r.experts.gate_up = to_device(w.experts.gate_up, device);
-  r.experts.down = to_device(w.experts.down, device);
-  return r;
-}
-
 }  // namespace expertqmm::cli

@@ -63,8 +63,4 @@ std::vector<int32_t> zipf_routing(int64_t T, int experts, int k, double s, uint6
 // Routing weights [T*k]: softmax over the k of N(0, 1) logits, as bf16 bits.
 std::vector<uint16_t> random_routing_weights(int64_t T, int k, uint64_t seed);
 
-// Copies of weights on `device` (undefined members stay undefined).
-QuantizedWeight to_device(const QuantizedWeight& q, Device device);
-MoeWeights to_device(const MoeWeights& w, Device device);
-
 }  // namespace expertqmm::cli
