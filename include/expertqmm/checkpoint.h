@@ -163,6 +163,12 @@ void write_gemma4_checkpoint(const std::string& dir, const Gemma4Config& config,
                              const std::function<Gemma4FfnWeights(int)>& layer,
                              const CheckpointWriteOptions& options = {});
 
+// write_gemma4_checkpoint for a qwen3_moe config: each layer's feed-forward tensors under mlx-lm's
+// qwen3_moe names (post_attention_layernorm, mlp.gate, mlp.switch_mlp.{gate,up,down}_proj).
+void write_qwen3_moe_checkpoint(const std::string& dir, const Gemma4Config& config, int shards,
+                                const std::function<Qwen3MoeFfnWeights(int)>& layer,
+                                const CheckpointWriteOptions& options = {});
+
 // Synthetic weights for `config` from `seed`: random codes, bf16 scales ±(0.01 + 0.002 n) with
 // biases centring the dequantized values on 0 (quantized modules), N(0, 0.02) dense weights, norm
 // weights 1 + 0.1 n, router scale 1 + 0.05 n, per_expert_scale 1 + 0.05 n, layer_scalar in
@@ -171,5 +177,9 @@ void write_gemma4_checkpoint(const std::string& dir, const Gemma4Config& config,
 // Fast (no quantizer): meant for benchmark checkpoints at the real geometry and test fixtures.
 Gemma4FfnWeights synthetic_gemma4_layer(const Gemma4Config& config, int layer, uint64_t seed,
                                         const std::string& prefix = "model.");
+// The same for a qwen3_moe config: post_attention_layernorm 1 + 0.1 n, mlp.gate and the experts as
+// the config quantizes them (a softmax_topk router, SwiGLU experts).
+Qwen3MoeFfnWeights synthetic_qwen3_moe_layer(const Gemma4Config& config, int layer, uint64_t seed,
+                                             const std::string& prefix = "model.");
 
 }  // namespace expertqmm

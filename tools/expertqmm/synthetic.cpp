@@ -77,15 +77,19 @@ SwitchGLUWeights synthetic_experts(const Preset& p, uint64_t seed) {
   return ex;
 }
 
-// Router weights from bf16 bits: proj [E, H] quantized to 8 bits, group 64, as the Gemma 4 QAT
-// checkpoints do (spec mlx-semantics 4.6); scale [H]; per_expert_scale [E].
+// Router weights of the preset's kind from bf16 bits: proj [E, H] quantized to 8 bits, group 64,
+// as the Gemma 4 QAT checkpoints (spec mlx-semantics 4.6) and mlx-lm's qwen3_moe quant_predicate
+// do; a gemma4 router also gets scale [H] and per_expert_scale [E].
 static RouterWeights make_router(const Preset& p, const std::vector<uint16_t>& proj, const std::vector<uint16_t>& scale,
                                  const std::vector<uint16_t>& per_expert) {
   const int64_t E = p.experts, H = p.hidden;
   RouterWeights r;
+  r.kind = p.router;
   r.proj = quantize(bf16_host(proj, {E, H}), QuantSpec{8, 64, Rounding::cpu});
-  r.scale = bf16_host(scale, {H});
-  r.per_expert_scale = bf16_host(per_expert, {E});
+  if (p.router == RouterKind::gemma4) {
+    r.scale = bf16_host(scale, {H});
+    r.per_expert_scale = bf16_host(per_expert, {E});
+  }
   r.top_k = p.top_k;
   return r;
 }
