@@ -13,12 +13,11 @@
 #include "expertqmm/checkpoint.h"
 #include "expertqmm/error.h"
 #include "support/graph_capture.h"
+#include "support/moe_case.h"
 #include "support/test_util.h"
 
 namespace expertqmm {
 namespace {
-
-constexpr double kTolerance = 1e-2;  // docs/numerics.md: bf16 vs bf16 across backends
 
 Gemma4Config small_config() {
   Gemma4Config c;
@@ -52,29 +51,10 @@ TEST(GpuGemma4Ffn, MatchesTheCpuReferenceInBothProductModes) {
       const Tensor h = test::random_tensor({T, 256}, DType::bf16, 1.0f);
       const Tensor expected = gemma4_ffn(h, cpu_w);
       const Tensor got = gemma4_ffn(h.to(Device::cuda), gpu_w);
-      EXPECT_EQ(got.device(), Device::cuda) << what;
       // Which tokens did the two routers send to the same experts?
-      const std::vector<int32_t> cpu_idx = test::to_i32(route(h, cpu_w.moe.router).indices);
-      const std::vector<int32_t> gpu_idx = test::to_i32(route(h.to(Device::cuda), gpu_w.moe.router).indices);
-      const int64_t k = cpu_w.moe.router.top_k, H = h.size(1);
-      const std::vector<float> g = test::to_float(got), e = test::to_float(expected);
-      std::vector<float> g_same, e_same;
-      int64_t rerouted = 0;
-      for (int64_t t = 0; t < T; ++t) {
-        std::vector<int32_t> a(cpu_idx.begin() + t * k, cpu_idx.begin() + (t + 1) * k);
-        std::vector<int32_t> b(gpu_idx.begin() + t * k, gpu_idx.begin() + (t + 1) * k);
-        std::sort(a.begin(), a.end());
-        std::sort(b.begin(), b.end());
-        if (a != b) {
-          ++rerouted;
-          continue;
-        }
-        g_same.insert(g_same.end(), g.begin() + t * H, g.begin() + (t + 1) * H);
-        e_same.insert(e_same.end(), e.begin() + t * H, e.begin() + (t + 1) * H);
-      }
-      EXPECT_LE(rerouted, std::max<int64_t>(1, T / 50)) << what << test::seed_note();
-      EXPECT_LE(test::rel_error(g_same, e_same), kTolerance) << what << " (" << rerouted << " tokens rerouted) "
-                                                              << test::seed_note();
+      test::expect_close_where_routed_alike(expected, got, test::to_i32(route(h, cpu_w.moe.router).indices),
+                                            test::to_i32(route(h.to(Device::cuda), gpu_w.moe.router).indices),
+                                            cpu_w.moe.router.top_k, what);
     }
   }
   set_product_mode(saved);
