@@ -114,33 +114,21 @@ __global__ void router_topk_softmax_kernel(const typename Elem<L>::storage* __re
 }
 
 // Qwen3-MoE's top-k: softmax over each token's E logits, rounded to L, top-k by probability,
-// weights p[idx] (renormalised: L(p / L(sum of the k)), as mlx-lm's bf16 ops round).
+// weights p[idx] (renormalised when asked).
 //   logits (T, E) of L;  indices (T, k) int32, best first;  weights (T, k) of W
-// Work split: one warp per token (8 per CTA): lanes stride over E for the max and the sum of
-// exponentials (shuffle reductions), then device::warp_topk_weights on the rounded probabilities.
+// Work split: one warp per token (8 per CTA); the warp's work is device::warp_softmax_topk
+// (device/route_topk.cuh, shared with the decode layer's router).
 template <DType L, DType W>
 __global__ void router_softmax_topk_kernel(const typename Elem<L>::storage* __restrict__ logits, int64_t T,
                                            int64_t E, int k, bool renormalize, int32_t* __restrict__ indices,
                                            typename Elem<W>::storage* __restrict__ weights) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + (threadIdx.x >> 5);
   if (t >= T) return;  // uniform per warp
-  const int lane = threadIdx.x & 31;
   const typename Elem<L>::storage* row = logits + t * E;
-  // A NaN logit is skipped by the max but makes its exponential, the sum and so every p NaN (the CPU's result).
-  float max_logit = -INFINITY;
-  for (int64_t e = lane; e < E; e += 32) max_logit = fmaxf(max_logit, Elem<L>::load(row[e]));
-  for (int off = 16; off > 0; off >>= 1) max_logit = fmaxf(max_logit, __shfl_xor_sync(0xffffffffu, max_logit, off));
-  float sum = 0.0f;
-  for (int64_t e = lane; e < E; e += 32) sum = __fadd_rn(sum, expf(__fsub_rn(Elem<L>::load(row[e]), max_logit)));
-  for (int off = 16; off > 0; off >>= 1) sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, off));
-  const float inv_sum = __fdiv_rn(1.0f, sum);
-  auto round_l = [](float v) { return Elem<L>::load(Elem<L>::store(v)); };
   typename Elem<W>::storage* wrow = weights + t * k;
-  device::warp_topk_weights(
-      [&](int64_t e) { return round_l(__fmul_rn(expf(__fsub_rn(Elem<L>::load(row[e]), max_logit)), inv_sum)); }, E, k,
-      [](float p, float) { return p; },
-      [&](int32_t, float p, float k_sum) { return renormalize ? round_l(__fdiv_rn(p, round_l(k_sum))) : p; },
-      indices + t * k, [&](int slot, float w) { wrow[slot] = Elem<W>::store(w); });
+  device::warp_softmax_topk([&](int64_t e) { return Elem<L>::load(row[e]); }, E, k, renormalize,
+                            [](float v) { return Elem<L>::load(Elem<L>::store(v)); }, indices + t * k,
+                            [&](int slot, float w) { wrow[slot] = Elem<W>::store(w); });
 }
 
 unsigned ctas_for(int64_t items, int per_cta) { return static_cast<unsigned>((items + per_cta - 1) / per_cta); }

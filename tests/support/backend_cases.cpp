@@ -477,17 +477,24 @@ void moe_rows(Table& t) {
   }
   for (const auto& d : decode)
     for (int64_t T : d.second) add(t, large, MoeLayerCase{d.first, T, MoePath::decode});
-  // Qwen3-MoE: the softmax_topk router and SwiGLU experts through the same layer (the decode
-  // layer refuses this router kind, so every size takes the experts path). Qwen3-30B-A3B's
-  // geometry at decode, sorted and prefill sizes; small ones, with and without renormalisation,
-  // for the sanitizer.
+  // Qwen3-MoE: the softmax_topk router and SwiGLU experts through the same layer. Qwen3-30B-A3B's
+  // geometry on the decode layer (forced, and against the general path) and at decode, sorted and
+  // prefill sizes as the library picks; small ones, with and without renormalisation (the
+  // sanitizer's on the general path, the decode layer's with 8-bit experts and a dense router).
   MoeGeometry qwen3{2048, 768, 128, 8, 4, 64, 8, false, Activation::swiglu, DType::bf16, RouterKind::softmax_topk};
+  for (int64_t T : {1, 2, 8}) add(t, large, MoeLayerCase{qwen3, T, MoePath::decode});
   for (int64_t T : {1, 8, 64, 512}) add(t, large, MoeLayerCase{qwen3, T, MoePath::automatic});
   add(t, large, MoeLayerCase{qwen3, 40, MoePath::separate});
   MoeGeometry qwen3_small{256, 128, 8, 2, 4, 64, 8, false, Activation::swiglu, DType::bf16, RouterKind::softmax_topk};
   for (bool renorm : {true, false}) {
     qwen3_small.norm_topk_prob = renorm;
-    for (int64_t T : {2, 40}) add(t, small, MoeLayerCase{qwen3_small, T, MoePath::automatic});
+    for (int64_t T : {9, 40}) add(t, small, MoeLayerCase{qwen3_small, T, MoePath::automatic});
+    add(t, large, MoeLayerCase{qwen3_small, 3, MoePath::decode});
+    MoeGeometry q8 = qwen3_small;
+    q8.bits = 8;
+    q8.router_bits = 0;
+    q8.dtype = DType::f16;
+    add(t, large, MoeLayerCase{q8, 5, MoePath::decode});
   }
 }
 

@@ -1,12 +1,12 @@
 // The router's top-k of one token on one warp and the weights of the k: shared by router.cu
-// (route_into, both router kinds) and moe_decode.cu (the decode layer's Gemma 4 router), so all
+// (route_into) and moe_decode_router.cu (the decode layer's router), both router kinds, so all
 // pick the same experts in the same slot order with the same tie rules:
 //   idx = top_k experts by descending score, NaN first, ties -> higher expert id (MLX's rule,
 //         src/cpu/router.cpp and docs/numerics.md; +0 and -0 tie)
 //   w   = finish(e, numerator(score[idx], score[idx_0]), sum of the k numerators)  fp32, slot order
 // Gemma 4 (warp_topk_softmax): scores are logits, numerator exp(s - s_max), finish
-// p / sum * per_expert_scale[e]. Qwen3-MoE: scores are the rounded softmax probabilities,
-// numerator s itself, finish s / sum (renormalised) or s.
+// p / sum * per_expert_scale[e]. Qwen3-MoE (warp_softmax_topk): scores are the rounded softmax
+// probabilities, numerator s itself, finish s / sum (renormalised) or s.
 #pragma once
 #include <cstdint>
 
@@ -107,6 +107,29 @@ __device__ __forceinline__ void warp_topk_weights(Logit logit, int64_t E, int k,
     }
     store_weight(slot, finish(e, p, sum));
   }
+}
+
+// The Qwen3-MoE router's top-k (RouterKind::softmax_topk, mlx-lm qwen3_moe): p = softmax over the
+// token's E logits (fp32, exp * 1/sum), each rounded by round_p (to the logits' dtype); top-k by p;
+// weights p (renormalize: round_p(p / round_p(sum of the k)), as mlx-lm's bf16 ops round).
+// The lanes stride over E for the max and the sum (shuffle reductions). A NaN logit is skipped by
+// the max but makes its exponential, the sum and so every p NaN (the CPU's result).
+template <class Logit, class RoundP, class StoreWeight>
+__device__ __forceinline__ void warp_softmax_topk(Logit logit, int64_t E, int k, bool renormalize, RoundP round_p,
+                                                  int32_t* indices, StoreWeight store_weight) {
+  const int lane = threadIdx.x & 31;
+  float max_logit = -INFINITY;
+  for (int64_t e = lane; e < E; e += 32) max_logit = fmaxf(max_logit, logit(e));
+  for (int off = 16; off > 0; off >>= 1) max_logit = fmaxf(max_logit, __shfl_xor_sync(0xffffffffu, max_logit, off));
+  float sum = 0.0f;
+  for (int64_t e = lane; e < E; e += 32) sum = __fadd_rn(sum, expf(__fsub_rn(logit(e), max_logit)));
+  for (int off = 16; off > 0; off >>= 1) sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, off));
+  const float inv_sum = __fdiv_rn(1.0f, sum);
+  warp_topk_weights(
+      [&](int64_t e) { return round_p(__fmul_rn(expf(__fsub_rn(logit(e), max_logit)), inv_sum)); }, E, k,
+      [](float p, float) { return p; },
+      [&](int32_t, float p, float k_sum) { return renormalize ? round_p(__fdiv_rn(p, round_p(k_sum))) : p; },
+      indices, store_weight);
 }
 
 // The Gemma 4 router's top-k (spec gemma4-moe.md 5): top-k by logit, softmax over the k, times
