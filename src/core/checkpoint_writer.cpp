@@ -296,14 +296,23 @@ std::string index_json(const std::vector<ShardPlan>& plan, uint64_t data_bytes) 
 
 std::string gb(uint64_t bytes) { return detail::cat(double(bytes) / 1e9, " GB (", bytes, " bytes)"); }
 
-}  // namespace
-
-Gemma4FfnWeights synthetic_gemma4_layer(const Gemma4Config& c, int layer, uint64_t seed, const std::string& prefix) {
-  EXPERTQMM_CHECK(c.hidden_size > 0 && c.intermediate_size > 0 && c.moe_intermediate_size > 0 && c.num_experts > 0 &&
-                      c.top_k_experts > 0 && c.top_k_experts <= c.num_experts,
+// A config the synthetic layers of `family` can be made from: that family, and a geometry with
+// every size positive (Gemma 4's dense MLP width included) and top_k in [1, E].
+void check_synthetic_config(const Gemma4Config& c, ModelFamily family) {
+  EXPERTQMM_CHECK(c.family == family, kOp, "synthetic ", model_family_name(family), " layers need a ",
+                  model_family_name(family), " config, got ", model_family_name(c.family));
+  const bool dense_mlp = family == ModelFamily::gemma4;
+  EXPERTQMM_CHECK(c.hidden_size > 0 && (!dense_mlp || c.intermediate_size > 0) && c.moe_intermediate_size > 0 &&
+                      c.num_experts > 0 && c.top_k_experts > 0 && c.top_k_experts <= c.num_experts,
                   kOp, "config has an empty or inconsistent geometry (hidden ", c.hidden_size, ", intermediate ",
                   c.intermediate_size, ", moe_intermediate ", c.moe_intermediate_size, ", experts ", c.num_experts,
                   ", top_k ", c.top_k_experts, ")");
+}
+
+}  // namespace
+
+Gemma4FfnWeights synthetic_gemma4_layer(const Gemma4Config& c, int layer, uint64_t seed, const std::string& prefix) {
+  check_synthetic_config(c, ModelFamily::gemma4);
   const int64_t H = c.hidden_size, I = c.mlp_intermediate_size(layer), Ie = c.moe_intermediate_size, E = c.num_experts;
   const std::string base = prefix + "layers." + std::to_string(layer) + ".";
   int stream = 0;
@@ -338,12 +347,7 @@ Gemma4FfnWeights synthetic_gemma4_layer(const Gemma4Config& c, int layer, uint64
 
 Qwen3MoeFfnWeights synthetic_qwen3_moe_layer(const Gemma4Config& c, int layer, uint64_t seed,
                                              const std::string& prefix) {
-  EXPERTQMM_CHECK(c.family == ModelFamily::qwen3_moe, kOp, "synthetic_qwen3_moe_layer needs a qwen3_moe config, got ",
-                  model_family_name(c.family));
-  EXPERTQMM_CHECK(c.hidden_size > 0 && c.moe_intermediate_size > 0 && c.num_experts > 0 && c.top_k_experts > 0 &&
-                      c.top_k_experts <= c.num_experts,
-                  kOp, "config has an empty or inconsistent geometry (hidden ", c.hidden_size, ", moe_intermediate ",
-                  c.moe_intermediate_size, ", experts ", c.num_experts, ", top_k ", c.top_k_experts, ")");
+  check_synthetic_config(c, ModelFamily::qwen3_moe);
   const int64_t H = c.hidden_size, Ie = c.moe_intermediate_size, E = c.num_experts;
   const std::string base = prefix + "layers." + std::to_string(layer) + ".";
   int stream = 0;

@@ -61,11 +61,7 @@ Tensor qwen3_moe_ffn(const Tensor& h, const Qwen3MoeFfnWeights& w) {
 
 void qwen3_moe_ffn_into(Tensor& out, const Tensor& h, const Qwen3MoeFfnWeights& w, Workspace& ws) {
   check_ffn(h, w);
-  EXPERTQMM_CHECK(out.defined(), kOp, "out is undefined");
-  EXPERTQMM_CHECK(out.shape() == h.shape() && out.dtype() == h.dtype() && out.device() == h.device(), kOp,
-                  "out must be ", dtype_name(h.dtype()), shape_str(h.shape()), " on ", device_name(h.device()),
-                  ", got ", out.describe());
-  EXPERTQMM_CHECK(out.is_contiguous(), kOp, "out must be contiguous, got ", out.describe());
+  detail::check_block_out(kOp, out, h);
   if (h.size(0) == 0) return;
   const detail::BackendOps& be = detail::backend_ops(kOp, h.device());
   if (be.qwen3_moe_ffn_into) return be.qwen3_moe_ffn_into(out, h.contiguous(), w, ws);

@@ -27,6 +27,7 @@ Tokens are redrawn until the k-th and (k+1)-th router logits of every token are 
 token's largest |logit| under both the bf16 and the f32 model, so the expected top-k set does not
 hinge on rounding (softmax is monotone: the same gap orders the probabilities).
 """
+import importlib.util
 import os
 import sys
 
@@ -35,8 +36,12 @@ from mlx.utils import tree_map
 from mlx_lm.models import qwen3_moe
 from mlx_lm.utils import quantize_model, save_config, save_model
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+_spec = importlib.util.spec_from_file_location("layer_goldens", os.path.join(HERE, "make_layer_goldens.py"))
+layer_goldens = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(layer_goldens)  # well_separated (the 6% top-k margin)
+
 SEED = 20261214
-TOPK_MARGIN = 0.06
 CONFIG = {
     "model_type": "qwen3_moe",
     "hidden_size": 128,
@@ -82,13 +87,6 @@ def ffn(layer, h):
     return h + layer.mlp(layer.post_attention_layernorm(h))
 
 
-def well_separated(logits, k):
-    s = mx.sort(logits.astype(mx.float32), axis=-1)
-    gap = s[:, -k] - s[:, -k - 1]
-    big = mx.max(mx.abs(logits.astype(mx.float32)), axis=-1)
-    return gap >= TOPK_MARGIN * big
-
-
 def main(out_dir):
     mx.set_default_device(mx.cpu)
     mx.random.seed(SEED)
@@ -121,7 +119,8 @@ def main(out_dir):
             while len(rows) < T:
                 cand = (2.0 * mx.random.normal((64, H))).astype(mx.bfloat16)
                 x, x32 = layer.post_attention_layernorm(cand), layer32.post_attention_layernorm(cand.astype(mx.float32))
-                ok = well_separated(layer.mlp.gate(x), k) & well_separated(layer32.mlp.gate(x32), k)
+                ok = layer_goldens.well_separated(layer.mlp.gate(x), k) & layer_goldens.well_separated(
+                    layer32.mlp.gate(x32), k)
                 for i in range(64):
                     if ok[i].item() and len(rows) < T:
                         rows.append(cand[i])
