@@ -323,7 +323,10 @@ TEST_F(Cli, RunOnCudaPasses) {
   if (!expertqmm::cuda_available()) GTEST_SKIP() << "SKIP: no CUDA device";
   for (const char* args : {"run --preset tiny --tokens 40 --backend cuda",
                            "run --preset gemma4-26b-a4b --tokens 64 --backend cuda",
-                           "run --preset gemma4-26b-a4b-fused --tokens 3 --backend cuda --routing zipf"}) {
+                           "run --preset gemma4-26b-a4b-fused --tokens 3 --backend cuda --routing zipf",
+                           "run --preset qwen3-30b-a3b --tokens 8 --backend cuda",
+                           "run --preset qwen3-30b-a3b --tokens 512 --backend cuda --check-tokens 8",
+                           "run --preset qwen3-tiny --tokens 40 --backend cuda --routing zipf"}) {
     Result r = run_cli(args);
     EXPECT_EQ(r.exit_code, 0) << args << "\n" << r.output;
     EXPECT_EQ(field(r.output, "status"), "PASS") << args << "\n" << r.output;
@@ -360,6 +363,29 @@ TEST_F(Cli, BenchOnCudaWritesJsonAndExport) {
   EXPECT_EQ(count_of(tjson, "\"check\": \"PASS\""), 2) << tjson;
   EXPECT_EQ(count_of(tjson, "\"expert_tiles\": \"auto\""), 1) << tjson;
   EXPECT_EQ(count_of(tjson, "\"expert_tiles\": \"off\""), 1) << tjson;
+  std::system(("rm -rf '" + dir + "'").c_str());
+}
+
+// Qwen3-MoE on the GPU through the CLI: the preset's bench (its check against float64 passes at a
+// decode and a sorted size), and bench --model on a synthetic qwen3_moe checkpoint.
+TEST_F(Cli, Qwen3BenchAndBenchModelOnCuda) {
+  if (!expertqmm::cuda_available()) GTEST_SKIP() << "SKIP: no CUDA device";
+  char dir_template[] = "/tmp/expertqmm_cli_qwen3_bench_XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  Result bench = run_cli("bench --preset qwen3-tiny --tokens 1,64 --replays 3 --json " + dir + "/bench.json");
+  EXPECT_EQ(bench.exit_code, 0) << bench.output;
+  const std::string json = read_file(dir + "/bench.json");
+  EXPECT_EQ(count_of(json, "\"check\": \"PASS\""), 2) << json;
+  Result write = run_cli("write-checkpoint --preset qwen3-tiny --layers 3 --out " + dir + "/ckpt");
+  ASSERT_EQ(write.exit_code, 0) << write.output;
+  Result model = run_cli("bench --model " + dir + "/ckpt --tokens 1,64 --product fused --replays 3 --json " + dir +
+                         "/model.json");
+  EXPECT_EQ(model.exit_code, 0) << model.output;
+  const std::string mjson = read_file(dir + "/model.json");
+  EXPECT_NE(mjson.find("\"family\": \"qwen3_moe\""), std::string::npos) << mjson;
+  EXPECT_EQ(count_of(mjson, "\"us_per_layer\""), 2) << mjson;
+  EXPECT_NE(model.output.find("(qwen3_moe): 3 layers"), std::string::npos) << model.output;
   std::system(("rm -rf '" + dir + "'").c_str());
 }
 
