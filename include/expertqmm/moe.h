@@ -1,4 +1,4 @@
-// SwitchGLU, the Gemma 4 router, the weighted combine and the MoE layer built from them.
+// SwitchGLU, the routers (Gemma 4, Qwen3-MoE), the weighted combine and the MoE layer built from them.
 #pragma once
 #include "expertqmm/ops.h"
 

@@ -1,5 +1,5 @@
-// Public MoE entries (include/expertqmm/moe.h): router, weighted combine, SwitchGLU and the
-// Gemma 4 expert layer. Each validates all of its inputs up front, settles T == 0 as a no-op and
+// Public MoE entries (include/expertqmm/moe.h): router (either kind), weighted combine, SwitchGLU
+// and the MoE expert layer. Each validates all of its inputs up front, settles T == 0 as a no-op and
 // dispatches on the device of its inputs. On the CPU, switch_glu and moe_layer are composed from
 // the public ops exactly as mlx-lm does it, so the reference path is the spec (mlx-semantics 3.1).
 #include "expertqmm/moe.h"
