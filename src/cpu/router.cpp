@@ -99,11 +99,10 @@ void top_k(const float* score, int k, std::vector<int32_t>& experts) {
 }
 
 // Gemma 4: softmax over the k selected logits (slot 0 holds the largest, or a NaN, which
-// propagates), times per_expert_scale.
+// propagates), times per_expert_scale. p: k floats of scratch.
 void gemma4_weights(const float* logits, const std::vector<int32_t>& experts, int k,
-                    const std::vector<float>& per_expert, float* weights) {
+                    const std::vector<float>& per_expert, float* p, float* weights) {
   const float max_logit = logits[experts[0]];
-  std::vector<float> p(static_cast<size_t>(k));
   float sum = 0.f;
   for (int j = 0; j < k; ++j) {
     p[j] = std::exp(logits[experts[j]] - max_logit);
@@ -137,13 +136,13 @@ Routing route(const Tensor& h, const RouterWeights& router) {
   std::vector<int32_t> indices(static_cast<size_t>(T * k));
   std::vector<float> weights(static_cast<size_t>(T * k));
   std::vector<int32_t> experts(static_cast<size_t>(E));
-  std::vector<float> probs(static_cast<size_t>(E));
+  std::vector<float> probs(static_cast<size_t>(E));  // softmax_topk's p; gemma4's k numerators
   for (int64_t t = 0; t < T; ++t) {
     const float* lt = logits.data() + t * E;
     float* wt = weights.data() + t * k;
     if (gemma4) {
       top_k(lt, k, experts);
-      gemma4_weights(lt, experts, k, per_expert, wt);
+      gemma4_weights(lt, experts, k, per_expert, probs.data(), wt);
     } else {
       softmax_rounded(lt, E, logit_dtype, probs.data());
       top_k(probs.data(), k, experts);
