@@ -32,14 +32,13 @@ import os
 import sys
 
 import mlx.core as mx
-from mlx.utils import tree_map
 from mlx_lm.models import qwen3_moe
 from mlx_lm.utils import quantize_model, save_config, save_model
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 _spec = importlib.util.spec_from_file_location("layer_goldens", os.path.join(HERE, "make_layer_goldens.py"))
 layer_goldens = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(layer_goldens)  # well_separated (the 6% top-k margin)
+_spec.loader.exec_module(layer_goldens)  # well_separated (the 6% top-k margin), float32_twin, separated_tokens
 
 SEED = 20261214
 CONFIG = {
@@ -105,9 +104,7 @@ def main(out_dir):
     # Float32 twin: same codes, every float parameter widened.
     twin = qwen3_moe.Model(args)
     twin, _ = quantize_model(twin, dict(CONFIG), group_size=64, bits=4, quant_predicate=twin.quant_predicate)
-    twin.update(tree_map(lambda p: p.astype(mx.float32) if mx.issubdtype(p.dtype, mx.floating) else p,
-                         model.parameters()))
-    mx.eval(twin.parameters())
+    twin = layer_goldens.float32_twin(twin, model)
 
     k = CONFIG["num_experts_per_tok"]
     H = CONFIG["hidden_size"]
@@ -115,16 +112,12 @@ def main(out_dir):
     for li in range(CONFIG["num_hidden_layers"]):
         layer, layer32 = model.model.layers[li], twin.model.layers[li]
         for T in (3, 40):
-            rows = []
-            while len(rows) < T:
-                cand = (2.0 * mx.random.normal((64, H))).astype(mx.bfloat16)
+            def keep(cand):
                 x, x32 = layer.post_attention_layernorm(cand), layer32.post_attention_layernorm(cand.astype(mx.float32))
-                ok = layer_goldens.well_separated(layer.mlp.gate(x), k) & layer_goldens.well_separated(
+                return layer_goldens.well_separated(layer.mlp.gate(x), k) & layer_goldens.well_separated(
                     layer32.mlp.gate(x32), k)
-                for i in range(64):
-                    if ok[i].item() and len(rows) < T:
-                        rows.append(cand[i])
-            h = mx.stack(rows)
+
+            h = layer_goldens.separated_tokens(T, H, keep)
             h32 = h.astype(mx.float32)
             key = f"l{li}.t{T}"
             tensors[f"{key}.h"] = h
