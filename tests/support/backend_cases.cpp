@@ -479,8 +479,8 @@ void moe_rows(Table& t) {
     for (int64_t T : d.second) add(t, large, MoeLayerCase{d.first, T, MoePath::decode});
   // Qwen3-MoE: the softmax_topk router and SwiGLU experts through the same layer. Qwen3-30B-A3B's
   // geometry on the decode layer (forced, and against the general path) and at decode, sorted and
-  // prefill sizes as the library picks; small ones, with and without renormalisation (the
-  // sanitizer's on the general path, the decode layer's with 8-bit experts and a dense router).
+  // prefill sizes as the library picks; small ones, with and without renormalisation, on both
+  // paths (the decode layer also with 8-bit experts and a dense router).
   MoeGeometry qwen3{2048, 768, 128, 8, 4, 64, 8, false, Activation::swiglu, DType::bf16, RouterKind::softmax_topk};
   for (int64_t T : {1, 2, 8}) add(t, large, MoeLayerCase{qwen3, T, MoePath::decode});
   for (int64_t T : {1, 8, 64, 512}) add(t, large, MoeLayerCase{qwen3, T, MoePath::automatic});
@@ -489,7 +489,7 @@ void moe_rows(Table& t) {
   for (bool renorm : {true, false}) {
     qwen3_small.norm_topk_prob = renorm;
     for (int64_t T : {9, 40}) add(t, small, MoeLayerCase{qwen3_small, T, MoePath::automatic});
-    add(t, large, MoeLayerCase{qwen3_small, 3, MoePath::decode});
+    add(t, renorm ? small : large, MoeLayerCase{qwen3_small, 3, MoePath::decode});  // the sanitizer sees the decode router
     MoeGeometry q8 = qwen3_small;
     q8.bits = 8;
     q8.router_bits = 0;
