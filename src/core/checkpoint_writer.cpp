@@ -51,8 +51,10 @@ Tensor bf16_tensor(const std::vector<float>& v, const Shape& shape) {
   return t;
 }
 
-// [E..., N, K] quantized with random codes; scale ±(0.01 + 0.002 n), bias = -scale * middle code.
-QuantizedWeight random_quantized(int64_t experts, int64_t N, int64_t K, QuantSetting qs, uint64_t seed) {
+// [E..., N, K] quantized with random codes; scale ±(0.01 + 0.002 n) * magnitude, bias = -scale *
+// middle code.
+QuantizedWeight random_quantized(int64_t experts, int64_t N, int64_t K, QuantSetting qs, uint64_t seed,
+                                 double magnitude) {
   EXPERTQMM_CHECK(valid_bits(qs.bits) && valid_group_size(qs.group_size), kOp, "bits ", qs.bits, " / group_size ",
                   qs.group_size, " is not an MLX affine pair");
   EXPERTQMM_CHECK(K % qs.group_size == 0 && (K * qs.bits) % 32 == 0, kOp, "K=", K,
@@ -81,7 +83,7 @@ QuantizedWeight random_quantized(int64_t experts, int64_t N, int64_t K, QuantSet
   const double middle = std::ldexp(1.0, qs.bits - 1) - 0.5;
   for (int64_t i = 0; i < groups; ++i) {
     const double sign = (g.next() & 1) ? 1.0 : -1.0;
-    const float s = round_to_bf16(float(sign * (0.01 + 0.002 * g.normal())));
+    const float s = round_to_bf16(float(sign * (0.01 + 0.002 * g.normal()) * magnitude));
     q.scales.data_as<uint16_t>()[i] = float_to_bf16(s);
     q.biases.data_as<uint16_t>()[i] = float_to_bf16(float(-double(s) * middle));
   }
@@ -96,18 +98,22 @@ Tensor around(int64_t n, double centre, double spread, uint64_t seed) {
 }
 
 // A module of `experts` (0: none) x [N, K], quantized as the config says (mlx-lm's quantize_model
-// for K inputs), else bf16 N(0, 0.02). Exactly one of *q and *dense is set.
+// for K inputs), else bf16 N(0, 0.02). Exactly one of *q and *dense is set. weight_std > 0: the
+// values' standard deviation instead (the quantized codes' scale set to give it).
 void random_module(const Gemma4Config& c, const std::string& module, int64_t experts, int64_t N, int64_t K,
-                   uint64_t seed, QuantizedWeight* q, Tensor* dense) {
+                   uint64_t seed, QuantizedWeight* q, Tensor* dense, double weight_std = 0) {
   const QuantSetting qs = c.quant_for(module, K);
   if (qs.quantized()) {
-    *q = random_quantized(experts, N, K, qs, seed);
+    // Uniform codes have standard deviation 2^bits / sqrt(12), times the base scale 0.01.
+    const double code_std = 0.01 * std::ldexp(1.0, qs.bits) / std::sqrt(12.0);
+    *q = random_quantized(experts, N, K, qs, seed, weight_std > 0 ? weight_std / code_std : 1.0);
     return;
   }
   const int64_t n = (experts > 0 ? experts : 1) * N * K;
+  const double spread = weight_std > 0 ? weight_std : 0.02;
   SplitMix64 g{seed};
   std::vector<float> v(static_cast<size_t>(n));
-  for (float& x : v) x = float(0.02 * g.normal());
+  for (float& x : v) x = float(spread * g.normal());
   *dense = bf16_tensor(v, experts > 0 ? Shape{experts, N, K} : Shape{N, K});
 }
 
@@ -359,7 +365,9 @@ Qwen3MoeFfnWeights synthetic_qwen3_moe_layer(const Gemma4Config& c, int layer, u
   r.kind = RouterKind::softmax_topk;
   r.top_k = static_cast<int>(c.top_k_experts);
   r.norm_topk_prob = c.norm_topk_prob;
-  random_module(c, base + "mlp.gate", 0, E, H, next_seed(), &r.proj, &r.proj_dense);
+  // Router weights ~ 1/sqrt(H) (a trained router's scale): logits of the normalised input ~ N(0, 1),
+  // so the softmax over E is not one-hot (Gemma 4's router scales its input by H^-1/2 instead).
+  random_module(c, base + "mlp.gate", 0, E, H, next_seed(), &r.proj, &r.proj_dense, 1.0 / std::sqrt(double(H)));
   SwitchGLUWeights& ex = w.moe.experts;
   ex.activation = Activation::swiglu;
   random_module(c, base + "mlp.switch_mlp.gate_proj", E, Ie, H, next_seed(), &ex.gate, &ex.gate_dense);
