@@ -4,6 +4,7 @@
 // (the decode layer at T <= 8, the expert tile route at prefill).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <vector>
 
 #ifdef EXPERTQMM_HAVE_CUDA
@@ -93,7 +94,8 @@ TEST(GpuQwen3MoeFfn, OneLayerCapturedInACudaGraphReplaysTheSameOutput) {
 
 // Which routes Qwen3-30B-A3B's layer takes (synthetic weights at the real geometry): the decode layer
 // serves T = 1 and 8 (its router computes the softmax_topk kind), and at T = 512 the expert GEMMs
-// run on the expert tile route.
+// run on the expert tile route. The CPU reference checks the decode sizes here (at 512 tokens it
+// would take minutes; the table's Qwen3 rows check the tile route against float64 at T = 96).
 TEST(GpuQwen3MoeFfn, RoutesAtTheRealGeometry) {
   EXPERTQMM_REQUIRE_GPU();
   const Gemma4Config c = Gemma4Config::qwen3_30b_a3b(1);
@@ -122,8 +124,12 @@ TEST(GpuQwen3MoeFfn, RoutesAtTheRealGeometry) {
                               << diagnostics::format(diagnostics::snapshot());
     }
     std::printf("%s\n%s", what.c_str(), diagnostics::format(diagnostics::snapshot()).c_str());
-    test::expect_close_where_routed_alike(qwen3_moe_ffn(h, cpu_w), got, block_routing(h, cpu_w),
-                                          block_routing(hd, gpu_w), c.top_k_experts, what);
+    int64_t finite = 0;
+    for (float v : test::to_float(got)) finite += std::isfinite(v);
+    EXPECT_EQ(finite, T * 2048) << what << ": every output element written and finite";
+    if (T <= 8)
+      test::expect_close_where_routed_alike(qwen3_moe_ffn(h, cpu_w), got, block_routing(h, cpu_w),
+                                            block_routing(hd, gpu_w), c.top_k_experts, what);
   }
 }
 
