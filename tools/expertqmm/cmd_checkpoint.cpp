@@ -27,7 +27,7 @@ void print_usage() {
       "input width is not a multiple of it stays bf16 (at 128: the experts' down_proj, 704 inputs).\n"
       "gemma4-26b-a4b: H=2816, I=2112, 128 experts x 704, top-8 (~0.45 GB a layer); tiny: H=128, I=192,\n"
       "8 experts x 64, top-2. qwen3-30b-a3b: mlx-lm qwen3_moe names, H=2048, 128 experts x 768, top-8,\n"
-      "48 layers, experts 4-bit and the router mlp.gate 8-bit g64 (~0.32 GB a layer); qwen3-tiny: H=128,\n"
+      "48 layers, experts 4-bit and the router mlp.gate 8-bit g64 (~0.34 GB a layer); qwen3-tiny: H=128,\n"
       "8 experts x 64, top-2. Default shards: one per 5 GB, as mlx-lm.\n"
       "DIR must not exist or be empty; --force replaces a checkpoint there (a directory holding other\n"
       "files is still refused). The files are written into a temporary directory beside DIR and moved\n"
