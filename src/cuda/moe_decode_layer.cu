@@ -95,13 +95,16 @@ RouteSupport supports_decode_layer(const Tensor& out, const Tensor& h, const Ten
   if (I % 8 != 0) return route_miss(Fallback::alignment);
   if (ex.activation != Activation::geglu && ex.activation != Activation::swiglu) return route_miss(Fallback::topology);
 
-  // Router.
-  if (!rt.scale.defined() || !is_floating(rt.scale.dtype()) || rt.scale.numel() != H || !rt.scale.is_contiguous())
-    return route_miss(Fallback::dtype);
-  if (!is_aligned(rt.scale.data(), 16)) return route_miss(Fallback::alignment);  // read in 16-byte units
-  if (!rt.per_expert_scale.defined() || !is_floating(rt.per_expert_scale.dtype()) ||
-      rt.per_expert_scale.numel() != E || !rt.per_expert_scale.is_contiguous())
-    return route_miss(Fallback::dtype);
+  // Router: Gemma 4's (norm weight and per_expert_scale) or softmax_topk (neither).
+  if (rt.kind != RouterKind::gemma4 && rt.kind != RouterKind::softmax_topk) return route_miss(Fallback::topology);
+  if (rt.kind == RouterKind::gemma4) {
+    if (!rt.scale.defined() || !is_floating(rt.scale.dtype()) || rt.scale.numel() != H || !rt.scale.is_contiguous())
+      return route_miss(Fallback::dtype);
+    if (!is_aligned(rt.scale.data(), 16)) return route_miss(Fallback::alignment);  // read in 16-byte units
+    if (!rt.per_expert_scale.defined() || !is_floating(rt.per_expert_scale.dtype()) ||
+        rt.per_expert_scale.numel() != E || !rt.per_expert_scale.is_contiguous())
+      return route_miss(Fallback::dtype);
+  }
   if (rt.proj.defined()) {
     if (!(s = check_weight(rt.proj, 0, E, H, D)).ok) return s;
   } else {
@@ -199,15 +202,18 @@ void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, 
   RouterArgs ra{};
   ra.h = h.data_as<const uint16_t>();
   ra.h_stride = T > 1 ? h.stride(0) : H;
-  ra.scale = rt.scale.data();
-  ra.scale_dtype = rt.scale.dtype();
-  ra.root_size = 1.0f / std::sqrt(static_cast<float>(H));
+  const bool gemma4 = rt.kind == RouterKind::gemma4;
+  ra.softmax_topk = !gemma4;
+  ra.renormalize = rt.norm_topk_prob;
+  ra.scale = gemma4 ? rt.scale.data() : nullptr;
+  ra.scale_dtype = gemma4 ? rt.scale.dtype() : D;
+  ra.root_size = gemma4 ? 1.0f / std::sqrt(static_cast<float>(H)) : 1.0f;
   ra.eps = rt.eps;
   const bool quantized = rt.proj.defined();
   if (quantized) ra.proj = quant_view(rt.proj, H);
   else ra.proj_dense = rt.proj_dense.data();
-  ra.per_expert_scale = rt.per_expert_scale.data();
-  ra.pes_dtype = rt.per_expert_scale.dtype();
+  ra.per_expert_scale = gemma4 ? rt.per_expert_scale.data() : nullptr;
+  ra.pes_dtype = gemma4 ? rt.per_expert_scale.dtype() : D;
   ra.T = T;
   ra.H = H;
   ra.E = E;

@@ -517,8 +517,8 @@ int run_bench(int argc, char** argv) {
   host.experts = synthetic_experts(p, o.seed);
   host.router = o.routing == "zipf" ? steering_router(p, o.seed) : synthetic_router(p, o.seed);
   std::vector<MoeWeights> copies;
-  copies.push_back(to_device(host, Device::cuda));
-  for (int c = 1; c < kWeightCopies; ++c) copies.push_back(to_device(copies[0], Device::cuda));
+  copies.push_back(host.to(Device::cuda));
+  for (int c = 1; c < kWeightCopies; ++c) copies.push_back(copies[0].to(Device::cuda));
   if (!o.export_dir.empty()) {
     std::filesystem::create_directories(o.export_dir);
     export_weights(o.export_dir, p, host.experts, o.routing);
