@@ -169,6 +169,7 @@ const char* st_dtype(DType t) {
     case DType::f32: return "F32";
     case DType::u32: return "U32";
     case DType::i32: return "I32";
+    case DType::u8: return "U8";
   }
   return "?";
 }

@@ -17,6 +17,7 @@ const char* short_dtype(DType t) {
     case DType::f32: return "f32";
     case DType::u32: return "u32";
     case DType::i32: return "i32";
+    case DType::u8: return "u8";
   }
   return "unknown";
 }
