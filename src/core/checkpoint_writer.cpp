@@ -15,6 +15,7 @@
 #include "core/float16.h"
 #include "core/json.h"
 #include "core/staged_dir.h"
+#include "core/synthetic_fp.h"
 #include "expertqmm/checkpoint.h"
 #include "expertqmm/error.h"
 
@@ -51,18 +52,8 @@ Tensor bf16_tensor(const std::vector<float>& v, const Shape& shape) {
   return t;
 }
 
-// Random uint8 scales of an fp mode, giving weights of magnitude about 0.01 to 0.05: E8M0 2^-8 or
-// 2^-7 (mxfp4: values up to 6), 2^-14 or 2^-13 (mxfp8: up to 448); nvfp4 E4M3 codes 0x08..0x0F
-// (2^-6 to 1.875 * 2^-6).
-void random_fp_scales(QuantMode mode, uint8_t* scales, int64_t n, uint64_t seed) {
-  SplitMix64 g{seed ^ 0x5bf03635f0b4f3a1ull};
-  const int base = mode == QuantMode::mxfp4 ? 127 - 8 : (mode == QuantMode::mxfp8 ? 127 - 14 : 0x08);
-  const int spread = mode == QuantMode::nvfp4 ? 8 : 2;
-  for (int64_t i = 0; i < n; ++i) scales[i] = static_cast<uint8_t>(base + static_cast<int>(g.next() % spread));
-}
-
 // [E..., N, K] quantized with random codes. Affine: scale ±(0.01 + 0.002 n), bias = -scale * middle
-// code; fp modes: random_fp_scales, no biases, and no E4M3 NaN code (0x7F / 0xFF) in mxfp8 weights.
+// code; fp modes: detail::finish_synthetic_fp's scales, no biases.
 QuantizedWeight random_quantized(int64_t experts, int64_t N, int64_t K, QuantSetting qs, uint64_t seed) {
   EXPERTQMM_CHECK(valid_quant_params(qs.mode, qs.bits, qs.group_size), kOp, "bits ", qs.bits, " / group_size ",
                   qs.group_size, " is not an MLX ", quant_mode_name(qs.mode), " pair");
@@ -88,13 +79,8 @@ QuantizedWeight random_quantized(int64_t experts, int64_t N, int64_t K, QuantSet
   if (n % 2) w[n - 1] = uint32_t(words.next());
   const int64_t groups = shape_numel(gshape);
   if (qs.mode != QuantMode::affine) {
-    if (qs.mode == QuantMode::mxfp8) {
-      uint8_t* bytes = reinterpret_cast<uint8_t*>(w);
-      for (int64_t i = 0; i < 4 * n; ++i)
-        if ((bytes[i] & 0x7F) == 0x7F) bytes[i] &= 0xFE;
-    }
     q.scales = Tensor::empty(gshape, DType::u8);
-    random_fp_scales(qs.mode, q.scales.data_as<uint8_t>(), groups, seed);
+    detail::finish_synthetic_fp(qs.mode, w, n, q.scales.data_as<uint8_t>(), groups, seed);
     return q;
   }
   q.scales = Tensor::empty(gshape, DType::bf16);

@@ -19,11 +19,15 @@ constexpr int64_t kMaxLayers = 1000;
 void print_usage() {
   std::printf(
       "usage: expertqmm write-checkpoint --out DIR [--preset gemma4-26b-a4b|tiny] [--layers 30] [--seed 1]\n"
-      "                                  [--shards N] [--prefix model.] [--group-size 64] [--force]\n"
+      "                                  [--shards N] [--prefix model.] [--group-size 64]\n"
+      "                                  [--quant affine|mxfp4|mxfp8|nvfp4] [--force]\n"
       "Writes config.json and model.safetensors (or N shards and model.safetensors.index.json) with\n"
       "synthetic weights: experts 4-bit g64, dense MLP and router.proj 8-bit g64 (as the QAT checkpoint).\n"
       "--group-size 32|64|128 sets the default (the experts'); as mlx-lm's quantize_model, a module whose\n"
       "input width is not a multiple of it stays bf16 (at 128: the experts' down_proj, 704 inputs).\n"
+      "--quant sets the default's mode (the experts'; config.json quantization.mode): mxfp4 (4-bit\n"
+      "g32), mxfp8 (8-bit g32), nvfp4 (4-bit g16), each with uint8 scales and no biases; the dense MLP\n"
+      "and router.proj stay affine 8-bit g64. An fp mode has one group size: no --group-size with it.\n"
       "gemma4-26b-a4b: H=2816, I=2112, 128 experts x 704, top-8 (~0.45 GB a layer); tiny: H=128, I=192,\n"
       "8 experts x 64, top-2. Default shards: one per 5 GB, as mlx-lm.\n"
       "DIR must not exist or be empty; --force replaces a checkpoint there (a directory holding other\n"
@@ -36,7 +40,7 @@ void print_usage() {
 int run_write_checkpoint(int argc, char** argv) {
   Args args(argc, argv);
   if (args.has("help")) return print_usage(), 0;
-  args.check_known({"out", "preset", "layers", "seed", "shards", "prefix", "group-size", "force"});
+  args.check_known({"out", "preset", "layers", "seed", "shards", "prefix", "group-size", "quant", "force"});
   const std::string out = args.get_required("out", "DIR");
   const std::string preset = args.get_choice("preset", "gemma4-26b-a4b", {"gemma4-26b-a4b", "tiny"});
   const int64_t layers = args.get_int("layers", preset == "tiny" ? 2 : 30, 1, kMaxLayers);
@@ -44,8 +48,14 @@ int run_write_checkpoint(int argc, char** argv) {
   const std::string prefix = args.get_choice("prefix", "model.", {"model.", "language_model.model."});
   const bool force = args.get_flag("force");
   const int group_size = std::stoi(args.get_choice("group-size", "64", {"32", "64", "128"}));
+  QuantMode mode = QuantMode::affine;
+  parse_quant_mode(args.get_choice("quant", "affine", {"affine", "mxfp4", "mxfp8", "nvfp4"}), &mode);
+  if (mode != QuantMode::affine && args.has("group-size"))
+    usage_error(detail::cat("--group-size: mode ", quant_mode_name(mode), " has one group size (",
+                            quant_mode_group_size(mode), "); give --group-size with --quant affine only"));
   Gemma4Config c = Gemma4Config::gemma4_26b_a4b(layers, prefix);
   c.default_quant.group_size = int(group_size);
+  if (mode != QuantMode::affine) c.default_quant = {quant_mode_bits(mode), quant_mode_group_size(mode), mode};
   if (preset == "tiny") {
     c.hidden_size = 128;
     c.intermediate_size = 192;
