@@ -7,6 +7,7 @@
 
 #include "core/fp_codes.h"
 #include "expertqmm/error.h"
+#include "expertqmm/moe.h"
 #include "expertqmm/ops.h"
 #include "expertqmm/quant.h"
 #include "support/test_util.h"
@@ -134,6 +135,29 @@ TEST(QuantModes, GatherQmmOutputsXsDtype) {
   const Tensor ids = Tensor::from_host(std::vector<int32_t>{1, 2}.data(), {2}, DType::i32, Device::cpu);
   for (DType t : {DType::bf16, DType::f16, DType::f32})
     EXPECT_EQ(gather_qmm(test::random_tensor({2, 1, 64}, t), q, Tensor(), ids).dtype(), t);
+}
+
+// switch_glu with experts in each fp mode equals switch_glu with the same experts dequantized to
+// float32 16-bit weights (gather_mm), at decode (unsorted) and prefill (sorted) sizes: the composed
+// layer reads the codes, scales and layouts the way dequantize does.
+TEST(QuantModes, SwitchGluMatchesItsDequantizedExperts) {
+  const int64_t E = 6, D = 64, I = 32;
+  for (QuantMode m : {QuantMode::mxfp4, QuantMode::mxfp8, QuantMode::nvfp4})
+    for (int64_t T : {3, 40}) {
+      SwitchGLUWeights q, dense;
+      q.activation = dense.activation = Activation::swiglu;
+      q.gate = quantize(test::random_tensor({E, I, D}, DType::bf16, 0.1f), default_quant_spec(m));
+      q.up = quantize(test::random_tensor({E, I, D}, DType::bf16, 0.1f), default_quant_spec(m));
+      q.down = quantize(test::random_tensor({E, D, I}, DType::bf16, 0.1f), default_quant_spec(m));
+      dense.gate_dense = dequantize(q.gate, DType::f32);
+      dense.up_dense = dequantize(q.up, DType::f32);
+      dense.down_dense = dequantize(q.down, DType::f32);
+      const Tensor x = test::random_tensor({T, D}, DType::f32);
+      const Tensor ids = test::random_ids({T, 2}, E);
+      const Tensor a = switch_glu(x, ids, q), b = switch_glu(x, ids, dense);
+      ASSERT_EQ(a.dtype(), DType::f32);
+      EXPECT_LE(test::rel_error(test::to_float(a), test::to_float(b)), 1e-5) << quant_mode_name(m) << " T=" << T;
+    }
 }
 
 }  // namespace

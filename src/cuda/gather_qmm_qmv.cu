@@ -273,6 +273,8 @@ size_t qmv_smem_bytes(int64_t K) {
 // rhs_tiles at those sizes sees runs of one or two rows per 16-row tile and re-reads each run's
 // expert weights for mostly-empty mma tiles.
 RouteSupport supports_qmv(const detail::GatherQmmProblem& p) {
+  // qmv sums s * (x . q) + b * sum(x): affine codes only; the fp modes go to simt.
+  if (p.mode != QuantMode::affine) return route_miss(Fallback::quantization);
   if (p.dtype != DType::bf16 && p.dtype != DType::f16) return route_miss(Fallback::dtype);
   if (p.bits != 4 && p.bits != 8) return route_miss(Fallback::quantization);
   if (!p.transpose) return route_miss(Fallback::quantization);  // codes run along N, not K

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "core/fp_codes.h"
 #include "cuda/device/elem.cuh"
 
 namespace expertqmm::cuda::device {
@@ -175,6 +176,15 @@ __device__ __forceinline__ uint32_t extract_code(const uint32_t* row, int64_t i,
 template <class T>
 __device__ __forceinline__ float load_param(const void* base, int64_t i) {
   return Elem<T>::to_float(static_cast<const T*>(base)[i]);
+}
+
+// Weight i of a packed fp-mode row (QuantMode mode: 1 mxfp4, 2 mxfp8, 3 nvfp4) whose group scale
+// code is `scale_code`, in fp32: the E2M1 / E4M3 value times the decoded E8M0 / E4M3 scale (exact
+// in fp32; core/fp_codes.h, as the CPU reference).
+__device__ __forceinline__ float fp_weight(int mode, const uint32_t* row, int64_t i, uint8_t scale_code) {
+  const float scale = mode == 3 ? e4m3_value(scale_code) : e8m0_value(scale_code);
+  if (mode == 2) return e4m3_value(static_cast<uint8_t>(row[i >> 2] >> ((i & 3) * 8))) * scale;
+  return e2m1_value(row[i >> 3] >> ((i & 7) * 4)) * scale;
 }
 
 }  // namespace expertqmm::cuda::device
