@@ -98,13 +98,6 @@ size_t bytes_of(const Tensor& t) { return t.defined() ? t.nbytes() : 0; }
 size_t bytes_of(const QuantizedWeight& q) { return bytes_of(q.w) + bytes_of(q.scales) + bytes_of(q.biases); }
 size_t bytes_of(const Linear& l) { return bytes_of(l.quantized) + bytes_of(l.dense); }
 
-// The backend's fused block computes affine weights only (detail::fused_layer_takes).
-bool fused_path_takes(const Gemma4FfnWeights& w) {
-  for (const Linear* l : {&w.mlp.gate, &w.mlp.up, &w.mlp.down})
-    if (l->is_quantized() && l->quantized.mode != QuantMode::affine) return false;
-  return detail::fused_layer_takes(w.moe);
-}
-
 }  // namespace
 
 Gemma4FfnWeights Gemma4FfnWeights::to(Device device) const {
@@ -151,7 +144,7 @@ Tensor gemma4_ffn(const Tensor& h, const Gemma4FfnWeights& w) {
   check_ffn(h, w);
   if (h.size(0) == 0) return Tensor::empty(h.shape(), h.dtype(), h.device());
   const detail::BackendOps& be = detail::backend_ops(kOp, h.device());
-  if (be.gemma4_ffn_into && fused_path_takes(w)) {  // checked once above, so straight to the backend
+  if (be.gemma4_ffn_into) {  // checked once above, so straight to the backend
     Tensor out = Tensor::empty(h.shape(), h.dtype(), h.device());
     Workspace ws;  // owned by this call: the allocating convenience path
     be.gemma4_ffn_into(out, h.contiguous(), w, ws);
@@ -181,9 +174,10 @@ void gemma4_ffn_into(Tensor& out, const Tensor& h, const Gemma4FfnWeights& w, Wo
   EXPERTQMM_CHECK(out.is_contiguous(), kOp, "out must be contiguous, got ", out.describe());
   if (h.size(0) == 0) return;
   const detail::BackendOps& be = detail::backend_ops(kOp, h.device());
-  if (be.gemma4_ffn_into && fused_path_takes(w)) return be.gemma4_ffn_into(out, h.contiguous(), w, ws);
-  // Composed (the CPU reference; fp-mode weights on any backend): allocates as it goes.
-  detail::copy_into(out, gemma4_ffn(h, w));
+  if (be.gemma4_ffn_into) return be.gemma4_ffn_into(out, h.contiguous(), w, ws);
+  // Composed (the CPU reference): allocates as it goes.
+  const Tensor result = gemma4_ffn(h, w);
+  std::memcpy(out.data(), result.data(), result.nbytes());
 }
 
 }  // namespace expertqmm

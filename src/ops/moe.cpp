@@ -286,8 +286,7 @@ Tensor switch_glu(const Tensor& x, const Tensor& indices, const SwitchGLUWeights
   const int64_t k = check_expert_indices(op, indices, d.T, d.E, x.device());
   if (d.T * k == 0) return Tensor::empty({d.T, k, d.D}, d.out_dtype, x.device());
   const detail::BackendOps& be = backend_ops(op, x.device());
-  if (be.switch_glu && detail::fused_layer_takes(weights))
-    return be.switch_glu(x.contiguous(), indices.contiguous(), weights);
+  if (be.switch_glu) return be.switch_glu(x.contiguous(), indices.contiguous(), weights);
   return switch_glu_composed(x, indices, weights, d, k);
 }
 
@@ -296,7 +295,7 @@ Tensor moe_layer(const Tensor& h, const Tensor& x, const MoeWeights& weights) {
   const ExpertDims d = check_moe(op, h, x, weights);
   if (d.T == 0) return Tensor::empty({0, d.D}, d.out_dtype, h.device());
   const detail::BackendOps& be = backend_ops(op, h.device());
-  if (be.moe_layer_into && detail::fused_layer_takes(weights)) {
+  if (be.moe_layer_into) {
     Tensor out = Tensor::empty({d.T, d.D}, d.out_dtype, h.device());
     Workspace ws;  // owned by this call: the allocating convenience path
     be.moe_layer_into(out, h.contiguous(), x.contiguous(), weights, ws);
@@ -317,10 +316,10 @@ void moe_layer_into(Tensor& out, const Tensor& h, const Tensor& x, const MoeWeig
   check_on_device(op, "out", out, h.device());
   if (d.T == 0) return;
   const detail::BackendOps& be = backend_ops(op, h.device());
-  if (be.moe_layer_into && detail::fused_layer_takes(weights))
-    return be.moe_layer_into(out, h.contiguous(), x.contiguous(), weights, ws);
-  // Composed (the CPU reference; fp-mode weights on any backend): allocates as it goes.
-  detail::copy_into(out, moe_layer(h, x, weights));
+  if (be.moe_layer_into) return be.moe_layer_into(out, h.contiguous(), x.contiguous(), weights, ws);
+  // Composed (the CPU reference): allocates as it goes.
+  const Tensor result = moe_layer(h, x, weights);
+  std::memcpy(out.data(), result.data(), result.nbytes());
 }
 
 }  // namespace expertqmm

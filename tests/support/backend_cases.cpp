@@ -301,8 +301,10 @@ void gather_qmm_rows(Table& t) {
   add(t, small, refusal(batched_of("", {DType::bf16, 4, 32, 6, 128, 100}, 3, 2, 5, false), "qmv", "quantization"));
   add(t, small, refusal(batched_of("", {DType::bf16, 4, 32, 6, 128, 100}, 3, 2, 5, false), "rhs_tiles", "quantization"));
   add(t, small, picks(rows_of("", {DType::f32, 4, 32, 4, 72, 160}, sorted(50)), "simt"));
-  // MLX's fp modes (E2M1 / E4M3 codes, uint8 scales): simt computes them; every affine route refuses
-  // them (quantization), so the selector picks simt for decode, prefill and transpose=false alike.
+  // MLX's fp modes (E2M1 / E4M3 codes, uint8 scales): qmv (bf16 / f16, decode sizes; E2M1 / E4M3
+  // decoded by bit placement) and simt compute them; the tile routes refuse them (quantization), so
+  // the selector picks simt beyond qmv's rows and for f32 or transpose=false. qmv's single-word
+  // kernels: w one word off (mx modes: rows are always whole uint4s), K = 144 (nvfp4: 18 words).
   for (QuantMode mode : {QuantMode::mxfp4, QuantMode::mxfp8, QuantMode::nvfp4}) {
     auto fp = [&](GatherQmmCase c) {
       c.mode = mode;
@@ -311,14 +313,21 @@ void gather_qmm_rows(Table& t) {
       return c;
     };
     for (DType dtype : {DType::bf16, DType::f16, DType::f32}) {
-      add(t, small, picks(fp(rows_of("", {dtype, 4, 64, 8, 72, 192}, uniform(24))), "simt"));
-      add(t, small, picks(fp(topk_of("", {dtype, 4, 64, 8, 40, 128}, 5, 2)), "simt"));
+      const char* decode_route = dtype == DType::f32 ? "simt" : "qmv";
+      add(t, small, picks(fp(rows_of("", {dtype, 4, 64, 8, 72, 192}, uniform(24))), decode_route));
+      add(t, small, picks(fp(topk_of("", {dtype, 4, 64, 8, 40, 128}, 5, 2)), decode_route));
+      add(t, small, fp(rows_of("simt", {dtype, 4, 64, 8, 72, 192}, uniform(24))));
+    }
+    for (DType dtype : {DType::bf16, DType::f16}) {
+      add(t, small, with_operands(fp(rows_of("qmv", {dtype, 4, 64, 8, 72, 192}, uniform(24))), Operands::w_word_offset));
+      add(t, small, fp(rows_of("qmv", {dtype, 4, 64, 8, 40, 144}, uniform(9))));
+      add(t, large, fp(rows_of("qmv", {dtype, 4, 64, 128, 704, 2816}, uniform(64))));  // Gemma 4's gate / up
     }
     add(t, small, picks(fp(batched_of("", {DType::bf16, 4, 64, 6, 96, 64}, 3, 2, 5, false)), "simt"));
-    add(t, small, picks(fp(batched_of("", {DType::bf16, 4, 64, 8, 200, 192}, 4, 3, 7)), "simt"));
+    add(t, small, picks(fp(batched_of("", {DType::bf16, 4, 64, 8, 200, 192}, 4, 3, 7)), "qmv"));
     add(t, large, picks(fp(rows_of("", {DType::bf16, 4, 64, 128, 200, 448}, sorted(300))), "simt"));
     const GatherQmmCase sorted_rows = fp(rows_of("", {DType::bf16, 4, 64, 8, 136, 384}, sorted(300)));
-    for (const char* r : {"qmv", "rhs_tiles", "rhs_tiles_bm16", "expert_tiles_mma_sync", "expert_tiles_wgmma"})
+    for (const char* r : {"rhs_tiles", "rhs_tiles_bm16", "expert_tiles_mma_sync", "expert_tiles_wgmma"})
       add(t, small, refusal(sorted_rows, r, "quantization"));
   }
   // Row counts from decode to long prefill (tokens x top-k over E), sorted rows and unsorted top-k.
@@ -468,8 +477,8 @@ void moe_rows(Table& t) {
     add(t, small, SwitchGluCase{g, 9, true});
   }
   for (int64_t T : {2, 40}) add(t, small, MoeLayerCase{MoeGeometry{}, T, MoePath::automatic});
-  // Experts in MLX's fp modes: the front composes the layer from the ops (the fused paths compute
-  // affine only), gather_qmm through simt; decode (T * k <= 64) and sorted prefill sizes.
+  // Experts in MLX's fp modes: the layer plan runs their GEMMs on qmv / simt (the decode layer and the
+  // tile routes refuse them); decode (T * k <= 64) and sorted prefill sizes.
   for (QuantMode mode : {QuantMode::mxfp4, QuantMode::mxfp8, QuantMode::nvfp4})
     for (bool fused : {false, true}) {
       MoeGeometry g;
