@@ -10,6 +10,7 @@
 #endif
 
 #include "expertqmm/checkpoint.h"
+#include "expertqmm/error.h"
 #include "expertqmm/quant.h"
 #include "support/graph_capture.h"
 #include "support/test_util.h"

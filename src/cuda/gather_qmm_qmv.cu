@@ -228,23 +228,23 @@ __global__ void __launch_bounds__(kQmvThreads, kQmvMinCtasPerSm) qmv_kernel(QmvA
 #pragma unroll
           for (int i = 0; i < kQmvColsPerWarp; ++i) acc[i] = fmaf(batch.scale[it][i][s], dot[i], acc[i]);
         }
-        continue;
+      } else {
+        float dot[kQmvColsPerWarp];
+#pragma unroll
+        for (int i = 0; i < kQmvColsPerWarp; ++i) dot[i] = 0.f;
+#pragma unroll
+        for (int wi = 0; wi < kVecWords; ++wi) {
+          float xv[kValsPerWord];
+          word_x<kBits>(xc, wi, xv);
+#pragma unroll
+          for (int i = 0; i < kQmvColsPerWarp; ++i) dot[i] = word_dot<kBits>(batch.words[it][i][wi], xv, dot[i]);
+        }
+        float sx = 0.f;
+#pragma unroll
+        for (int u = 0; u < kUnitsPerChunk; ++u) sx += unit_sum[c * kUnitsPerChunk + u];
+#pragma unroll
+        for (int i = 0; i < kQmvColsPerWarp; ++i) acc[i] += batch.scale[it][i][0] * dot[i] + batch.bias[it][i] * sx;
       }
-      float dot[kQmvColsPerWarp];
-#pragma unroll
-      for (int i = 0; i < kQmvColsPerWarp; ++i) dot[i] = 0.f;
-#pragma unroll
-      for (int wi = 0; wi < kVecWords; ++wi) {
-        float xv[kValsPerWord];
-        word_x<kBits>(xc, wi, xv);
-#pragma unroll
-        for (int i = 0; i < kQmvColsPerWarp; ++i) dot[i] = word_dot<kBits>(batch.words[it][i][wi], xv, dot[i]);
-      }
-      float sx = 0.f;
-#pragma unroll
-      for (int u = 0; u < kUnitsPerChunk; ++u) sx += unit_sum[c * kUnitsPerChunk + u];
-#pragma unroll
-      for (int i = 0; i < kQmvColsPerWarp; ++i) acc[i] += batch.scale[it][i][0] * dot[i] + batch.bias[it][i] * sx;
     }
     chunk0 += batch_stride;
     if (chunk0 - lane >= a.num_chunks) break;  // warp-uniform: no lane has chunks left
