@@ -38,9 +38,44 @@ TEST(CheckpointMlxConfig, ModelTypeSaysWhereTheTextConfigIs) {
   EXPECT_EQ(parse_gemma4_config("{\"text_config\": {" + text_keys() + "}}", "c.json").hidden_size, 128);
   EXPECT_EQ(parse_gemma4_config("{" + text_keys() + "}", "c.json").hidden_size, 128);
   expect_error([] { parse_gemma4_config(R"({"model_type": "gemma3", )" + text_keys() + "}", "c.json"); },
-               {"c.json", "gemma3", "not a Gemma 4 model"});
+               {"c.json", "gemma3", "not a supported MoE model"});
   expect_error([] { parse_gemma4_config(R"({"model_type": "gemma4", )" + text_keys() + "}", "c.json"); },
                {"c.json", "text_config"});
+}
+
+// qwen3_moe.ModelArgs' keys: num_experts_per_tok is the top-k, norm_topk_prob is required, and a
+// model with dense layers is refused (qwen3_moe_ffn runs MoE layers only).
+TEST(CheckpointMlxConfig, Qwen3MoeKeysAsMlxLmReadsThem) {
+  auto qwen3 = [](const std::string& extra) {
+    return R"({"model_type": "qwen3_moe", "hidden_size": 128, "intermediate_size": 192,
+      "moe_intermediate_size": 64, "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 3)" + extra + "}";
+  };
+  const std::string ok = R"(, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": false)";
+  const Gemma4Config c = parse_gemma4_config(qwen3(ok), "c.json");
+  EXPECT_EQ(c.family, ModelFamily::qwen3_moe);
+  EXPECT_EQ(c.top_k_experts, 2);
+  EXPECT_FALSE(c.norm_topk_prob);
+  EXPECT_EQ(c.mlp_intermediate_size(2), 192);
+  expect_error([&] { parse_gemma4_config(qwen3(R"(, "decoder_sparse_step": 2, "mlp_only_layers": [], "norm_topk_prob": true)"), "c.json"); },
+               {"c.json", "decoder_sparse_step\" is 2"});
+  expect_error([&] { parse_gemma4_config(qwen3(R"(, "decoder_sparse_step": 1, "mlp_only_layers": [0], "norm_topk_prob": true)"), "c.json"); },
+               {"c.json", "mlp_only_layers", "empty"});
+  expect_error([&] { parse_gemma4_config(qwen3(R"(, "decoder_sparse_step": 1, "mlp_only_layers": [])"), "c.json"); },
+               {"c.json", "norm_topk_prob"});
+  // Gemma 4's key name is not read for Qwen3.
+  expect_error([&] { parse_gemma4_config(R"({"model_type": "qwen3_moe", )" + text_keys() + ok + "}", "c.json"); },
+               {"c.json", "num_experts_per_tok", "missing"});
+  // The writer's config.json reads back as the same Qwen3 config.
+  const Gemma4Config q = Gemma4Config::qwen3_30b_a3b(2);
+  const Gemma4Config back = parse_gemma4_config(q.to_json(), "written.json");
+  EXPECT_EQ(back.family, ModelFamily::qwen3_moe);
+  EXPECT_EQ(back.hidden_size, 2048);
+  EXPECT_EQ(back.moe_intermediate_size, 768);
+  EXPECT_EQ(back.num_experts, 128);
+  EXPECT_EQ(back.top_k_experts, 8);
+  EXPECT_TRUE(back.norm_topk_prob);
+  EXPECT_EQ(back.quant_for("model.layers.1.mlp.gate").bits, 8);
+  EXPECT_EQ(back.quant_for("model.layers.1.mlp.switch_mlp.down_proj", 768).bits, 4);
 }
 
 TEST(CheckpointMlxConfig, AbsentKeysTakeMlxLmDefaults) {

@@ -235,5 +235,33 @@ TEST(CheckpointWriter, AStructureMismatchNamesBothLayersTensors) {
   EXPECT_EQ(list_dir(p.path), std::vector<std::string>{});
 }
 
+// A Qwen3-MoE checkpoint (mlx-lm's qwen3_moe names) written in shards reads back layer for layer,
+// and its layers run as Qwen3 blocks.
+TEST(CheckpointWriter, Qwen3MoeCheckpointRoundTrips) {
+  Parent p("qwen3");
+  Gemma4Config c = Gemma4Config::qwen3_30b_a3b(3);
+  c.hidden_size = 128;
+  c.moe_intermediate_size = 64;
+  c.num_experts = 8;
+  c.top_k_experts = 2;
+  c.norm_topk_prob = false;
+  write_qwen3_moe_checkpoint(p.target(), c, 3, [&](int n) { return synthetic_qwen3_moe_layer(c, n, 5); });
+  EXPECT_EQ(list_dir(p.target()), kThreeShards);
+  const Gemma4Checkpoint ck = Gemma4Checkpoint::open(p.target());
+  ASSERT_EQ(ck.family(), ModelFamily::qwen3_moe);
+  ASSERT_EQ(ck.num_layers(), 3);
+  EXPECT_TRUE(ck.has("model.layers.2.mlp.switch_mlp.down_proj.scales"));
+  EXPECT_TRUE(ck.has("model.layers.0.mlp.gate.biases"));
+  for (int n = 0; n < 3; ++n) {
+    const Qwen3MoeFfnWeights w = ck.qwen3_moe_layer(n);
+    test::expect_same_layer(w, synthetic_qwen3_moe_layer(c, n, 5), "layer " + std::to_string(n));
+    EXPECT_EQ(w.moe.router.proj.bits, 8);
+    EXPECT_FALSE(w.moe.router.norm_topk_prob);
+  }
+  // The families' writers refuse each other's configs instead of writing the wrong names.
+  expect_error([&] { write_gemma4_checkpoint(p.path + "/g", c, 1, [&](int n) { return Gemma4FfnWeights(); }); },
+               {"write_gemma4_checkpoint", "qwen3_moe"});
+}
+
 }  // namespace
 }  // namespace expertqmm

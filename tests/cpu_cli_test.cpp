@@ -141,6 +141,35 @@ TEST_F(Cli, FusedGateUpAndZipfRoutingPassOnCpu) {
   EXPECT_NE(field(zipf.output, "routing").find("zipf"), std::string::npos) << zipf.output;
 }
 
+// Qwen3-MoE's router kind and SwiGLU experts through the same CLI: both SwitchGLU paths and Zipf
+// routing (which steers a softmax_topk router) pass against the float64 reference.
+TEST_F(Cli, Qwen3TinyPassesOnCpu) {
+  for (const char* cmd : {"run --preset qwen3-tiny --tokens 3 --backend cpu",
+                          "run --preset qwen3-tiny --tokens 40 --backend cpu --check-tokens 40",
+                          "run --preset qwen3-tiny --tokens 40 --backend cpu --routing zipf"}) {
+    Result r = run_cli(cmd);
+    EXPECT_EQ(r.exit_code, 0) << cmd << "\n" << r.output;
+    EXPECT_EQ(field(r.output, "status"), "PASS") << cmd << "\n" << r.output;
+    EXPECT_EQ(field(r.output, "preset"), "qwen3-tiny") << r.output;
+  }
+}
+
+// write-checkpoint --preset qwen3-tiny: mlx-lm's qwen3_moe names, read back as a Qwen3 checkpoint.
+TEST_F(Cli, WriteCheckpointQwen3TinyReadsBackAsQwen3) {
+  char dir_template[] = "/tmp/expertqmm_cli_qwen3_XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  Result r = run_cli("write-checkpoint --preset qwen3-tiny --out " + dir);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const expertqmm::Gemma4Checkpoint ck = expertqmm::Gemma4Checkpoint::open(dir);
+  EXPECT_EQ(ck.family(), expertqmm::ModelFamily::qwen3_moe);
+  EXPECT_EQ(ck.num_layers(), 2);
+  EXPECT_NE(read_file(dir + "/config.json").find("\"model_type\": \"qwen3_moe\""), std::string::npos);
+  const expertqmm::Qwen3MoeFfnWeights w = ck.qwen3_moe_layer(1);
+  EXPECT_EQ(w.moe.experts.gate.w.shape(), (expertqmm::Shape{8, 64, 128 * 4 / 32}));
+  std::system(("rm -rf '" + dir + "'").c_str());
+}
+
 TEST_F(Cli, SameSeedSameResultOtherSeedOtherResult) {
   const std::string a = field(run_cli("run --preset tiny --tokens 5 --backend cpu --seed 3").output, "rel error");
   const std::string b = field(run_cli("run --preset tiny --tokens 5 --backend cpu --seed 3").output, "rel error");
@@ -195,7 +224,7 @@ TEST_F(Cli, BadOptionsGiveOneLineAndExitCode2) {
       {"write-checkpoint --out /nonexistent/x --seed 99999999999999999999", "--seed must be an integer in [0, "},
       {"write-checkpoint --out /nonexistent/x --force yes", "--force takes no value, got 'yes'"},
       {"write-checkpoint --preset tiny", "--out DIR is required"},
-      {"write-checkpoint --out /nonexistent/x --preset big", "--preset expects gemma4-26b-a4b or tiny, got 'big'"},
+      {"write-checkpoint --out /nonexistent/x --preset big", "--preset expects gemma4-26b-a4b, tiny, qwen3-30b-a3b or qwen3-tiny, got 'big'"},
       {"info --verbose", "expertqmm info: unknown option --verbose"},
       {"run --preset tiny --tokens 3 --quant fp4", "--quant expects affine, mxfp4, mxfp8 or nvfp4, got 'fp4'"},
       {"write-checkpoint --out /nonexistent/x --quant mxfp4 --group-size 64",
@@ -320,7 +349,10 @@ TEST_F(Cli, RunOnCudaPasses) {
   if (!expertqmm::cuda_available()) GTEST_SKIP() << "SKIP: no CUDA device";
   for (const char* args : {"run --preset tiny --tokens 40 --backend cuda",
                            "run --preset gemma4-26b-a4b --tokens 64 --backend cuda",
-                           "run --preset gemma4-26b-a4b-fused --tokens 3 --backend cuda --routing zipf"}) {
+                           "run --preset gemma4-26b-a4b-fused --tokens 3 --backend cuda --routing zipf",
+                           "run --preset qwen3-30b-a3b --tokens 8 --backend cuda",
+                           "run --preset qwen3-30b-a3b --tokens 512 --backend cuda --check-tokens 8",
+                           "run --preset qwen3-tiny --tokens 40 --backend cuda --routing zipf"}) {
     Result r = run_cli(args);
     EXPECT_EQ(r.exit_code, 0) << args << "\n" << r.output;
     EXPECT_EQ(field(r.output, "status"), "PASS") << args << "\n" << r.output;
@@ -357,6 +389,29 @@ TEST_F(Cli, BenchOnCudaWritesJsonAndExport) {
   EXPECT_EQ(count_of(tjson, "\"check\": \"PASS\""), 2) << tjson;
   EXPECT_EQ(count_of(tjson, "\"expert_tiles\": \"auto\""), 1) << tjson;
   EXPECT_EQ(count_of(tjson, "\"expert_tiles\": \"off\""), 1) << tjson;
+  std::system(("rm -rf '" + dir + "'").c_str());
+}
+
+// Qwen3-MoE on the GPU through the CLI: the preset's bench (its check against float64 passes at a
+// decode and a sorted size), and bench --model on a synthetic qwen3_moe checkpoint.
+TEST_F(Cli, Qwen3BenchAndBenchModelOnCuda) {
+  if (!expertqmm::cuda_available()) GTEST_SKIP() << "SKIP: no CUDA device";
+  char dir_template[] = "/tmp/expertqmm_cli_qwen3_bench_XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  Result bench = run_cli("bench --preset qwen3-tiny --tokens 1,64 --replays 3 --json " + dir + "/bench.json");
+  EXPECT_EQ(bench.exit_code, 0) << bench.output;
+  const std::string json = read_file(dir + "/bench.json");
+  EXPECT_EQ(count_of(json, "\"check\": \"PASS\""), 2) << json;
+  Result write = run_cli("write-checkpoint --preset qwen3-tiny --layers 3 --out " + dir + "/ckpt");
+  ASSERT_EQ(write.exit_code, 0) << write.output;
+  Result model = run_cli("bench --model " + dir + "/ckpt --tokens 1,64 --product fused --replays 3 --json " + dir +
+                         "/model.json");
+  EXPECT_EQ(model.exit_code, 0) << model.output;
+  const std::string mjson = read_file(dir + "/model.json");
+  EXPECT_NE(mjson.find("\"family\": \"qwen3_moe\""), std::string::npos) << mjson;
+  EXPECT_EQ(count_of(mjson, "\"us_per_layer\""), 2) << mjson;
+  EXPECT_NE(model.output.find("(qwen3_moe): 3 layers"), std::string::npos) << model.output;
   std::system(("rm -rf '" + dir + "'").c_str());
 }
 

@@ -187,6 +187,70 @@ TEST(CpuRouter, QuantizedProjEqualsDenseProjOnTheSameWeights) {
   EXPECT_EQ(c.weights.dtype(), DType::bf16);
 }
 
+// Qwen3-MoE's router (RouterKind::softmax_topk): logits = h @ proj^T (no norm), softmax over all
+// E, top-k by probability, weights renormalised over the k or left as the probabilities.
+TEST(CpuRouter, SoftmaxTopkHandChecked) {
+  RouterWeights r;
+  r.kind = RouterKind::softmax_topk;
+  std::vector<float> eye(16, 0.f);
+  for (int i = 0; i < 4; ++i) eye[i * 4 + i] = 1.f;
+  r.proj_dense = test::from_float(eye, {4, 4}, DType::f32);
+  r.top_k = 2;
+  // token 0: logits [1, 2, 3, 4] -> experts 3, 2; token 1: [-1, 5, 5, 0] -> the tie, higher id first.
+  const Tensor h = test::from_float({1, 2, 3, 4, -1, 5, 5, 0}, {2, 4}, DType::f32);
+  const double z0 = std::exp(1.0) + std::exp(2.0) + std::exp(3.0) + std::exp(4.0);
+  const double z1 = std::exp(-1.0) + 2 * std::exp(5.0) + 1.0;
+  for (bool renorm : {true, false}) {
+    r.norm_topk_prob = renorm;
+    const Routing out = route(h, r);
+    EXPECT_EQ(test::to_i32(out.indices), (std::vector<int32_t>{3, 2, 2, 1})) << renorm;
+    const std::vector<float> w = test::to_float(out.weights);
+    if (renorm) {
+      EXPECT_NEAR(w[0], 1.0 / (1.0 + std::exp(-1.0)), 1e-6);
+      EXPECT_NEAR(w[1], 1.0 / (1.0 + std::exp(1.0)), 1e-6);
+      EXPECT_NEAR(w[2], 0.5, 1e-6);
+      EXPECT_NEAR(w[3], 0.5, 1e-6);
+    } else {
+      EXPECT_NEAR(w[0], std::exp(4.0) / z0, 1e-6);
+      EXPECT_NEAR(w[1], std::exp(3.0) / z0, 1e-6);
+      EXPECT_NEAR(w[2], std::exp(5.0) / z1, 1e-6);
+      EXPECT_NEAR(w[3], std::exp(5.0) / z1, 1e-6);
+    }
+  }
+  // Un-normalised h: scaling h scales the logits (a gemma4 router would normalise it away).
+  const Routing doubled = route(test::from_float({2, 4, 6, 8, -2, 10, 10, 0}, {2, 4}, DType::f32), r);
+  EXPECT_NEAR(test::to_float(doubled.weights)[0], std::exp(8.0) / (std::exp(2.0) + std::exp(4.0) + std::exp(6.0) + std::exp(8.0)), 1e-6);
+  // Gemma 4's vectors given to a softmax_topk router would be ignored: refused instead.
+  r.scale = test::from_float({1, 1, 1, 1}, {4}, DType::f32);
+  EXPECT_THROW(route(h, r), Error);
+}
+
+// bf16: the probabilities are rounded to bf16 before the top-k and the renormalisation divides by
+// their bf16 sum, as mlx-lm's bf16 ops do: every weight is a bf16 value and the k sum to ~1.
+TEST(CpuRouter, SoftmaxTopkRoundsLikeMlxBf16Ops) {
+  const int64_t T = 9, H = 64, E = 16;
+  RouterWeights r;
+  r.kind = RouterKind::softmax_topk;
+  r.top_k = 4;
+  r.proj_dense = test::random_tensor({E, H}, DType::bf16, 0.125f);
+  const Tensor h = test::random_tensor({T, H}, DType::bf16, 1.0f);
+  const Routing out = route(h, r);
+  EXPECT_EQ(out.weights.dtype(), DType::bf16);
+  const std::vector<float> w = test::to_float(out.weights);
+  const std::vector<float> probs = test::cpu_router_logits(h, r);
+  const std::vector<int32_t> idx = test::to_i32(out.indices);
+  for (int64_t t = 0; t < T; ++t) {
+    float sum = 0.f, psum = 0.f;
+    for (int j = 0; j < 4; ++j) sum += w[t * 4 + j], psum += probs[t * E + idx[t * 4 + j]];
+    EXPECT_NEAR(sum, 1.0f, 2e-2) << "token " << t;
+    const float denom = test::to_float(test::from_float({psum}, {1}, DType::bf16))[0];
+    for (int j = 0; j < 4; ++j) {
+      const float expected = test::to_float(test::from_float({probs[t * E + idx[t * 4 + j]] / denom}, {1}, DType::bf16))[0];
+      EXPECT_EQ(w[t * 4 + j], expected) << "token " << t << " slot " << j;
+    }
+  }
+}
+
 // The GPU tests' near-tie judge (test::cpu_router_logits) recomputes the CPU router's logits:
 // its per-token top-k (best first, ties to the higher id) is the CPU route's, dense and quantized.
 TEST(CpuRouter, ReferenceLogitsGiveTheRoutersTopK) {
@@ -196,8 +260,11 @@ TEST(CpuRouter, ReferenceLogitsGiveTheRoutersTopK) {
   RouterWeights quant = dense;
   quant.proj_dense = Tensor();
   quant.proj = test::random_quantized({E, H}, 8, 64);
+  RouterWeights softmax = dense;  // Qwen3-MoE's kind: the judge ranks its probabilities
+  softmax.kind = RouterKind::softmax_topk;
+  softmax.scale = softmax.per_expert_scale = Tensor();
   const Tensor h = test::random_tensor({T, H}, DType::f32);
-  for (const RouterWeights* r : {&dense, &quant}) {
+  for (const RouterWeights* r : {&dense, &quant, &softmax}) {
     const std::vector<float> logits = test::cpu_router_logits(h, *r);
     ASSERT_EQ(logits.size(), static_cast<size_t>(T * E));
     const std::vector<int32_t> got = test::to_i32(route(h, *r).indices);

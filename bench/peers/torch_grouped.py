@@ -4,7 +4,8 @@
 Reads what `expertqmm bench --export-dir DIR` wrote (DIR/weights.safetensors: the 4-bit MLX expert
 weights of weight copy 0; DIR/case_T<T>.safetensors: tokens x, routing indices and weights, and our
 output), dequantizes the weights on the GPU (nibbles LSB first, w = s*q + b in fp32, then bf16) and
-times the whole layer in bf16: argsort, row gather, torch._grouped_mm for gate/up, gelu(tanh)*up,
+times the whole layer in bf16: argsort, row gather, torch._grouped_mm for gate/up, act(gate)*up
+(the exported activation: gelu(tanh) for geglu, silu for swiglu),
 torch._grouped_mm for down, weighted index_add back to the tokens. The protocol is the bench's:
 one CUDA graph per weight copy (4 copies, replayed round robin), an L2 flush (2x the L2 size)
 before every replay outside the timed region, one event pair per replay, median / p10 / p90 over
@@ -54,6 +55,13 @@ def dequantize(w, scales, biases, bits, group_size, dtype):
     return out
 
 
+# The GLU activations of the exported layer (expertqmm's Activation names).
+ACTIVATIONS = {
+    "geglu": lambda g: F.gelu(g, approximate="tanh"),
+    "swiglu": F.silu,
+}
+
+
 class ExpertWeights:
     """The exported quantized experts, with gate and up as one [E, 2I, H] (gate rows first)."""
 
@@ -69,8 +77,9 @@ class ExpertWeights:
         self.group_size = int(self.meta["group_size"])
         self.top_k = int(self.meta["top_k"])
         self.activation = self.meta.get("activation", "geglu")
-        if self.activation != "geglu":
-            raise ValueError(f"{path}: only the geglu activation is implemented here, got {self.activation}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"{path}: unknown activation {self.activation} (known: {', '.join(ACTIVATIONS)})")
+        self.act = ACTIVATIONS[self.activation]
 
         def q(name):
             return tuple(t[f"switch_glu.{name}.{part}"] for part in ("weight", "scales", "biases"))
@@ -99,7 +108,7 @@ class ExpertWeights:
         return gate_up, one(self.down_q)
 
 
-def layer_fn(x, idx, wts, gate_up_t, down_t, experts, top_k):
+def layer_fn(x, idx, wts, gate_up_t, down_t, experts, top_k, act):
     """The layer on static inputs; gate_up_t [E, H, 2I] and down_t [E, I, H] are transposed views."""
     T, H = x.shape
     I = down_t.shape[1]
@@ -114,7 +123,7 @@ def layer_fn(x, idx, wts, gate_up_t, down_t, experts, top_k):
         counts = torch.zeros(experts, dtype=torch.long, device=x.device).scatter_add_(0, flat, ones)
         offs = torch.cumsum(counts, 0).to(torch.int32)
         gu = torch._grouped_mm(rows, gate_up_t, offs=offs)  # [T*k, 2I]
-        h = F.gelu(gu[:, :I], approximate="tanh") * gu[:, I:]
+        h = act(gu[:, :I]) * gu[:, I:]
         y = torch._grouped_mm(h, down_t, offs=offs)  # [T*k, H]
         scaled = y.float() * wts.reshape(-1).index_select(0, order).float().unsqueeze(1)
         return torch.zeros((T, H), dtype=torch.float32, device=x.device).index_add_(0, token, scaled).to(x.dtype)
@@ -161,7 +170,7 @@ def finite_or_none(v):
 
 
 def reference_tokens(ew, x, idx, wts, tokens):
-    """float64 out[t] = sum_j w[t,j] * down_e(gelu_tanh(gate_e x) * up_e x) for the given tokens."""
+    """float64 out[t] = sum_j w[t,j] * down_e(act(gate_e x) * up_e x) for the given tokens."""
     I = ew.intermediate
     cache = {}
     out = torch.zeros((len(tokens), ew.hidden), dtype=torch.float64, device=x.device)
@@ -174,7 +183,7 @@ def reference_tokens(ew, x, idx, wts, tokens):
             gate_up, down = cache[e]
             g = gate_up[:I] @ xt
             u = gate_up[I:] @ xt
-            hdn = F.gelu(g, approximate="tanh") * u
+            hdn = ew.act(g) * u
             out[n] += float(wts[t, j].double()) * (down @ hdn)
     return out
 
@@ -207,7 +216,7 @@ def run_export_dir(export_dir, replays, l2_bytes, device, only_tokens=None):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         for gu, dn in copies:
-            fn = layer_fn(x, idx, wts, gu.transpose(-2, -1), dn.transpose(-2, -1), ew.experts, ew.top_k)
+            fn = layer_fn(x, idx, wts, gu.transpose(-2, -1), dn.transpose(-2, -1), ew.experts, ew.top_k, ew.act)
             with torch.cuda.stream(side):  # warm-up off the capture, as torch's graph docs ask
                 for _ in range(2):
                     fn()

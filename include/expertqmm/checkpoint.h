@@ -1,6 +1,6 @@
-// Gemma 4 checkpoints in MLX (mlx-lm) format: config.json, one model.safetensors or shards
+// Gemma 4 and Qwen3-MoE checkpoints in MLX (mlx-lm) format: config.json, one model.safetensors or shards
 // model-0000N-of-0000M.safetensors with model.safetensors.index.json. The reader maps the files
-// (no copy of the weights) and hands out per-layer Gemma4FfnWeights as views; the writer produces
+// (no copy of the weights) and hands out per-layer Gemma4FfnWeights (or Qwen3MoeFfnWeights) as views; the writer produces
 // the same format (used for synthetic benchmark checkpoints and test fixtures).
 // Every file is untrusted: a malformed one gives expertqmm::Error("checkpoint" or "safetensors",
 // "<file>: ...") naming the tensor or key, never a crash or an out-of-bounds read.
@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "expertqmm/gemma4.h"
+#include "expertqmm/qwen3_moe.h"
 #include "expertqmm/safetensors.h"
 
 namespace expertqmm {
@@ -29,12 +30,26 @@ struct QuantSetting {
   bool quantized() const { return bits != 0; }
 };
 
-// The keys of config.json that the feed-forward part depends on, read as mlx-lm reads them:
+// Which mlx-lm model a checkpoint holds (config.json "model_type"): it decides the tensor names
+// and the feed-forward part (gemma4_ffn or qwen3_moe_ffn).
+enum class ModelFamily : uint8_t {
+  gemma4,     // model_type "gemma4" / "gemma4_text"
+  qwen3_moe,  // model_type "qwen3_moe": every layer an MoE layer (decoder_sparse_step 1, no mlp_only_layers)
+};
+const char* model_family_name(ModelFamily f);
+
+// The keys of config.json that the feed-forward part depends on, read as mlx-lm reads them.
+// Qwen3-MoE (qwen3_moe.ModelArgs): hidden_size, intermediate_size, moe_intermediate_size,
+// num_experts, num_experts_per_tok (kept in top_k_experts), num_hidden_layers, norm_topk_prob,
+// rms_norm_eps; a config with dense layers (decoder_sparse_step != 1 or mlp_only_layers) is
+// refused. Gemma 4:
 // model_type "gemma4" takes them from "text_config", "gemma4_text" from the top level (no
 // model_type: text_config when present); a key mlx-lm defaults when absent gets mlx-lm's default
 // (gemma4_text.ModelArgs), and what gemma4_ffn cannot compute is refused (enable_moe_block false,
 // per-layer inputs). "quantization" from the top level, else from text_config.
 struct Gemma4Config {
+  ModelFamily family = ModelFamily::gemma4;
+  bool norm_topk_prob = true;  // qwen3_moe: renormalise the router's k probabilities
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;      // dense MLP width (doubled on KV-shared layers, see below)
   int64_t moe_intermediate_size = 0;  // expert width
@@ -65,7 +80,11 @@ struct Gemma4Config {
   // The 26B-A4B geometry with the QAT checkpoint's quantization: experts 4-bit gs64, dense MLP and
   // router.proj 8-bit gs64 (mlx-semantics 4.6), `layers` layers, overrides keyed under `prefix`.
   static Gemma4Config gemma4_26b_a4b(int64_t layers, const std::string& prefix = "model.");
-  // The JSON text of config.json for this config, as mlx-lm writes it (model_type gemma4_text,
+  // Qwen3-30B-A3B's feed-forward geometry (hidden 2048, 128 experts of width 768, top-8,
+  // norm_topk_prob) as mlx-community's 4-bit checkpoints quantize it: experts 4-bit gs64, the
+  // router mlp.gate 8-bit gs64 (qwen3_moe.Model.quant_predicate).
+  static Gemma4Config qwen3_30b_a3b(int64_t layers, const std::string& prefix = "model.");
+  // The JSON text of config.json for this config, as mlx-lm writes it (model_type gemma4_text or qwen3_moe,
   // "quantization" and "quantization_config" with the per-module overrides).
   std::string to_json() const;
 };
@@ -90,7 +109,12 @@ class Gemma4Checkpoint {
   int num_layers() const { return static_cast<int>(config_.num_hidden_layers); }
   const std::vector<std::string>& files() const { return file_paths_; }
   // CPU views into the mappings (use .to(Device::cuda) to copy). layer in [0, num_layers()).
+  // layer(): a Gemma 4 checkpoint's; qwen3_moe_layer(): a Qwen3-MoE checkpoint's (names
+  // model.layers.N.post_attention_layernorm.weight, mlp.gate, mlp.switch_mlp.{gate,up,down}_proj).
+  // Each throws for the other family.
   Gemma4FfnWeights layer(int layer) const;
+  Qwen3MoeFfnWeights qwen3_moe_layer(int layer) const;
+  ModelFamily family() const { return config_.family; }
   // A tensor by its full name (a view), and the file that holds it.
   Tensor tensor(const std::string& name) const;
   bool has(const std::string& name) const { return file_of_.count(name) != 0; }
@@ -144,6 +168,12 @@ void write_gemma4_checkpoint(const std::string& dir, const Gemma4Config& config,
                              const std::function<Gemma4FfnWeights(int)>& layer,
                              const CheckpointWriteOptions& options = {});
 
+// write_gemma4_checkpoint for a qwen3_moe config: each layer's feed-forward tensors under mlx-lm's
+// qwen3_moe names (post_attention_layernorm, mlp.gate, mlp.switch_mlp.{gate,up,down}_proj).
+void write_qwen3_moe_checkpoint(const std::string& dir, const Gemma4Config& config, int shards,
+                                const std::function<Qwen3MoeFfnWeights(int)>& layer,
+                                const CheckpointWriteOptions& options = {});
+
 // Synthetic weights for `config` from `seed`: random codes, bf16 scales ±(0.01 + 0.002 n) with
 // biases centring the dequantized values on 0 (quantized modules), N(0, 0.02) dense weights, norm
 // weights 1 + 0.1 n, router scale 1 + 0.05 n, per_expert_scale 1 + 0.05 n, layer_scalar in
@@ -152,5 +182,9 @@ void write_gemma4_checkpoint(const std::string& dir, const Gemma4Config& config,
 // Fast (no quantizer): meant for benchmark checkpoints at the real geometry and test fixtures.
 Gemma4FfnWeights synthetic_gemma4_layer(const Gemma4Config& config, int layer, uint64_t seed,
                                         const std::string& prefix = "model.");
+// The same for a qwen3_moe config: post_attention_layernorm 1 + 0.1 n, mlp.gate and the experts as
+// the config quantizes them (a softmax_topk router, SwiGLU experts).
+Qwen3MoeFfnWeights synthetic_qwen3_moe_layer(const Gemma4Config& config, int layer, uint64_t seed,
+                                             const std::string& prefix = "model.");
 
 }  // namespace expertqmm

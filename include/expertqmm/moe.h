@@ -1,5 +1,6 @@
-// SwitchGLU, the Gemma 4 router, the weighted combine and the MoE layer built from them.
+// SwitchGLU, the routers (Gemma 4, Qwen3-MoE), the weighted combine and the MoE layer built from them.
 #pragma once
+#include <memory>
 #include "expertqmm/ops.h"
 
 namespace expertqmm {
@@ -30,16 +31,30 @@ struct SwitchGLUWeights {
 // mlx-lm SwitchGLU: x [T, D], indices [T, k] -> [T, k, D]. Sorts when T*k >= 64.
 Tensor switch_glu(const Tensor& x, const Tensor& indices, const SwitchGLUWeights& weights);
 
-// Gemma 4 router (spec gemma4-moe.md section 5, mlx-semantics.md 4.2):
-//   r = rms_norm(h) * (scale * H^-0.5); logits = r @ proj^T; top-k; softmax over the k;
-//   weights *= per_expert_scale[idx]. proj is quantized (proj.defined()) or dense (proj_dense).
+// How a router turns h into (experts, weights): data of the layer, one value per model family.
+enum class RouterKind : uint8_t {
+  // Gemma 4 (spec gemma4-moe.md section 5, mlx-semantics.md 4.2):
+  //   r = rms_norm(h) * (scale * H^-0.5); logits = r @ proj^T; top-k by logit; softmax over the k;
+  //   weights *= per_expert_scale[idx].
+  gemma4,
+  // Qwen3-MoE (mlx-lm qwen3_moe.Qwen3MoeSparseMoeBlock): logits = h @ proj^T; p = softmax over all
+  //   E experts (fp32, rounded to the logits' dtype); top-k by p; weights = p[idx], divided by
+  //   their sum when norm_topk_prob. No norm, no scale, no per_expert_scale.
+  softmax_topk,
+};
+const char* router_kind_name(RouterKind kind);
+
+// Router weights. proj is quantized (proj.defined()) or dense (proj_dense). scale and
+// per_expert_scale belong to RouterKind::gemma4 and must be undefined for softmax_topk.
 struct RouterWeights {
+  RouterKind kind = RouterKind::gemma4;
   QuantizedWeight proj;    // [E, H/..] quantized, or
   Tensor proj_dense;       // [E, H] float
-  Tensor scale;            // [H]
-  Tensor per_expert_scale; // [E]
+  Tensor scale;            // [H]  (gemma4)
+  Tensor per_expert_scale; // [E]  (gemma4)
   int top_k = 8;
-  float eps = 1e-6f;
+  float eps = 1e-6f;            // of the rms norm (gemma4)
+  bool norm_topk_prob = true;   // renormalize the k probabilities (softmax_topk)
 };
 struct Routing {
   Tensor indices;  // [T, k] int32
@@ -53,10 +68,15 @@ Tensor weighted_combine(const Tensor& y, const Tensor& weights);
 struct MoeWeights {
   RouterWeights router;
   SwitchGLUWeights experts;
+  // A copy with every tensor on `device` (undefined members stay undefined).
+  MoeWeights to(Device device) const;
+  // Bytes of every tensor held (codes, scales, biases, router vectors).
+  size_t nbytes() const;
 };
 
-// The expert half of a Gemma 4 MoE block: route(h), switch_glu(x, idx), weighted_combine.
-// h is the router input (the un-normalised residual), x the expert input; both [T, H].
+// The expert half of an MoE block: route(h), switch_glu(x, idx), weighted_combine. Gemma 4: h is
+// the router input (the un-normalised residual), x the expert input; Qwen3-MoE routes and runs the
+// experts on the same normalised x (moe_layer(x, weights)). Both [T, H].
 Tensor moe_layer(const Tensor& h, const Tensor& x, const MoeWeights& weights);
 inline Tensor moe_layer(const Tensor& x, const MoeWeights& weights) { return moe_layer(x, x, weights); }
 
@@ -78,11 +98,16 @@ class Workspace {
   // get(), and every byte is zero when the buffer is (re)allocated: for device counters that the
   // kernels using them leave at zero when they finish.
   void* get_zeroed(int slot, size_t bytes);
+  // Scratch for work that runs beside this workspace's on another stream (the Gemma 4 block's dense
+  // MLP beside its experts): a second set of slots, made on first use and freed with this one.
+  Workspace& branch();
+  // Bytes of every slot, the branch's included.
   size_t bytes_held() const;
 
  private:
   struct Slot { void* ptr = nullptr; size_t bytes = 0; };
   Slot slots_[16];
+  std::unique_ptr<Workspace> branch_;
   Slot& slot_at(int slot);           // range-checked
   bool grow(Slot& s, size_t bytes);  // true when it (re)allocated
 };

@@ -12,10 +12,11 @@
 #include "core/gather_qmm_problem.h"
 #include "expertqmm/gemma4.h"
 #include "expertqmm/moe.h"
+#include "expertqmm/qwen3_moe.h"
 
 namespace expertqmm::detail {
 
-// X(return type, name, parameter list). The last three are the fused layer paths: a backend may
+// X(return type, name, parameter list). The last four are the fused layer paths: a backend may
 // leave them null, and the front then composes them from the ops above them (the CPU reference
 // does, in mlx-lm's order, so the composition reads as the spec).
 #define EXPERTQMM_BACKEND_OPS(X)                                                                           \
@@ -34,7 +35,8 @@ namespace expertqmm::detail {
   X(Tensor, dense_linear, (const Tensor& x, const Tensor& w, DType out_dtype))                             \
   X(Tensor, switch_glu, (const Tensor& x, const Tensor& indices, const SwitchGLUWeights& weights))        \
   X(void, moe_layer_into, (Tensor & out, const Tensor& h, const Tensor& x, const MoeWeights& weights, Workspace& ws)) \
-  X(void, gemma4_ffn_into, (Tensor & out, const Tensor& h, const Gemma4FfnWeights& weights, Workspace& ws))
+  X(void, gemma4_ffn_into, (Tensor & out, const Tensor& h, const Gemma4FfnWeights& weights, Workspace& ws))  \
+  X(void, qwen3_moe_ffn_into, (Tensor & out, const Tensor& h, const Qwen3MoeFfnWeights& weights, Workspace& ws))
 
 #define EXPERTQMM_BACKEND_OP_POINTER(ret, name, params) ret(*name) params = nullptr;
 #define EXPERTQMM_BACKEND_OP_DECLARATION(ret, name, params) ret name params;

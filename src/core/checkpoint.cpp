@@ -105,8 +105,9 @@ const json::Value& text_config_of(const json::Value& root, const std::string& fi
   if (model_type) {
     if (!model_type->is_string()) fail(file, "\"model_type\" must be a string");
     type = model_type->as_string();
-    if (type != "gemma4" && type != "gemma4_text")
-      fail(file, "model_type \"" + type + "\" is not a Gemma 4 model (\"gemma4\" or \"gemma4_text\")");
+    if (type != "gemma4" && type != "gemma4_text" && type != "qwen3_moe")
+      fail(file, "model_type \"" + type +
+                     "\" is not a supported MoE model (\"gemma4\", \"gemma4_text\" or \"qwen3_moe\")");
   }
   const bool nested = type == "gemma4" || (type.empty() && text_config);
   if (!nested) {
@@ -155,6 +156,22 @@ void read_layer_structure(const json::Value& cfg, const std::string& file, const
   c->use_double_wide_mlp = bool_or(cfg, "use_double_wide_mlp", true, file, where);
 }
 
+// qwen3_moe.ModelArgs' layer structure: layer l is an MoE layer iff l is not in mlp_only_layers and
+// (l + 1) % decoder_sparse_step == 0; qwen3_moe_ffn covers the MoE layers only, so all must be.
+void read_qwen3_layer_structure(const json::Value& cfg, const std::string& file, Gemma4Config* c) {
+  const int64_t step = positive_int(cfg, "decoder_sparse_step", file, "");
+  if (step != 1)
+    fail(file, detail::cat("\"decoder_sparse_step\" is ", step,
+                           ": layers with a dense MLP are not part of qwen3_moe_ffn; it must be 1"));
+  const json::Value* dense = cfg.find("mlp_only_layers");
+  if (!dense) fail(file, "\"mlp_only_layers\" is missing");
+  if (!dense->is_array() || !dense->items().empty())
+    fail(file, "\"mlp_only_layers\" must be an empty list: layers with a dense MLP are not part of qwen3_moe_ffn");
+  const json::Value* renorm = cfg.find("norm_topk_prob");
+  if (!renorm || !renorm->is_bool()) fail(file, "\"norm_topk_prob\" must be true or false");
+  c->norm_topk_prob = renorm->as_bool();
+}
+
 // Tensor names of this layer, relative to the checkpoint prefix.
 std::string layer_name(const std::string& prefix, int layer, const std::string& rest) {
   return prefix + "layers." + std::to_string(layer) + "." + rest;
@@ -170,6 +187,14 @@ std::string json_float(float v) {
 }
 
 }  // namespace
+
+const char* model_family_name(ModelFamily f) {
+  switch (f) {
+    case ModelFamily::gemma4: return "gemma4";
+    case ModelFamily::qwen3_moe: return "qwen3_moe";
+  }
+  throw Error("model_family_name", detail::cat("unknown model family value ", static_cast<int>(f)));
+}
 
 QuantSetting Gemma4Config::quant_for(const std::string& module_path) const {
   if (!quantized) return {};
@@ -199,15 +224,24 @@ Gemma4Config parse_gemma4_config(const std::string& text, const std::string& fil
   std::string where;
   const json::Value& cfg = text_config_of(root, file, &where);
   Gemma4Config c;
+  const json::Value* model_type = root.find("model_type");
+  if (model_type && model_type->as_string() == "qwen3_moe") c.family = ModelFamily::qwen3_moe;
+  const bool qwen3 = c.family == ModelFamily::qwen3_moe;
+  const char* top_k_key = qwen3 ? "num_experts_per_tok" : "top_k_experts";
   c.hidden_size = positive_int(cfg, "hidden_size", file, where);
   c.intermediate_size = positive_int(cfg, "intermediate_size", file, where);
   c.moe_intermediate_size = positive_int(cfg, "moe_intermediate_size", file, where);
   c.num_experts = positive_int(cfg, "num_experts", file, where, kMaxExperts);
-  c.top_k_experts = positive_int(cfg, "top_k_experts", file, where, kMaxExperts);
+  c.top_k_experts = positive_int(cfg, top_k_key, file, where, kMaxExperts);
   c.num_hidden_layers = positive_int(cfg, "num_hidden_layers", file, where, Gemma4Config::kMaxLayers);
   if (c.top_k_experts > c.num_experts)
-    fail(file, detail::cat(where, "top_k_experts=", c.top_k_experts, " exceeds num_experts=", c.num_experts));
-  read_layer_structure(cfg, file, where, &c);
+    fail(file, detail::cat(where, top_k_key, "=", c.top_k_experts, " exceeds num_experts=", c.num_experts));
+  if (qwen3) {
+    c.num_kv_shared_layers = 0;  // no KV sharing: the dense width is never doubled
+    read_qwen3_layer_structure(cfg, file, &c);
+  } else {
+    read_layer_structure(cfg, file, where, &c);
+  }
   if (const json::Value* eps = cfg.find("rms_norm_eps")) {
     if (!eps->is_number()) fail(file, where + "\"rms_norm_eps\" must be a number");
     const double e = std::strtod(eps->number_text().c_str(), nullptr);
@@ -251,16 +285,41 @@ Gemma4Config Gemma4Config::gemma4_26b_a4b(int64_t layers, const std::string& pre
   return c;
 }
 
+Gemma4Config Gemma4Config::qwen3_30b_a3b(int64_t layers, const std::string& prefix) {
+  Gemma4Config c;
+  c.family = ModelFamily::qwen3_moe;
+  c.hidden_size = 2048;
+  c.intermediate_size = 6144;
+  c.moe_intermediate_size = 768;
+  c.num_experts = 128;
+  c.top_k_experts = 8;
+  c.norm_topk_prob = true;
+  c.num_hidden_layers = layers;
+  c.num_kv_shared_layers = 0;
+  c.rms_norm_eps = 1e-6f;
+  c.quantized = true;
+  c.default_quant = {4, 64};
+  for (int64_t l = 0; l < layers; ++l) c.overrides[layer_name(prefix, static_cast<int>(l), "mlp.gate")] = {8, 64};
+  return c;
+}
+
 std::string Gemma4Config::to_json() const {
   std::ostringstream s;
-  s << "{\n  \"model_type\": \"gemma4_text\",\n  \"architectures\": [\"Gemma4ForCausalLM\"],\n"
-    << "  \"hidden_size\": " << hidden_size << ",\n  \"intermediate_size\": " << intermediate_size
+  s << "{\n  \"hidden_size\": " << hidden_size << ",\n  \"intermediate_size\": " << intermediate_size
     << ",\n  \"moe_intermediate_size\": " << moe_intermediate_size << ",\n  \"num_experts\": " << num_experts
-    << ",\n  \"top_k_experts\": " << top_k_experts << ",\n  \"num_hidden_layers\": " << num_hidden_layers
-    << ",\n  \"enable_moe_block\": true,\n  \"num_kv_shared_layers\": " << num_kv_shared_layers
-    << ",\n  \"use_double_wide_mlp\": " << (use_double_wide_mlp ? "true" : "false")
-    << ",\n  \"hidden_size_per_layer_input\": 0"
-    << ",\n  \"rms_norm_eps\": " << json_float(rms_norm_eps);
+    << ",\n  \"num_hidden_layers\": " << num_hidden_layers << ",\n  \"rms_norm_eps\": " << json_float(rms_norm_eps);
+  if (family == ModelFamily::qwen3_moe) {
+    s << ",\n  \"model_type\": \"qwen3_moe\",\n  \"architectures\": [\"Qwen3MoeForCausalLM\"]"
+      << ",\n  \"num_experts_per_tok\": " << top_k_experts
+      << ",\n  \"norm_topk_prob\": " << (norm_topk_prob ? "true" : "false")
+      << ",\n  \"decoder_sparse_step\": 1,\n  \"mlp_only_layers\": []";
+  } else {
+    s << ",\n  \"model_type\": \"gemma4_text\",\n  \"architectures\": [\"Gemma4ForCausalLM\"]"
+      << ",\n  \"top_k_experts\": " << top_k_experts << ",\n  \"enable_moe_block\": true"
+      << ",\n  \"num_kv_shared_layers\": " << num_kv_shared_layers
+      << ",\n  \"use_double_wide_mlp\": " << (use_double_wide_mlp ? "true" : "false")
+      << ",\n  \"hidden_size_per_layer_input\": 0";
+  }
   if (quantized) {
     for (const char* key : {"quantization", "quantization_config"}) {
       s << ",\n  \"" << key << "\": {\"group_size\": " << default_quant.group_size
@@ -343,20 +402,26 @@ Gemma4Checkpoint Gemma4Checkpoint::open(const std::string& dir) {
       fail(dir + "/" + file, "tensor '" + tensor + "' is listed in the index but missing from the file");
 
   // The prefix: whatever precedes "layers.0.router.proj.weight" (mlx-lm writes
-  // "language_model.model." for the multimodal wrapper and "model." for gemma4_text).
-  const std::string probe = "layers.0.router.proj.weight";
+  // "language_model.model." for the multimodal wrapper and "model." for gemma4_text and qwen3_moe),
+  // or "layers.0.mlp.gate.weight" for qwen3_moe.
+  const bool qwen3 = ck.config_.family == ModelFamily::qwen3_moe;
+  const std::string probe = qwen3 ? "layers.0.mlp.gate.weight" : "layers.0.router.proj.weight";
   std::set<std::string> prefixes;
   for (const auto& [name, file] : ck.file_of_)
     if (name.size() >= probe.size() && name.compare(name.size() - probe.size(), probe.size(), probe) == 0) {
       const std::string p = name.substr(0, name.size() - probe.size());
       if (p.empty() || p.back() == '.') prefixes.insert(p);
     }
-  if (prefixes.empty()) fail(dir, "no tensor named '*" + probe + "': not a Gemma 4 MoE checkpoint");
+  if (prefixes.empty())
+    fail(dir, "no tensor named '*" + probe + "': not a " + (qwen3 ? "Qwen3-MoE" : "Gemma 4 MoE") + " checkpoint");
   if (prefixes.size() > 1)
     fail(dir, "layers under more than one prefix ('" + *prefixes.begin() + "', '" + *prefixes.rbegin() + "')");
   ck.prefix_ = *prefixes.begin();
 
-  for (int l = 0; l < ck.num_layers(); ++l) (void)ck.layer(l);  // validate every layer up front
+  for (int l = 0; l < ck.num_layers(); ++l) {  // validate every layer up front
+    if (qwen3) (void)ck.qwen3_moe_layer(l);
+    else (void)ck.layer(l);
+  }
   return ck;
 }
 
@@ -505,7 +570,34 @@ void Gemma4Checkpoint::load_expert_proj(const std::string& module, int64_t rows,
     *dense = load_float(module + ".weight", {experts, rows, in_features});
 }
 
+Qwen3MoeFfnWeights Gemma4Checkpoint::qwen3_moe_layer(int n) const {
+  EXPERTQMM_CHECK(family() == ModelFamily::qwen3_moe, kOp, dir_, " holds a ", model_family_name(family()),
+                  " model, not qwen3_moe: use layer()");
+  EXPERTQMM_CHECK(n >= 0 && n < num_layers(), kOp, dir_, ": layer ", n, " out of range [0, ", num_layers(), ")");
+  const Gemma4Config& c = config_;
+  const int64_t H = c.hidden_size, Ie = c.moe_intermediate_size, E = c.num_experts;
+  auto name = [&](const std::string& rest) { return layer_name(prefix_, n, rest); };
+  Qwen3MoeFfnWeights w;
+  w.eps = c.rms_norm_eps;
+  w.post_attention_layernorm = load_float(name("post_attention_layernorm.weight"), {H});
+  RouterWeights& r = w.moe.router;
+  r.kind = RouterKind::softmax_topk;
+  r.top_k = static_cast<int>(c.top_k_experts);
+  r.norm_topk_prob = c.norm_topk_prob;
+  const Linear gate = load_linear(name("mlp.gate"), E, H);
+  r.proj = gate.quantized;
+  r.proj_dense = gate.dense;
+  SwitchGLUWeights& ex = w.moe.experts;
+  ex.activation = Activation::swiglu;
+  load_expert_proj(name("mlp.switch_mlp.gate_proj"), Ie, H, E, &ex.gate, &ex.gate_dense);
+  load_expert_proj(name("mlp.switch_mlp.up_proj"), Ie, H, E, &ex.up, &ex.up_dense);
+  load_expert_proj(name("mlp.switch_mlp.down_proj"), H, Ie, E, &ex.down, &ex.down_dense);
+  return w;
+}
+
 Gemma4FfnWeights Gemma4Checkpoint::layer(int n) const {
+  EXPERTQMM_CHECK(family() == ModelFamily::gemma4, kOp, dir_, " holds a ", model_family_name(family()),
+                  " model, not gemma4: use qwen3_moe_layer()");
   EXPERTQMM_CHECK(n >= 0 && n < num_layers(), kOp, dir_, ": layer ", n, " out of range [0, ", num_layers(), ")");
   const Gemma4Config& c = config_;
   const int64_t H = c.hidden_size, I = c.mlp_intermediate_size(n), Ie = c.moe_intermediate_size, E = c.num_experts;

@@ -1,4 +1,4 @@
-// Writing Gemma 4 checkpoints in mlx-lm's format (include/expertqmm/checkpoint.h) and the
+// Writing Gemma 4 and Qwen3-MoE checkpoints in mlx-lm's format (include/expertqmm/checkpoint.h) and the
 // synthetic layers for them. The shards are streamed: each header is computed from the tensor
 // list up front (every layer has the structure of layer 0), then each layer is generated, written
 // and dropped, so a 30-layer 26B-A4B checkpoint never needs more than one layer in memory. All files
@@ -52,9 +52,11 @@ Tensor bf16_tensor(const std::vector<float>& v, const Shape& shape) {
   return t;
 }
 
-// [E..., N, K] quantized with random codes. Affine: scale ±(0.01 + 0.002 n), bias = -scale * middle
-// code; fp modes: detail::finish_synthetic_fp's scales, no biases.
-QuantizedWeight random_quantized(int64_t experts, int64_t N, int64_t K, QuantSetting qs, uint64_t seed) {
+// [E..., N, K] quantized with random codes. Affine: scale ±(0.01 + 0.002 n) * magnitude, bias =
+// -scale * middle code; fp modes: detail::finish_synthetic_fp's scales (magnitude not applied: its
+// E8M0 / E4M3 scales give weights of about 0.01 to 0.05), no biases.
+QuantizedWeight random_quantized(int64_t experts, int64_t N, int64_t K, QuantSetting qs, uint64_t seed,
+                                 double magnitude) {
   EXPERTQMM_CHECK(valid_quant_params(qs.mode, qs.bits, qs.group_size), kOp, "bits ", qs.bits, " / group_size ",
                   qs.group_size, " is not an MLX ", quant_mode_name(qs.mode), " pair");
   EXPERTQMM_CHECK(K % qs.group_size == 0 && (K * qs.bits) % 32 == 0, kOp, "K=", K,
@@ -89,7 +91,7 @@ QuantizedWeight random_quantized(int64_t experts, int64_t N, int64_t K, QuantSet
   const double middle = std::ldexp(1.0, qs.bits - 1) - 0.5;
   for (int64_t i = 0; i < groups; ++i) {
     const double sign = (g.next() & 1) ? 1.0 : -1.0;
-    const float s = round_to_bf16(float(sign * (0.01 + 0.002 * g.normal())));
+    const float s = round_to_bf16(float(sign * (0.01 + 0.002 * g.normal()) * magnitude));
     q.scales.data_as<uint16_t>()[i] = float_to_bf16(s);
     q.biases.data_as<uint16_t>()[i] = float_to_bf16(float(-double(s) * middle));
   }
@@ -104,18 +106,22 @@ Tensor around(int64_t n, double centre, double spread, uint64_t seed) {
 }
 
 // A module of `experts` (0: none) x [N, K], quantized as the config says (mlx-lm's quantize_model
-// for K inputs), else bf16 N(0, 0.02). Exactly one of *q and *dense is set.
+// for K inputs), else bf16 N(0, 0.02). Exactly one of *q and *dense is set. weight_std > 0: the
+// values' standard deviation instead (the quantized codes' scale set to give it).
 void random_module(const Gemma4Config& c, const std::string& module, int64_t experts, int64_t N, int64_t K,
-                   uint64_t seed, QuantizedWeight* q, Tensor* dense) {
+                   uint64_t seed, QuantizedWeight* q, Tensor* dense, double weight_std = 0) {
   const QuantSetting qs = c.quant_for(module, K);
   if (qs.quantized()) {
-    *q = random_quantized(experts, N, K, qs, seed);
+    // Uniform codes have standard deviation 2^bits / sqrt(12), times the base scale 0.01.
+    const double code_std = 0.01 * std::ldexp(1.0, qs.bits) / std::sqrt(12.0);
+    *q = random_quantized(experts, N, K, qs, seed, weight_std > 0 ? weight_std / code_std : 1.0);
     return;
   }
   const int64_t n = (experts > 0 ? experts : 1) * N * K;
+  const double spread = weight_std > 0 ? weight_std : 0.02;
   SplitMix64 g{seed};
   std::vector<float> v(static_cast<size_t>(n));
-  for (float& x : v) x = float(0.02 * g.normal());
+  for (float& x : v) x = float(spread * g.normal());
   *dense = bf16_tensor(v, experts > 0 ? Shape{experts, N, K} : Shape{N, K});
 }
 
@@ -125,20 +131,30 @@ Linear random_linear(const Gemma4Config& c, const std::string& module, int64_t N
   return l;
 }
 
-// The (name, tensor) list of one layer in mlx-lm's names, in a fixed order.
-std::vector<std::pair<std::string, Tensor>> flatten(const Gemma4FfnWeights& w, const std::string& prefix, int n) {
+using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
+
+// Appends a module's tensors under `base`: .weight/.scales/.biases when quantized, else .weight.
+void add_module(NamedTensors& out, const std::string& base, const std::string& name, const QuantizedWeight& q,
+                const Tensor& dense) {
+  if (q.defined()) {
+    out.push_back({base + name + ".weight", q.w});
+    out.push_back({base + name + ".scales", q.scales});
+    if (q.biases.defined()) out.push_back({base + name + ".biases", q.biases});  // affine only
+  } else {
+    out.push_back({base + name + ".weight", dense});
+  }
+}
+
+void check_defined(const NamedTensors& out, int n) {
+  for (const auto& [name, t] : out) EXPERTQMM_CHECK(t.defined(), kOp, "layer ", n, ": tensor '", name, "' is undefined");
+}
+
+// The (name, tensor) list of one Gemma 4 layer in mlx-lm's names, in a fixed order.
+NamedTensors flatten(const Gemma4FfnWeights& w, const std::string& prefix, int n) {
   const std::string base = prefix + "layers." + std::to_string(n) + ".";
-  std::vector<std::pair<std::string, Tensor>> out;
-  auto quantized = [&](const std::string& module, const QuantizedWeight& q) {
-    out.push_back({base + module + ".weight", q.w});
-    out.push_back({base + module + ".scales", q.scales});
-    if (q.biases.defined()) out.push_back({base + module + ".biases", q.biases});  // affine only
-  };
+  NamedTensors out;
   auto module = [&](const std::string& name, const QuantizedWeight& q, const Tensor& dense) {
-    if (q.defined())
-      quantized(name, q);
-    else
-      out.push_back({base + name + ".weight", dense});
+    add_module(out, base, name, q, dense);
   };
   auto linear = [&](const std::string& name, const Linear& l) { module(name, l.quantized, l.dense); };
   const SwitchGLUWeights& ex = w.moe.experts;
@@ -159,14 +175,27 @@ std::vector<std::pair<std::string, Tensor>> flatten(const Gemma4FfnWeights& w, c
   out.push_back({base + "pre_feedforward_layernorm.weight", w.pre_feedforward_layernorm});
   out.push_back({base + "pre_feedforward_layernorm_2.weight", w.pre_feedforward_layernorm_2});
   const RouterWeights& r = w.moe.router;
-  if (r.proj.defined())
-    quantized("router.proj", r.proj);
-  else
-    out.push_back({base + "router.proj.weight", r.proj_dense});
+  module("router.proj", r.proj, r.proj_dense);
   out.push_back({base + "router.per_expert_scale", r.per_expert_scale});
   out.push_back({base + "router.scale", r.scale});
-  for (const auto& [name, t] : out)
-    EXPERTQMM_CHECK(t.defined(), kOp, "layer ", n, ": tensor '", name, "' is undefined");
+  check_defined(out, n);
+  return out;
+}
+
+// The (name, tensor) list of one Qwen3-MoE layer's feed-forward part in mlx-lm's names (after
+// qwen3_moe.Model.sanitize: the experts stacked under mlp.switch_mlp).
+NamedTensors flatten(const Qwen3MoeFfnWeights& w, const std::string& prefix, int n) {
+  const std::string base = prefix + "layers." + std::to_string(n) + ".";
+  NamedTensors out;
+  const RouterWeights& r = w.moe.router;
+  const SwitchGLUWeights& ex = w.moe.experts;
+  EXPERTQMM_CHECK(!ex.fused(), kOp, "layer ", n, ": mlx-lm's qwen3_moe stores gate and up separately, not fused");
+  add_module(out, base, "mlp.gate", r.proj, r.proj_dense);
+  add_module(out, base, "mlp.switch_mlp.down_proj", ex.down, ex.down_dense);
+  add_module(out, base, "mlp.switch_mlp.gate_proj", ex.gate, ex.gate_dense);
+  add_module(out, base, "mlp.switch_mlp.up_proj", ex.up, ex.up_dense);
+  out.push_back({base + "post_attention_layernorm.weight", w.post_attention_layernorm});
+  check_defined(out, n);
   return out;
 }
 
@@ -282,14 +311,23 @@ std::string index_json(const std::vector<ShardPlan>& plan, uint64_t data_bytes) 
 
 std::string gb(uint64_t bytes) { return detail::cat(double(bytes) / 1e9, " GB (", bytes, " bytes)"); }
 
-}  // namespace
-
-Gemma4FfnWeights synthetic_gemma4_layer(const Gemma4Config& c, int layer, uint64_t seed, const std::string& prefix) {
-  EXPERTQMM_CHECK(c.hidden_size > 0 && c.intermediate_size > 0 && c.moe_intermediate_size > 0 && c.num_experts > 0 &&
-                      c.top_k_experts > 0 && c.top_k_experts <= c.num_experts,
+// A config the synthetic layers of `family` can be made from: that family, and a geometry with
+// every size positive (Gemma 4's dense MLP width included) and top_k in [1, E].
+void check_synthetic_config(const Gemma4Config& c, ModelFamily family) {
+  EXPERTQMM_CHECK(c.family == family, kOp, "synthetic ", model_family_name(family), " layers need a ",
+                  model_family_name(family), " config, got ", model_family_name(c.family));
+  const bool dense_mlp = family == ModelFamily::gemma4;
+  EXPERTQMM_CHECK(c.hidden_size > 0 && (!dense_mlp || c.intermediate_size > 0) && c.moe_intermediate_size > 0 &&
+                      c.num_experts > 0 && c.top_k_experts > 0 && c.top_k_experts <= c.num_experts,
                   kOp, "config has an empty or inconsistent geometry (hidden ", c.hidden_size, ", intermediate ",
                   c.intermediate_size, ", moe_intermediate ", c.moe_intermediate_size, ", experts ", c.num_experts,
                   ", top_k ", c.top_k_experts, ")");
+}
+
+}  // namespace
+
+Gemma4FfnWeights synthetic_gemma4_layer(const Gemma4Config& c, int layer, uint64_t seed, const std::string& prefix) {
+  check_synthetic_config(c, ModelFamily::gemma4);
   const int64_t H = c.hidden_size, I = c.mlp_intermediate_size(layer), Ie = c.moe_intermediate_size, E = c.num_experts;
   const std::string base = prefix + "layers." + std::to_string(layer) + ".";
   int stream = 0;
@@ -322,8 +360,36 @@ Gemma4FfnWeights synthetic_gemma4_layer(const Gemma4Config& c, int layer, uint64
   return w;
 }
 
-void write_gemma4_checkpoint(const std::string& dir, const Gemma4Config& config, int shards,
-                             const std::function<Gemma4FfnWeights(int)>& layer, const CheckpointWriteOptions& options) {
+Qwen3MoeFfnWeights synthetic_qwen3_moe_layer(const Gemma4Config& c, int layer, uint64_t seed,
+                                             const std::string& prefix) {
+  check_synthetic_config(c, ModelFamily::qwen3_moe);
+  const int64_t H = c.hidden_size, Ie = c.moe_intermediate_size, E = c.num_experts;
+  const std::string base = prefix + "layers." + std::to_string(layer) + ".";
+  int stream = 0;
+  auto next_seed = [&] { return stream_seed(seed, layer, stream++); };
+  Qwen3MoeFfnWeights w;
+  w.eps = c.rms_norm_eps;
+  w.post_attention_layernorm = around(H, 1.0, 0.1, next_seed());
+  RouterWeights& r = w.moe.router;
+  r.kind = RouterKind::softmax_topk;
+  r.top_k = static_cast<int>(c.top_k_experts);
+  r.norm_topk_prob = c.norm_topk_prob;
+  // Router weights ~ 1/sqrt(H) (a trained router's scale): logits of the normalised input ~ N(0, 1),
+  // so the softmax over E is not one-hot (Gemma 4's router scales its input by H^-1/2 instead).
+  random_module(c, base + "mlp.gate", 0, E, H, next_seed(), &r.proj, &r.proj_dense, 1.0 / std::sqrt(double(H)));
+  SwitchGLUWeights& ex = w.moe.experts;
+  ex.activation = Activation::swiglu;
+  random_module(c, base + "mlp.switch_mlp.gate_proj", E, Ie, H, next_seed(), &ex.gate, &ex.gate_dense);
+  random_module(c, base + "mlp.switch_mlp.up_proj", E, Ie, H, next_seed(), &ex.up, &ex.up_dense);
+  random_module(c, base + "mlp.switch_mlp.down_proj", E, H, Ie, next_seed(), &ex.down, &ex.down_dense);
+  return w;
+}
+
+namespace {
+
+// The writer behind both families: `layer(n)` gives layer n's named tensors.
+void write_checkpoint(const std::string& dir, const Gemma4Config& config, int shards,
+                      const std::function<NamedTensors(int)>& layer, const CheckpointWriteOptions& options) {
   const std::string& prefix = options.prefix;
   EXPERTQMM_CHECK(config.num_hidden_layers >= 1 && config.num_hidden_layers <= Gemma4Config::kMaxLayers, kOp,
                   "num_hidden_layers must be in [1, ", Gemma4Config::kMaxLayers, "], got ", config.num_hidden_layers);
@@ -333,9 +399,9 @@ void write_gemma4_checkpoint(const std::string& dir, const Gemma4Config& config,
   detail::StagedDir staged(dir, options.force, checkpoint_file, kOp);
 
   // Layer 0 sets the structure (names, dtypes, shapes) every layer must have.
-  Gemma4FfnWeights first = layer(0);
+  NamedTensors first = layer(0);
   std::vector<Entry> layout0;
-  for (const auto& [name, t] : flatten(first, prefix, 0)) layout0.push_back({name, t.dtype(), t.shape()});
+  for (const auto& [name, t] : first) layout0.push_back({name, t.dtype(), t.shape()});
   const std::string base0 = prefix + "layers.0.";
   auto entries_of = [&](int n) {
     std::vector<Entry> e = layout0;
@@ -382,8 +448,7 @@ void write_gemma4_checkpoint(const std::string& dir, const Gemma4Config& config,
     written += 8 + header_len;
     size_t next = 0;
     for (int n = sp.begin; n < sp.end; ++n) {
-      const Gemma4FfnWeights w = n == 0 ? first : layer(n);
-      const auto tensors = flatten(w, prefix, n);
+      const NamedTensors tensors = n == 0 ? first : layer(n);
       EXPERTQMM_CHECK(tensors.size() == layout0.size(), kOp, "layer ", n, " has ", tensors.size(),
                       " tensors but layer 0 has ", layout0.size());
       for (size_t i = 0; i < tensors.size(); ++i) {
@@ -401,7 +466,7 @@ void write_gemma4_checkpoint(const std::string& dir, const Gemma4Config& config,
         }
         written += e.bytes();
       }
-      if (n == 0) first = Gemma4FfnWeights();  // drop layer 0 once written
+      if (n == 0) first = NamedTensors();  // drop layer 0 once written
       ++layers_written;
       if (options.progress) options.progress(layers_written, L, written, total_bytes);
     }
@@ -410,6 +475,23 @@ void write_gemma4_checkpoint(const std::string& dir, const Gemma4Config& config,
   write_text(staged.path() + "/config.json", config_text);
   if (shards > 1) write_text(staged.path() + "/model.safetensors.index.json", index_text);
   staged.publish();
+}
+
+}  // namespace
+
+void write_gemma4_checkpoint(const std::string& dir, const Gemma4Config& config, int shards,
+                             const std::function<Gemma4FfnWeights(int)>& layer, const CheckpointWriteOptions& options) {
+  EXPERTQMM_CHECK(config.family == ModelFamily::gemma4, kOp, "write_gemma4_checkpoint needs a gemma4 config, got ",
+                  model_family_name(config.family));
+  write_checkpoint(dir, config, shards, [&](int n) { return flatten(layer(n), options.prefix, n); }, options);
+}
+
+void write_qwen3_moe_checkpoint(const std::string& dir, const Gemma4Config& config, int shards,
+                                const std::function<Qwen3MoeFfnWeights(int)>& layer,
+                                const CheckpointWriteOptions& options) {
+  EXPERTQMM_CHECK(config.family == ModelFamily::qwen3_moe, kOp,
+                  "write_qwen3_moe_checkpoint needs a qwen3_moe config, got ", model_family_name(config.family));
+  write_checkpoint(dir, config, shards, [&](int n) { return flatten(layer(n), options.prefix, n); }, options);
 }
 
 }  // namespace expertqmm

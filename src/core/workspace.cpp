@@ -44,8 +44,13 @@ void* Workspace::get_zeroed(int slot, size_t bytes) {
   return s.ptr;
 }
 
+Workspace& Workspace::branch() {
+  if (!branch_) branch_ = std::make_unique<Workspace>();
+  return *branch_;
+}
+
 size_t Workspace::bytes_held() const {
-  size_t n = 0;
+  size_t n = branch_ ? branch_->bytes_held() : 0;
   for (const Slot& s : slots_) n += s.bytes;
   return n;
 }

@@ -14,7 +14,7 @@ enum WorkspaceSlot : int {
   // count of finished router CTAs. One per workspace, so that layers on other workspaces (other
   // threads and streams) never share one.
   kSlotCounters = 12,
-  kSlotFfnArena = 13,     // gemma4_ffn_into: the dense MLP, norm and residual buffers
+  kSlotFfnArena = 13,     // gemma4_ffn_into / qwen3_moe_ffn_into: the dense MLP, norm and residual buffers
   kSlotRouterArena = 14,  // route_into's scratch; the layer's fp32 combine accumulator once routed
   kSlotLayerArena = 15,   // the MoE layer plan's buffers (cuda/layer_plan.h)
   kSlotCount = 16,

@@ -1,7 +1,7 @@
 // The CPU reference backend: scalar, readable, the executable spec. Its ops are the list of
 // core/backend_ops.h; inputs arrive validated by the op front (src/ops), so these functions may
 // assume valid shapes and dtypes. It leaves the fused layer paths (switch_glu, moe_layer_into,
-// gemma4_ffn_into) to the front, which composes them from these ops in mlx-lm's order.
+// gemma4_ffn_into, qwen3_moe_ffn_into) to the front, which composes them from these ops in mlx-lm's order.
 #pragma once
 #include "core/backend_ops.h"
 

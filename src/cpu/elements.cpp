@@ -35,12 +35,10 @@ void store_float(const char* op, void* base, DType t, int64_t i, float v) {
   }
 }
 
-float round_to(DType t, float v) {
-  switch (t) {
-    case DType::bf16: return round_to_bf16(v);
-    case DType::f16: return f16_to_float(float_to_f16(v));
-    default: return v;
-  }
+float round_as(float v, DType dtype) {
+  if (dtype == DType::bf16) return round_to_bf16(v);
+  if (dtype == DType::f16) return f16_to_float(float_to_f16(v));
+  return v;
 }
 
 }  // namespace expertqmm::cpu

@@ -14,7 +14,7 @@ std::vector<float> to_f32(const Tensor& t);
 float load_float(const char* op, const void* base, DType t, int64_t i);
 // Stores v rounded to nearest even in dtype t.
 void store_float(const char* op, void* base, DType t, int64_t i, float v);
-// v rounded to dtype t (nearest even) and widened back to fp32; f32 (and any other dtype): v.
-float round_to(DType t, float v);
+// An fp32 value rounded to the precision of `dtype` and widened back (identity for f32).
+float round_as(float v, DType dtype);
 
 }  // namespace expertqmm::cpu

@@ -27,12 +27,6 @@ Tensor narrow(const std::vector<float>& v, const Shape& shape, DType dtype) {
   return out;
 }
 
-// Rounds an fp32 value to the precision of `dtype` (identity for f32).
-float round_as(float v, DType dtype) {
-  if (dtype == DType::bf16) return round_to_bf16(v);
-  if (dtype == DType::f16) return f16_to_float(float_to_f16(v));
-  return v;
-}
 
 }  // namespace
 

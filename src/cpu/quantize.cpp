@@ -173,7 +173,7 @@ Tensor dequantize(const QuantizedWeight& q, DType dtype) {
       const float b = load_float("dequantize", biases.data(), t, r * groups + g);
       for (int64_t i = g * group_size; i < (g + 1) * group_size; ++i) {
         const float q = static_cast<float>(get_code(row, i, bits));
-        const float scaled = round_to(t, rounded_product(q, s));
+        const float scaled = round_as(rounded_product(q, s), t);
         store_float("dequantize", out.data(), t, r * K + i, scaled + b);
       }
     }

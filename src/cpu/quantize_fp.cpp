@@ -28,9 +28,9 @@ constexpr int kE2m1Codes = 16;
 // `t` is the dtype MLX subtracts in (the weight's for mxfp4, float32 for nvfp4).
 uint32_t nearest_e2m1(float x, DType t) {
   uint32_t best = 0;
-  float best_d = std::fabs(round_to(t, x - e2m1_value(0)));
+  float best_d = std::fabs(round_as(x - e2m1_value(0), t));
   for (uint32_t c = 1; c < kE2m1Codes; ++c) {
-    const float d = std::fabs(round_to(t, x - e2m1_value(c)));
+    const float d = std::fabs(round_as(x - e2m1_value(c), t));
     if (d < best_d) {
       best_d = d;
       best = c;
@@ -62,12 +62,12 @@ int ceil_log2(float s) {
 uint8_t quantize_mx_group(const float* v, int gs, DType t, int bits, uint32_t* row, int64_t first) {
   float amax = 0;
   for (int j = 0; j < gs; ++j) amax = std::fmax(amax, std::fabs(v[j]));
-  const float scale = round_to(t, amax / (bits == 4 ? 6.0f : 448.0f));
+  const float scale = round_as(amax / (bits == 4 ? 6.0f : 448.0f), t);
   int e = scale == 0 ? 0 : ceil_log2(scale);
   e = e < -127 ? -127 : (e > 127 ? 127 : e);
   const float pow2 = std::ldexp(1.0f, e);
   for (int j = 0; j < gs; ++j) {
-    const float x = round_to(t, v[j] / pow2);
+    const float x = round_as(v[j] / pow2, t);
     put_code(row, first + j, bits, bits == 4 ? nearest_e2m1(x, t) : e4m3_code(x));
   }
   return static_cast<uint8_t>(e + 127);
@@ -78,11 +78,11 @@ uint8_t quantize_mx_group(const float* v, int gs, DType t, int bits, uint32_t* r
 uint8_t quantize_nv_group(const float* v, int gs, DType t, float enc, uint32_t* row, int64_t first) {
   float amax = 0;
   for (int j = 0; j < gs; ++j) amax = std::fmax(amax, std::fabs(v[j]));
-  const float scale = round_to(t, amax / 6.0f) * enc;
+  const float scale = round_as(amax / 6.0f, t) * enc;
   const uint8_t code = e4m3_code(scale);
-  const float decoded = round_to(t, e4m3_value(code));
+  const float decoded = round_as(e4m3_value(code), t);
   for (int j = 0; j < gs; ++j) {
-    const float x = round_to(t, v[j] / decoded) * enc;
+    const float x = round_as(v[j] / decoded, t) * enc;
     put_code(row, first + j, 4, nearest_e2m1(x, DType::f32));
   }
   return code;
@@ -154,11 +154,11 @@ Tensor dequantize_fp(const QuantizedWeight& q, DType dtype) {
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t code = s[r * groups + g];
       const float scale = q.mode == QuantMode::nvfp4
-                              ? round_to(out_t, round_to(dtype, e4m3_value(code)) * inv_enc)
-                              : round_to(dtype, std::pow(2.0f, static_cast<float>(code) - 127.0f));
+                              ? round_as(round_as(e4m3_value(code), dtype) * inv_enc, out_t)
+                              : round_as(std::pow(2.0f, static_cast<float>(code) - 127.0f), dtype);
       for (int64_t i = g * q.group_size; i < (g + 1) * q.group_size; ++i) {
         const uint32_t c = get_code(row, i, q.bits);
-        const float v = round_to(dtype, q.bits == 4 ? e2m1_value(c) : e4m3_value(static_cast<uint8_t>(c)));
+        const float v = round_as(q.bits == 4 ? e2m1_value(c) : e4m3_value(static_cast<uint8_t>(c)), dtype);
         store_float("dequantize", out.data(), out_t, r * K + i, v * scale);
       }
     }

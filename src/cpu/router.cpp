@@ -1,8 +1,19 @@
-// CPU reference of the Gemma 4 router (spec gemma4-moe.md 5, mlx-semantics.md 4.2):
+// CPU reference of the routers (include/expertqmm/moe.h RouterKind).
+// RouterKind::gemma4 (spec gemma4-moe.md 5, mlx-semantics.md 4.2):
 //   r      = h * rsqrt(mean(h^2) + eps) * (scale * H^-0.5)     fp32, rounded once to h's dtype
 //   logits = r @ proj^T                                        in the matmul output dtype
 //   idx    = the top_k experts by descending logit             ties -> higher expert id first
 //   w      = softmax(logits[idx]) * per_expert_scale[idx]      fp32, rounded once to h's dtype
+// RouterKind::softmax_topk (mlx-lm qwen3_moe.Qwen3MoeSparseMoeBlock):
+//   logits = h @ proj^T                                        in the matmul output dtype L
+//   p      = softmax(logits) over all E                        fp32 (exp * 1/sum, as MLX's precise
+//                                                              softmax), rounded to L
+//   idx    = the top_k experts by descending p                 ties -> higher expert id first
+//   w      = p[idx] / L(sum_j p[idx_j]) when norm_topk_prob    fp32 sum in slot order, each step
+//            else p[idx]                                       rounded to L as MLX's bf16 ops; then
+//                                                              to h's dtype
+// The top-k runs on the rounded p as mlx-lm's argpartition does, so experts whose probabilities
+// round to one value tie even where their logits differ (the higher id wins, as in MLX).
 // Which experts, as MLX picks them (mlx-lm's argpartition on MLX's CPU backend orders (logit, id)
 // ascending with nth_element and NaN last; Metal's stable merge sort gives the same order; the
 // last k are taken), verified against MLX in docs/numerics.md:
@@ -80,36 +91,69 @@ Tensor project(const Tensor& r, const RouterWeights& router) {
   return detail::cast_floating(l32, promote_floating(r.dtype(), router.proj_dense.dtype()));
 }
 
+// Ranks the first k of experts (iota over E) by `score`, best first.
+void top_k(const float* score, int k, std::vector<int32_t>& experts) {
+  std::iota(experts.begin(), experts.end(), 0);
+  std::partial_sort(experts.begin(), experts.begin() + k, experts.end(),
+                    [&](int32_t a, int32_t b) { return ranks_before(score[a], a, score[b], b); });
+}
+
+// Gemma 4: softmax over the k selected logits (slot 0 holds the largest, or a NaN, which
+// propagates), times per_expert_scale. p: k floats of scratch.
+void gemma4_weights(const float* logits, const std::vector<int32_t>& experts, int k,
+                    const std::vector<float>& per_expert, float* p, float* weights) {
+  const float max_logit = logits[experts[0]];
+  float sum = 0.f;
+  for (int j = 0; j < k; ++j) {
+    p[j] = std::exp(logits[experts[j]] - max_logit);
+    sum += p[j];
+  }
+  for (int j = 0; j < k; ++j) weights[j] = p[j] / sum * per_expert[experts[j]];
+}
+
+// Qwen3-MoE: the softmax over all E logits, each probability rounded to the logits' dtype.
+void softmax_rounded(const float* logits, int64_t E, DType dtype, float* p) {
+  float max_logit = logits[0];  // a NaN logit makes every p NaN, as in MLX
+  for (int64_t e = 1; e < E; ++e) max_logit = std::max(max_logit, logits[e]);
+  float sum = 0.f;
+  for (int64_t e = 0; e < E; ++e) sum += (p[e] = std::exp(logits[e] - max_logit));
+  const float inv_sum = 1.0f / sum;
+  for (int64_t e = 0; e < E; ++e) p[e] = round_as(p[e] * inv_sum, dtype);
+}
+
 }  // namespace
 
 Routing route(const Tensor& h, const RouterWeights& router) {
   const int64_t T = h.size(0);
   const int k = router.top_k;
-  const Tensor logits_t = project(normalize(h, router), router);
+  const bool gemma4 = router.kind == RouterKind::gemma4;
+  const Tensor logits_t = project(gemma4 ? normalize(h, router) : h, router);
   const int64_t E = logits_t.size(1);
+  const DType logit_dtype = logits_t.dtype();
   const std::vector<float> logits = to_f32(logits_t);
-  const std::vector<float> per_expert = to_f32(router.per_expert_scale);
+  const std::vector<float> per_expert = gemma4 ? to_f32(router.per_expert_scale) : std::vector<float>();
 
   std::vector<int32_t> indices(static_cast<size_t>(T * k));
   std::vector<float> weights(static_cast<size_t>(T * k));
   std::vector<int32_t> experts(static_cast<size_t>(E));
-  std::vector<float> p(static_cast<size_t>(k));
+  std::vector<float> probs(static_cast<size_t>(E));  // softmax_topk's p; gemma4's k numerators
   for (int64_t t = 0; t < T; ++t) {
     const float* lt = logits.data() + t * E;
-    std::iota(experts.begin(), experts.end(), 0);
-    std::partial_sort(experts.begin(), experts.begin() + k, experts.end(),
-                      [&](int32_t a, int32_t b) { return ranks_before(lt[a], a, lt[b], b); });
-    // Softmax over the k selected logits; slot 0 holds the largest (or a NaN, which propagates).
-    const float max_logit = lt[experts[0]];
-    float sum = 0.f;
-    for (int j = 0; j < k; ++j) {
-      p[j] = std::exp(lt[experts[j]] - max_logit);
-      sum += p[j];
+    float* wt = weights.data() + t * k;
+    if (gemma4) {
+      top_k(lt, k, experts);
+      gemma4_weights(lt, experts, k, per_expert, probs.data(), wt);
+    } else {
+      softmax_rounded(lt, E, logit_dtype, probs.data());
+      top_k(probs.data(), k, experts);
+      float sum = 0.f;
+      for (int j = 0; j < k; ++j) sum += (wt[j] = probs[experts[j]]);
+      if (router.norm_topk_prob) {
+        const float denom = round_as(sum, logit_dtype);
+        for (int j = 0; j < k; ++j) wt[j] = round_as(wt[j] / denom, logit_dtype);
+      }
     }
-    for (int j = 0; j < k; ++j) {
-      indices[t * k + j] = experts[j];
-      weights[t * k + j] = p[j] / sum * per_expert[experts[j]];
-    }
+    for (int j = 0; j < k; ++j) indices[t * k + j] = experts[j];
   }
   Routing out;
   out.indices = Tensor::from_host(indices.data(), {T, k}, DType::i32, Device::cpu);

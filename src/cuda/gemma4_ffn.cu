@@ -1,14 +1,21 @@
 // The Gemma 4 feed-forward part on the device (include/expertqmm/gemma4.h, gemma4_ffn_into): a
-// fixed sequence of launches on the current stream into one workspace arena, no host
-// synchronization and, once the arena has grown to a size, no allocation (graph-capturable):
-//   x1 = rms_norm(h, pre_ff) -> gate/up = x1 @ W^T (gather_qmm, M = T, B = 1) -> GLU product
-//   -> d = a @ down^T -> h1 = rms_norm(d, post_ff_1);  x2 = rms_norm(h, pre_ff_2)
-//   -> m = moe_layer_into(h, x2) -> h2 = rms_norm(m, post_ff_2) -> s = h1 + h2
-//   -> f = rms_norm(s, post_ff) -> out = (h + f) * layer_scalar
+// fixed sequence of launches into one workspace arena, no host synchronization and, once the arena
+// has grown to a size, no allocation (graph-capturable):
+//   entry norms (one kernel): x1 = rms_norm(h, pre_ff), x2 = rms_norm(h, pre_ff_2)
+//   then two branches that share nothing but their inputs:
+//     side stream:   a = GLU(x1 @ gate^T, x1 @ up^T) (T <= 8: one decode gate/up launch, else two
+//                    gather_qmm calls, M = T, B = 1, and the GLU product) -> d = a @ down^T
+//     thread stream: m = moe_layer_into(h, x2) (router and experts)
+//   exit (one kernel, once both are done): out = (h + rms_norm(rms_norm(d, post_ff_1)
+//                                               + rms_norm(m, post_ff_2), post_ff)) * layer_scalar
+// The dense branch is issued on a side stream (stream_branch.h) with its own scratch
+// (Workspace::branch), so that in a graph it is a parallel path: at decode the dense MLP's weights
+// stream while the router and the experts run, instead of after them.
 // Every buffer is [T, H] or [T, I_dense] in h's dtype (validated by src/ops/gemma4_ffn.cpp).
 #include "cuda/gather_qmm.h"
 #include "cuda/norm.h"
 #include "cuda/moe_internal.h"
+#include "cuda/stream_branch.h"
 
 namespace expertqmm::cuda {
 
@@ -41,44 +48,69 @@ void gemma4_ffn_into(Tensor& out, const Tensor& h, const Gemma4FfnWeights& w, Wo
 
   ArenaLayout layout;
   const size_t x1_off = layout.reserve(bytes_of(T * H, dt));
+  const size_t x2_off = layout.reserve(bytes_of(T * H, dt));
   const size_t gate_off = layout.reserve(bytes_of(T * I, dt));
   const size_t up_off = layout.reserve(bytes_of(T * I, dt));
   const size_t act_off = layout.reserve(bytes_of(T * I, dt));
   const ProductMode mode = product_mode();  // read once: the plan and the launch agree
   const size_t inter_off = mode == ProductMode::separate ? layout.reserve(bytes_of(T * I, dt)) : 0;
   const size_t d_off = layout.reserve(bytes_of(T * H, dt));
-  const size_t h1_off = layout.reserve(bytes_of(T * H, dt));
-  const size_t x2_off = layout.reserve(bytes_of(T * H, dt));
   const size_t moe_off = layout.reserve(bytes_of(T * H, dt));
-  const size_t h2_off = layout.reserve(bytes_of(T * H, dt));
   void* base = ws.get(detail::kSlotFfnArena, layout.bytes());
   auto at = [&](size_t off) { return arena_at(base, off); };
-  auto norm = [&](const void* src, const Tensor& weight, void* dst) {
-    const Tensor wc = weight.contiguous();
-    launch_rms_norm(dt, src, T, H, wc.dtype(), wc.data(), eps, dst);
-  };
 
-  // Dense branch: h1 = post_ff_1(down(geglu(gate(x1), up(x1)))), x1 = pre_ff(h).
-  norm(h.data(), w.pre_feedforward_layernorm, at(x1_off));
-  linear_into(w.mlp.gate, dt, at(x1_off), T, at(gate_off), ws);
-  linear_into(w.mlp.up, dt, at(x1_off), T, at(up_off), ws);
-  launch_glu_product(Activation::geglu, mode, dt, at(gate_off), at(up_off), T, I, I, at(act_off),
-                     mode == ProductMode::separate ? at(inter_off) : nullptr, current_stream());
-  linear_into(w.mlp.down, dt, at(act_off), T, at(d_off), ws);
-  norm(at(d_off), w.post_feedforward_layernorm_1, at(h1_off));
+  Gemma4NormArgs na;
+  na.T = T;
+  na.H = H;
+  na.eps = eps;
+  na.h = h.data();
+  const Tensor pre_ff = w.pre_feedforward_layernorm.contiguous(), pre_ff_2 = w.pre_feedforward_layernorm_2.contiguous();
+  const Tensor post_ff_1 = w.post_feedforward_layernorm_1.contiguous();
+  const Tensor post_ff_2 = w.post_feedforward_layernorm_2.contiguous();
+  const Tensor post_ff = w.post_feedforward_layernorm.contiguous(), scalar = w.layer_scalar.contiguous();
+  na.pre_ff = pre_ff.data();
+  na.pre_ff_dtype = pre_ff.dtype();
+  na.pre_ff_2 = pre_ff_2.data();
+  na.pre_ff_2_dtype = pre_ff_2.dtype();
+  na.x1 = at(x1_off);
+  na.x2 = at(x2_off);
+  na.d = at(d_off);
+  na.m = at(moe_off);
+  na.post_ff_1 = post_ff_1.data();
+  na.post_ff_1_dtype = post_ff_1.dtype();
+  na.post_ff_2 = post_ff_2.data();
+  na.post_ff_2_dtype = post_ff_2.dtype();
+  na.post_ff = post_ff.data();
+  na.post_ff_dtype = post_ff.dtype();
+  na.layer_scalar = scalar.data();
+  na.layer_scalar_dtype = scalar.dtype();
+  na.out = out.data();
 
-  // Expert branch: the router reads h itself, the experts read x2 = pre_ff_2(h).
-  norm(h.data(), w.pre_feedforward_layernorm_2, at(x2_off));
+  launch_gemma4_entry_norms(dt, na);
+  // Dense branch on the side stream: d = down(geglu(gate(x1), up(x1))), with its own scratch.
+  StreamBranch branch;
+  branch.enter();
+  Workspace& side_ws = ws.branch();
+  const Tensor x1 = Tensor::view(at(x1_off), {T, H}, dt, Device::cuda);
+  if (mode == ProductMode::fused && w.mlp.gate.is_quantized() && w.mlp.up.is_quantized() &&
+      supports_decode_glu(x1, w.mlp.gate.quantized, w.mlp.up.quantized, Activation::geglu).ok) {
+    // Decode sizes: gate, up and the GeGLU in one launch (the dense MLP as one always-chosen expert).
+    launch_decode_glu(x1, w.mlp.gate.quantized, w.mlp.up.quantized, Activation::geglu, at(act_off));
+  } else {
+    linear_into(w.mlp.gate, dt, at(x1_off), T, at(gate_off), side_ws);
+    linear_into(w.mlp.up, dt, at(x1_off), T, at(up_off), side_ws);
+    launch_glu_product(Activation::geglu, mode, dt, at(gate_off), at(up_off), T, I, I, at(act_off),
+                       mode == ProductMode::separate ? at(inter_off) : nullptr, current_stream());
+  }
+  linear_into(w.mlp.down, dt, at(act_off), T, at(d_off), side_ws);
+  branch.leave();
+  // Expert branch on the thread's stream, beside the dense one: the router reads h itself, the
+  // experts x2. Then the exit waits for both.
   const Tensor x2 = Tensor::view(at(x2_off), {T, H}, dt, Device::cuda);
   Tensor moe_out = Tensor::view(at(moe_off), {T, H}, dt, Device::cuda);
   cuda::moe_layer_into(moe_out, h, x2, w.moe, ws);
-  norm(at(moe_off), w.post_feedforward_layernorm_2, at(h2_off));
-
-  // out = (h + post_ff(h1 + h2)) * layer_scalar; the sum reuses d, the norm reuses x1.
-  launch_add(dt, at(h1_off), at(h2_off), T * H, at(d_off));
-  norm(at(d_off), w.post_feedforward_layernorm, at(x1_off));
-  const Tensor scalar = w.layer_scalar.contiguous();
-  launch_add_scaled(dt, h.data(), at(x1_off), T * H, scalar.dtype(), scalar.data(), out.data());
+  branch.join();
+  launch_gemma4_exit(dt, na);
 }
 
 }  // namespace expertqmm::cuda

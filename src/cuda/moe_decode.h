@@ -1,6 +1,7 @@
 // The decode MoE layer: moe_layer_into for small T (T*k <= kDecodeMaxRows) in three kernels, so
 // that a CUDA graph of the layer holds three dependent nodes instead of nine:
 //   1. decode_router_kernel        RMS norm of h -> router projection -> (last CTA) top-k + softmax
+//                                   (Qwen3-MoE's router: no norm; softmax over all E -> top-k)
 //                                   and a plan that groups the T*k (token, slot) rows by expert
 //   2. decode_gate_up_glu_kernel   per (expert group, column block): gate and up for every row
 //                                   routed to the expert, then the GLU product -> hidden [n, I]
@@ -75,16 +76,20 @@ struct DecodePlan {
 
 // ---------------------------------------------------------------------------------------------
 // Kernel 1: router.
+// softmax_topk (Qwen3-MoE, RouterKind::softmax_topk): the projection reads h itself (no norm: scale
+// and per_expert_scale are null, the kernel uses 1 for both) and the last CTA routes with
+// device::warp_softmax_topk; else Gemma 4's norm, top-k and softmax over the k.
 struct RouterArgs {
   const uint16_t* h;  // (T, H) of D, rows h_stride elements apart
   int64_t h_stride;
-  const void* scale;  // (H) of scale_dtype: the RMS norm weight
+  const void* scale;  // (H) of scale_dtype: the RMS norm weight (null: softmax_topk)
   DType scale_dtype;
   float root_size, eps;
   device::QuantView proj;  // quantized: (E, H*bits/32) codes, (E, H/group) scales and biases of D
   const void* proj_dense;  // dense: (E, H) of D
-  const void* per_expert_scale;  // (E) of pes_dtype
+  const void* per_expert_scale;  // (E) of pes_dtype (null: softmax_topk)
   DType pes_dtype;
+  bool softmax_topk, renormalize;
   int T, H, E, k;
   float* logits;       // (T, E) scratch: the logits, already rounded to D
   unsigned* counter;   // CTAs done; 0 between calls (the last CTA resets it)
@@ -107,10 +112,28 @@ struct GateUpArgs {
   int gate_row0, up_row0;
   int H, I, E, k;
   int rows_per_pass;  // activation rows staged at once: min(kGuRowsPerPass, T) (an expert has <= T rows)
-  const DecodePlan* plan;
+  const DecodePlan* plan;  // null: the identity plan of identity_rows rows (plan_group below)
+  int identity_rows;
   uint16_t* hidden;  // (n, I) of D: row t*k + j = act(gate) * up of slot (t, j)
   uint32_t* faults;
 };
+
+
+// The expert group g of a gate/up CTA: the router's plan, or without one (a.plan null) the identity
+// plan of a dense MLP run as one always-chosen expert (E = 1, k = 1: the Gemma 4 block's dense
+// branch, gemma4_ffn.cu): one group of expert 0 holding rows 0 .. identity_rows - 1 in order.
+struct PlanGroup {
+  int groups, expert, begin, count;
+};
+__device__ __forceinline__ PlanGroup plan_group(const GateUpArgs& a, int g) {
+  if (!a.plan) return {1, 0, 0, a.identity_rows};
+  const DecodePlan& p = *a.plan;
+  const int groups = p.groups;
+  if (g >= groups) return {groups, 0, 0, 0};
+  return {groups, p.expert[g], p.begin[g], p.count[g]};
+}
+// Entry i of the plan's row order (a flat row t*k + j).
+__device__ __forceinline__ int plan_row(const GateUpArgs& a, int i) { return a.plan ? a.plan->row[i] : i; }
 
 
 // ---------------------------------------------------------------------------------------------

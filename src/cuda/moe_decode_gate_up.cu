@@ -48,12 +48,12 @@ template <DType D, int G, Activation A>
 __global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_mma_kernel(GateUpArgs a) {
   extern __shared__ __align__(16) unsigned char tc_smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const DecodePlan& plan = *a.plan;
   const int g_idx = blockIdx.y;
-  if (g_idx >= plan.groups) return;  // uniform
-  const int e = plan.expert[g_idx];
-  const int begin = plan.begin[g_idx];
-  int count = plan.count[g_idx];
+  const PlanGroup pg = plan_group(a, g_idx);
+  if (g_idx >= pg.groups) return;  // uniform
+  const int e = pg.expert;
+  const int begin = pg.begin;
+  int count = pg.count;
   if (e < 0 || e >= a.E) {
     if (threadIdx.x == 0 && blockIdx.x == 0)
       record_fault(a.faults, kFaultExpertOutOfRange, static_cast<uint32_t>(e), static_cast<uint32_t>(a.E));
@@ -99,7 +99,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_mma_kernel(Gat
   // 1c. the lane's activation row: B column g is the group's row g (token tok); units of 8 values,
   //     the lane's first unit of group grp is grp * G/8 + t * G/32.
   const bool live_n = g < count;
-  const int64_t tok = live_n ? plan.row[begin + g] / a.k : 0;
+  const int64_t tok = live_n ? plan_row(a, begin + g) / a.k : 0;
   const uint4* xg = reinterpret_cast<const uint4*>(a.x + tok * a.x_stride) + t * (G / 32);
   auto load_x = [&](int grp, uint4 (&xb)[G / 32]) {
 #pragma unroll
@@ -165,7 +165,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_mma_kernel(Gat
       gate += red[(w * 2 * kTcRows + j) * kTcMaxN + n];
       up += red[(w * 2 * kTcRows + kTcRows + j) * kTcMaxN + n];
     }
-    const int64_t out_row = plan.row[begin + n];
+    const int64_t out_row = plan_row(a, begin + n);
     a.hidden[out_row * a.I + col0 + j] = Elem<D>::store(device::glu<A>(round_to<D>(gate), round_to<D>(up)));
   }
 }

@@ -96,13 +96,16 @@ RouteSupport supports_decode_layer(const Tensor& out, const Tensor& h, const Ten
   if (I % 8 != 0) return route_miss(Fallback::alignment);
   if (ex.activation != Activation::geglu && ex.activation != Activation::swiglu) return route_miss(Fallback::topology);
 
-  // Router.
-  if (!rt.scale.defined() || !is_floating(rt.scale.dtype()) || rt.scale.numel() != H || !rt.scale.is_contiguous())
-    return route_miss(Fallback::dtype);
-  if (!is_aligned(rt.scale.data(), 16)) return route_miss(Fallback::alignment);  // read in 16-byte units
-  if (!rt.per_expert_scale.defined() || !is_floating(rt.per_expert_scale.dtype()) ||
-      rt.per_expert_scale.numel() != E || !rt.per_expert_scale.is_contiguous())
-    return route_miss(Fallback::dtype);
+  // Router: Gemma 4's (norm weight and per_expert_scale) or softmax_topk (neither).
+  if (rt.kind != RouterKind::gemma4 && rt.kind != RouterKind::softmax_topk) return route_miss(Fallback::topology);
+  if (rt.kind == RouterKind::gemma4) {
+    if (!rt.scale.defined() || !is_floating(rt.scale.dtype()) || rt.scale.numel() != H || !rt.scale.is_contiguous())
+      return route_miss(Fallback::dtype);
+    if (!is_aligned(rt.scale.data(), 16)) return route_miss(Fallback::alignment);  // read in 16-byte units
+    if (!rt.per_expert_scale.defined() || !is_floating(rt.per_expert_scale.dtype()) ||
+        rt.per_expert_scale.numel() != E || !rt.per_expert_scale.is_contiguous())
+      return route_miss(Fallback::dtype);
+  }
   if (rt.proj.defined()) {
     if (!(s = check_weight(rt.proj, 0, E, H, D)).ok) return s;
   } else {
@@ -120,6 +123,53 @@ RouteSupport supports_decode_layer(const Tensor& out, const Tensor& h, const Ten
   return route_ok();
 }
 
+
+RouteSupport supports_decode_glu(const Tensor& x, const QuantizedWeight& gate, const QuantizedWeight& up,
+                                 Activation act) {
+  const DType D = x.dtype();
+  if (D != DType::bf16 && D != DType::f16) return route_miss(Fallback::dtype);
+  if (x.ndim() != 2 || !x.is_contiguous() || x.device() != Device::cuda) return route_miss(Fallback::topology);
+  const int64_t T = x.size(0), H = x.size(1);
+  if (T < 1 || T > kDecodeMaxTokens) return route_miss(Fallback::shape);
+  if (H % 32 != 0 || H > INT32_MAX / 4 || !rows_aligned(x)) return route_miss(Fallback::alignment);
+  if (act != Activation::geglu && act != Activation::swiglu) return route_miss(Fallback::topology);
+  if (!gate.defined() || gate.w.ndim() != 2) return route_miss(Fallback::topology);
+  const int64_t I = gate.w.size(0);
+  if (I < 1 || I > INT32_MAX / 8 || I % 32 != 0) return route_miss(Fallback::shape);  // whole column blocks
+  RouteSupport s;
+  if (!(s = check_weight(gate, 0, I, H, D)).ok) return s;
+  if (!(s = check_weight(up, 0, I, H, D)).ok) return s;
+  if (gate.bits != up.bits || gate.group_size != up.group_size) return route_miss(Fallback::quantization);
+  // 4-bit only: the tensor-core kernel. The scalar 8-bit one lost to two qmv launches and the GLU
+  // kernel on the block's 8-bit dense MLP (bench/NOTES.md step 11: 188 vs 168 us per layer at T = 8).
+  if (gate.bits != 4) return route_miss(Fallback::quantization);
+  for (const QuantizedWeight* q : {&gate, &up})  // scale and bias spans are copied in 16-byte units
+    if (!is_aligned(q->scales.data(), 16) || !is_aligned(q->biases.data(), 16)) return route_miss(Fallback::alignment);
+  if (gate_up_mma_smem(H, gate.group_size) > kDecodeMaxSmem) return route_miss(Fallback::shape);
+  return route_ok();
+}
+
+void launch_decode_glu(const Tensor& x, const QuantizedWeight& gate, const QuantizedWeight& up, Activation act,
+                       void* hidden) {
+  const int T = static_cast<int>(x.size(0)), H = static_cast<int>(x.size(1));
+  const int I = static_cast<int>(gate.w.size(0));
+  GateUpArgs ga{};
+  ga.x = x.data_as<const uint16_t>();
+  ga.x_stride = H;
+  ga.gate = quant_view(gate, H);
+  ga.up = quant_view(up, H);
+  ga.gate_rows_per_expert = I;
+  ga.up_rows_per_expert = I;
+  ga.H = H;
+  ga.I = I;
+  ga.E = 1;
+  ga.k = 1;
+  ga.plan = nullptr;
+  ga.identity_rows = T;
+  ga.hidden = static_cast<uint16_t*>(hidden);
+  ga.faults = device_faults();
+  launch_gate_up_mma(x.dtype(), gate.group_size, act, ga, T, gate_up_mma_smem(H, gate.group_size), current_stream());
+}
 
 DecodeScratch decode_scratch(int64_t T, int64_t k, int64_t E, int64_t I) {
   DecodeScratch sc;
@@ -153,15 +203,18 @@ void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, 
   RouterArgs ra{};
   ra.h = h.data_as<const uint16_t>();
   ra.h_stride = T > 1 ? h.stride(0) : H;
-  ra.scale = rt.scale.data();
-  ra.scale_dtype = rt.scale.dtype();
-  ra.root_size = 1.0f / std::sqrt(static_cast<float>(H));
+  const bool gemma4 = rt.kind == RouterKind::gemma4;
+  ra.softmax_topk = !gemma4;
+  ra.renormalize = rt.norm_topk_prob;
+  ra.scale = gemma4 ? rt.scale.data() : nullptr;
+  ra.scale_dtype = gemma4 ? rt.scale.dtype() : D;
+  ra.root_size = gemma4 ? 1.0f / std::sqrt(static_cast<float>(H)) : 1.0f;
   ra.eps = rt.eps;
   const bool quantized = rt.proj.defined();
   if (quantized) ra.proj = quant_view(rt.proj, H);
   else ra.proj_dense = rt.proj_dense.data();
-  ra.per_expert_scale = rt.per_expert_scale.data();
-  ra.pes_dtype = rt.per_expert_scale.dtype();
+  ra.per_expert_scale = gemma4 ? rt.per_expert_scale.data() : nullptr;
+  ra.pes_dtype = gemma4 ? rt.per_expert_scale.dtype() : D;
   ra.T = T;
   ra.H = H;
   ra.E = E;

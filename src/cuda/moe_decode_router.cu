@@ -43,6 +43,8 @@ __device__ __forceinline__ void scale_unit_floats(const ScaleUnit& s, DType dt, 
   }
 }
 
+// softmax_topk (Qwen3-MoE): the same kernel with the norm made the identity (inv_rms = 1, the scale
+// row 1 and root_size 1, so r = D(h) = h) and the last CTA routing by device::warp_softmax_topk.
 // Work split: grid E CTAs (one per expert: 128 for Gemma, one wave on 132 SMs), 256 threads.
 // Thread i owns the weight chunks i, i + 256, ... (16 bytes each) of its CTA's expert row: the
 // 8-bit Gemma row of 2816 values is 176 chunks, so threads 0..175 hold one chunk each and the
@@ -116,7 +118,8 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
     }
   };
   load_batch(tid);
-  const float pes_mine = tid < a.E ? load_any(a.per_expert_scale, a.pes_dtype, tid) : 0.f;
+  const bool norm = !a.softmax_topk;  // softmax_topk: r = h (inv_rms and the scale row are 1)
+  const float pes_mine = norm && tid < a.E ? load_any(a.per_expert_scale, a.pes_dtype, tid) : 0.f;
 
   // 2. Norm inputs, batched: the norm weight's units and h's units, all loads before any use.
   const int U = a.H / 8;
@@ -130,7 +133,7 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
 #pragma unroll
     for (int j = 0; j < kRouterScaleUnits; ++j) {
       const int u = sbase + tid + kRouterThreads * j;
-      if (u < U) load_scale_unit(a.scale, a.scale_dtype, u, su[j]);
+      if (norm && u < U) load_scale_unit(a.scale, a.scale_dtype, u, su[j]);
     }
     uint4 hv[kRouterUnits];
 #pragma unroll
@@ -145,8 +148,8 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
     for (int j = 0; j < kRouterScaleUnits; ++j) {
       const int u = sbase + tid + kRouterThreads * j;
       if (u < U) {
-        float v[8];
-        scale_unit_floats(su[j], a.scale_dtype, v);
+        float v[8] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f};
+        if (norm) scale_unit_floats(su[j], a.scale_dtype, v);
         float4* dst = reinterpret_cast<float4*>(sr + padded(8 * u));
         dst[0] = make_float4(__fmul_rn(v[0], a.root_size), __fmul_rn(v[1], a.root_size),
                              __fmul_rn(v[2], a.root_size), __fmul_rn(v[3], a.root_size));
@@ -186,7 +189,8 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
   if (tid < a.T) {
     float total = 0.f;
     for (int w = 0; w < kRouterWarps; ++w) total = __fadd_rn(total, red[w][tid]);
-    inv_rms[tid] = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(total, static_cast<float>(a.H)), a.eps)));
+    inv_rms[tid] = norm ? __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(total, static_cast<float>(a.H)), a.eps)))
+                        : 1.0f;
   }
   if (tid < kRouterCachedScales) pes_s[tid] = pes_mine;
   __syncthreads();
@@ -263,10 +267,15 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
   for (int t = warp; t < a.T; t += kRouterWarps) {
     const float* lrow = a.logits + t * a.E;
     uint16_t* wrow_out = a.weights + t * a.k;
-    device::warp_topk_softmax(
-        [&](int64_t x) { return __ldcg(lrow + x); }, a.E, a.k,
-        [&](int64_t x) { return x < kRouterCachedScales ? pes_s[x] : load_any(a.per_expert_scale, a.pes_dtype, x); },
-        ids + t * a.k, [&](int slot, float w) { wrow_out[slot] = Elem<D>::store(w); });
+    auto store = [&](int slot, float w) { wrow_out[slot] = Elem<D>::store(w); };
+    if (a.softmax_topk)
+      device::warp_softmax_topk([&](int64_t x) { return __ldcg(lrow + x); }, a.E, a.k, a.renormalize,
+                                [](float v) { return round_to<D>(v); }, ids + t * a.k, store);
+    else
+      device::warp_topk_softmax(
+          [&](int64_t x) { return __ldcg(lrow + x); }, a.E, a.k,
+          [&](int64_t x) { return x < kRouterCachedScales ? pes_s[x] : load_any(a.per_expert_scale, a.pes_dtype, x); },
+          ids + t * a.k, store);
   }
   __syncthreads();
 

@@ -37,10 +37,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_kernel(GateUpA
   constexpr int kBits = 8;
   constexpr int kVals = 128 / kBits;  // values per chunk
   extern __shared__ __align__(16) float smem[];  // (rows_per_pass, staged_floats(H)) floats
-  const DecodePlan& plan = *a.plan;
   const int g = blockIdx.y;
-  if (g >= plan.groups) return;  // uniform
-  const int e = plan.expert[g];
+  const PlanGroup pg = plan_group(a, g);
+  if (g >= pg.groups) return;  // uniform
+  const int e = pg.expert;
   if (e < 0 || e >= a.E) {
     if (threadIdx.x == 0 && blockIdx.x == 0)
       record_fault(a.faults, kFaultExpertOutOfRange, static_cast<uint32_t>(e), static_cast<uint32_t>(a.E));
@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_kernel(GateUpA
   };
   load_batch(lane);
   const bool one_batch = Q <= 32 * kGuChunks;  // the whole row is in registers: keep it across passes
-  const int begin = plan.begin[g], count = plan.count[g];
+  const int begin = pg.begin, count = pg.count;
 
   const int U = a.H / 8;
   const int per_pass = a.rows_per_pass;
@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_kernel(GateUpA
     const int row0 = begin + pass * per_pass;
     int64_t token[kGuRowsPerPass];
 #pragma unroll
-    for (int r = 0; r < kGuRowsPerPass; ++r) token[r] = r < rows ? plan.row[row0 + r] / a.k : 0;
+    for (int r = 0; r < kGuRowsPerPass; ++r) token[r] = r < rows ? plan_row(a, row0 + r) / a.k : 0;
     if (pass > 0) __syncthreads();  // every warp is done with the previous pass's rows
     const int RU = rows * U;
     for (int base = 0; base < RU; base += kThreads * kGuStageUnits) {
@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_kernel(GateUpA
 #pragma unroll
         for (int off = 16; off > 0; off >>= 1) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], off);
       if (lane == 0) {
-        const int64_t out_row = plan.row[row0 + r];
+        const int64_t out_row = plan_row(a, row0 + r);
 #pragma unroll
         for (int j = 0; j < kGuWarpCols; ++j) {
           if (!valid[j]) continue;

@@ -112,4 +112,15 @@ DecodeScratch decode_scratch(int64_t T, int64_t k, int64_t E, int64_t I);
 void call_decode_layer(const DecodeScratch& scratch, unsigned* counter, Tensor& out, const Tensor& h, const Tensor& x,
                        const MoeWeights& weights, Workspace& ws);
 
+// The decode gate/up kernel on one dense quantized MLP (moe_decode_layer.cu): hidden [T, I] =
+// act(x @ gate^T) * (x @ up^T) in one launch, the MLP run as a single always-chosen expert (the
+// identity plan, moe_decode.h plan_group). x: [T, H] contiguous on the device; gate, up: [I, H]
+// 4-bit (the tensor-core kernel), group 32/64/128, scales and biases in x's dtype, I % 32 == 0. The Gemma 4 block's dense branch
+// takes it for T <= kDecodeMaxTokens (8) in the fused product mode; the numerics are qmv's followed
+// by launch_glu_product's fused product (gate and up rounded to the dtype, one rounding after).
+RouteSupport supports_decode_glu(const Tensor& x, const QuantizedWeight& gate, const QuantizedWeight& up,
+                                 Activation act);
+void launch_decode_glu(const Tensor& x, const QuantizedWeight& gate, const QuantizedWeight& up, Activation act,
+                       void* hidden);
+
 }  // namespace expertqmm::cuda

@@ -1,5 +1,7 @@
-// The Gemma 4 router on the GPU (spec gemma4-moe.md 5, mlx-semantics.md 4.2), mirroring the CPU
-// reference (src/cpu/router.cpp):
+// The routers on the GPU (include/expertqmm/moe.h RouterKind), mirroring the CPU reference
+// (src/cpu/router.cpp). RouterKind::softmax_topk (Qwen3-MoE) skips the norm (the projection reads
+// h), then softmax over all E in fp32 rounded to the logit dtype -> top-k by probability ->
+// weights p (divided by their sum, rounded, when norm_topk_prob). RouterKind::gemma4:
 //   r      = h * rsqrt(mean(h^2) + eps) * (scale * H^-0.5)     fp32, rounded once to h's dtype
 //   logits = r @ proj^T                                        rounded to promote(r, proj) dtype
 //   idx    = top_k experts by descending logit                 NaN first, ties -> higher expert id (MLX)
@@ -111,6 +113,24 @@ __global__ void router_topk_softmax_kernel(const typename Elem<L>::storage* __re
                             [&](int slot, float w) { wrow[slot] = Elem<W>::store(w); });
 }
 
+// Qwen3-MoE's top-k: softmax over each token's E logits, rounded to L, top-k by probability,
+// weights p[idx] (renormalised when asked).
+//   logits (T, E) of L;  indices (T, k) int32, best first;  weights (T, k) of W
+// Work split: one warp per token (8 per CTA); the warp's work is device::warp_softmax_topk
+// (device/route_topk.cuh, shared with the decode layer's router).
+template <DType L, DType W>
+__global__ void router_softmax_topk_kernel(const typename Elem<L>::storage* __restrict__ logits, int64_t T,
+                                           int64_t E, int k, bool renormalize, int32_t* __restrict__ indices,
+                                           typename Elem<W>::storage* __restrict__ weights) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + (threadIdx.x >> 5);
+  if (t >= T) return;  // uniform per warp
+  const typename Elem<L>::storage* row = logits + t * E;
+  typename Elem<W>::storage* wrow = weights + t * k;
+  device::warp_softmax_topk([&](int64_t e) { return Elem<L>::load(row[e]); }, E, k, renormalize,
+                            [](float v) { return Elem<L>::load(Elem<L>::store(v)); }, indices + t * k,
+                            [&](int slot, float w) { wrow[slot] = Elem<W>::store(w); });
+}
+
 unsigned ctas_for(int64_t items, int per_cta) { return static_cast<unsigned>((items + per_cta - 1) / per_cta); }
 
 }  // namespace
@@ -131,11 +151,13 @@ void route_into(const Tensor& h, const RouterWeights& router, int32_t* indices, 
   const bool fp_proj = quantized && router.proj.mode != QuantMode::affine;
   const DType proj_dtype = fp_proj ? h_dtype : quantized ? router.proj.scales.dtype() : router.proj_dense.dtype();
   const DType logit_dtype = promote_floating(h_dtype, proj_dtype);
-  const Tensor scale = router.scale.contiguous();
-  const Tensor per_expert_scale = router.per_expert_scale.contiguous();
+  const bool gemma4 = router.kind == RouterKind::gemma4;
+  // softmax_topk projects h itself, which must then be a dense [T, H] block.
+  EXPERTQMM_CHECK(gemma4 || T <= 1 || h.stride(0) == H, op, "a softmax_topk router needs contiguous h, got ",
+                  h.describe());
 
   ArenaLayout layout;
-  const size_t r_off = layout.reserve(static_cast<size_t>(T * H) * dtype_size(h_dtype));
+  const size_t r_off = gemma4 ? layout.reserve(static_cast<size_t>(T * H) * dtype_size(h_dtype)) : 0;
   const bool cast_r = quantized && logit_dtype != h_dtype;  // gather_qmm wants x in its dtype
   const size_t r_cast_off = cast_r ? layout.reserve(static_cast<size_t>(T * H) * dtype_size(logit_dtype)) : 0;
   const bool cast_scales = quantized && !fp_proj && proj_dtype != logit_dtype;
@@ -148,12 +170,13 @@ void route_into(const Tensor& h, const RouterWeights& router, int32_t* indices, 
   const size_t split_bytes = quantized ? gather_qmm_split_k_bytes(T, E, H) : 0;
   const size_t split_off = split_bytes ? layout.reserve(split_bytes) : 0;
   void* base = ws.get(detail::kSlotRouterArena, layout.bytes());
-  void* r = arena_at(base, r_off);
+  void* r = gemma4 ? arena_at(base, r_off) : const_cast<void*>(h.data());
   void* logits = arena_at(base, logits_off);
   cudaStream_t stream = current_stream();
   const float root_size = 1.0f / std::sqrt(static_cast<float>(H));
 
-  dispatch_float(h_dtype, op, [&](auto tag) {
+  if (gemma4) dispatch_float(h_dtype, op, [&](auto tag) {
+    const Tensor scale = router.scale.contiguous();
     constexpr DType D = decltype(tag)::value;
     dispatch_float(scale.dtype(), op, [&](auto stag) {
       constexpr DType S = decltype(stag)::value;
@@ -207,6 +230,14 @@ void route_into(const Tensor& h, const RouterWeights& router, int32_t* indices, 
     constexpr DType L = decltype(ltag)::value;
     dispatch_float(h_dtype, op, [&](auto wtag) {
       constexpr DType W = decltype(wtag)::value;
+      if (!gemma4) {
+        router_softmax_topk_kernel<L, W><<<ctas_for(T, kWarpsPerCta), kWarpsPerCta * 32, 0, stream>>>(
+            static_cast<const typename Elem<L>::storage*>(logits), T, E, k, router.norm_topk_prob, indices,
+            static_cast<typename Elem<W>::storage*>(weights));
+        EXPERTQMM_CUDA_CHECK_LAUNCH(router_softmax_topk_kernel);
+        return;
+      }
+      const Tensor per_expert_scale = router.per_expert_scale.contiguous();
       router_topk_softmax_kernel<L, W><<<ctas_for(T, kWarpsPerCta), kWarpsPerCta * 32, 0, stream>>>(
           static_cast<const typename Elem<L>::storage*>(logits), T, E, k, per_expert_scale.data(),
           per_expert_scale.dtype(), indices, static_cast<typename Elem<W>::storage*>(weights));

@@ -111,33 +111,15 @@ Gemma4FfnWeights Gemma4FfnWeights::to(Device device) const {
   r.mlp.gate = linear_to(mlp.gate, device);
   r.mlp.up = linear_to(mlp.up, device);
   r.mlp.down = linear_to(mlp.down, device);
-  RouterWeights& ro = r.moe.router;
-  ro.proj = quantized_to(moe.router.proj, device);
-  ro.proj_dense = tensor_to(moe.router.proj_dense, device);
-  ro.scale = tensor_to(moe.router.scale, device);
-  ro.per_expert_scale = tensor_to(moe.router.per_expert_scale, device);
-  SwitchGLUWeights& ex = r.moe.experts;
-  ex.gate = quantized_to(moe.experts.gate, device);
-  ex.up = quantized_to(moe.experts.up, device);
-  ex.gate_up = quantized_to(moe.experts.gate_up, device);
-  ex.down = quantized_to(moe.experts.down, device);
-  ex.gate_dense = tensor_to(moe.experts.gate_dense, device);
-  ex.up_dense = tensor_to(moe.experts.up_dense, device);
-  ex.gate_up_dense = tensor_to(moe.experts.gate_up_dense, device);
-  ex.down_dense = tensor_to(moe.experts.down_dense, device);
+  r.moe = moe.to(device);
   return r;
 }
 
 size_t Gemma4FfnWeights::nbytes() const {
-  const RouterWeights& ro = moe.router;
-  const SwitchGLUWeights& ex = moe.experts;
   return bytes_of(pre_feedforward_layernorm) + bytes_of(post_feedforward_layernorm_1) +
          bytes_of(pre_feedforward_layernorm_2) + bytes_of(post_feedforward_layernorm_2) +
          bytes_of(post_feedforward_layernorm) + bytes_of(layer_scalar) + bytes_of(mlp.gate) + bytes_of(mlp.up) +
-         bytes_of(mlp.down) + bytes_of(ro.proj) + bytes_of(ro.proj_dense) + bytes_of(ro.scale) +
-         bytes_of(ro.per_expert_scale) + bytes_of(ex.gate) + bytes_of(ex.up) + bytes_of(ex.gate_up) +
-         bytes_of(ex.down) + bytes_of(ex.gate_dense) + bytes_of(ex.up_dense) + bytes_of(ex.gate_up_dense) +
-         bytes_of(ex.down_dense);
+         bytes_of(mlp.down) + moe.nbytes();
 }
 
 Tensor gemma4_ffn(const Tensor& h, const Gemma4FfnWeights& w) {
@@ -167,11 +149,7 @@ Tensor gemma4_ffn(const Tensor& h, const Gemma4FfnWeights& w) {
 
 void gemma4_ffn_into(Tensor& out, const Tensor& h, const Gemma4FfnWeights& w, Workspace& ws) {
   check_ffn(h, w);
-  EXPERTQMM_CHECK(out.defined(), kOp, "out is undefined");
-  EXPERTQMM_CHECK(out.shape() == h.shape() && out.dtype() == h.dtype() && out.device() == h.device(), kOp,
-                  "out must be ", dtype_name(h.dtype()), shape_str(h.shape()), " on ", device_name(h.device()),
-                  ", got ", out.describe());
-  EXPERTQMM_CHECK(out.is_contiguous(), kOp, "out must be contiguous, got ", out.describe());
+  detail::check_block_out(kOp, out, h);
   if (h.size(0) == 0) return;
   const detail::BackendOps& be = detail::backend_ops(kOp, h.device());
   if (be.gemma4_ffn_into) return be.gemma4_ffn_into(out, h.contiguous(), w, ws);

@@ -1,5 +1,5 @@
-// Public MoE entries (include/expertqmm/moe.h): router, weighted combine, SwitchGLU and the
-// Gemma 4 expert layer. Each validates all of its inputs up front, settles T == 0 as a no-op and
+// Public MoE entries (include/expertqmm/moe.h): router (either kind), weighted combine, SwitchGLU
+// and the MoE expert layer. Each validates all of its inputs up front, settles T == 0 as a no-op and
 // dispatches on the device of its inputs. On the CPU, switch_glu and moe_layer are composed from
 // the public ops exactly as mlx-lm does it, so the reference path is the spec (mlx-semantics 3.1).
 #include "expertqmm/moe.h"
@@ -144,7 +144,8 @@ struct RouterDims {
   int64_t T = 0, H = 0, E = 0;
 };
 
-// h [T, H]; proj quantized [E, H*bits/32] xor dense [E, H]; scale [H]; per_expert_scale [E].
+// h [T, H]; proj quantized [E, H*bits/32] xor dense [E, H]; for a gemma4 router scale [H] and
+// per_expert_scale [E], for softmax_topk neither.
 RouterDims check_router(const char* op, const Tensor& h, const RouterWeights& r) {
   check_floating(op, "h", h);
   EXPERTQMM_CHECK(h.ndim() == 2, op, "h must be [T, H], got ", h.describe());
@@ -166,14 +167,26 @@ RouterDims check_router(const char* op, const Tensor& h, const RouterWeights& r)
     check_on_device(op, "proj_dense", r.proj_dense, dev);
     d.E = r.proj_dense.size(0);
   }
-  check_floating(op, "router scale", r.scale);
-  EXPERTQMM_CHECK(r.scale.shape() == Shape{d.H}, op, "router scale must be [H=", d.H, "], got ",
-                  r.scale.describe());
-  check_on_device(op, "router scale", r.scale, dev);
-  check_floating(op, "per_expert_scale", r.per_expert_scale);
-  EXPERTQMM_CHECK(r.per_expert_scale.shape() == Shape{d.E}, op, "per_expert_scale must be [E=", d.E,
-                  "], got ", r.per_expert_scale.describe());
-  check_on_device(op, "per_expert_scale", r.per_expert_scale, dev);
+  switch (r.kind) {
+    case RouterKind::gemma4:
+      check_floating(op, "router scale", r.scale);
+      EXPERTQMM_CHECK(r.scale.shape() == Shape{d.H}, op, "router scale must be [H=", d.H, "], got ",
+                      r.scale.describe());
+      check_on_device(op, "router scale", r.scale, dev);
+      check_floating(op, "per_expert_scale", r.per_expert_scale);
+      EXPERTQMM_CHECK(r.per_expert_scale.shape() == Shape{d.E}, op, "per_expert_scale must be [E=", d.E,
+                      "], got ", r.per_expert_scale.describe());
+      check_on_device(op, "per_expert_scale", r.per_expert_scale, dev);
+      break;
+    case RouterKind::softmax_topk:
+      // Weights of another kind given here would be silently ignored: refuse them.
+      EXPERTQMM_CHECK(!r.scale.defined() && !r.per_expert_scale.defined(), op,
+                      "a softmax_topk router has no scale or per_expert_scale (given: scale ", r.scale.defined(),
+                      ", per_expert_scale ", r.per_expert_scale.defined(), ")");
+      break;
+    default:
+      EXPERTQMM_CHECK(false, op, "unknown router kind value ", static_cast<int>(r.kind));
+  }
   EXPERTQMM_CHECK(r.top_k >= 1 && r.top_k <= d.E, op, "top_k=", r.top_k, " must be in [1, E=", d.E, "]");
   EXPERTQMM_CHECK(std::isfinite(r.eps) && r.eps >= 0.f, op, "eps must be finite and >= 0, got ", r.eps);
   return d;

@@ -18,6 +18,10 @@ const BackendOps& backend_ops(const std::string& op, Device device);
 // (gemma4_ffn); returns the layer's output dtype.
 DType check_moe_weights(const char* op, const Tensor& h, const MoeWeights& w);
 
+// The output of a residual block (gemma4_ffn_into, qwen3_moe_ffn_into): defined, contiguous and of
+// h's shape, dtype and device.
+void check_block_out(const char* op, const Tensor& out, const Tensor& h);
+
 // Throws Error(op) unless `t` (named `name` in the message) is defined and bf16, f16 or f32.
 void check_floating(const std::string& op, const char* name, const Tensor& t);
 

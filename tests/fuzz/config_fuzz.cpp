@@ -19,7 +19,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   const expertqmm::Gemma4Config back = expertqmm::parse_gemma4_config(c.to_json(), "round-trip.json");
   if (back.num_hidden_layers != c.num_hidden_layers || back.hidden_size != c.hidden_size ||
-      back.num_experts != c.num_experts || back.overrides.size() != c.overrides.size())
+      back.num_experts != c.num_experts || back.overrides.size() != c.overrides.size() || back.family != c.family ||
+      back.top_k_experts != c.top_k_experts || back.norm_topk_prob != c.norm_topk_prob)
     __builtin_trap();
   return 0;
 }

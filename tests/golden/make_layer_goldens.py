@@ -112,6 +112,28 @@ def well_separated(logits, k):
     return gap >= TOPK_MARGIN * big
 
 
+def float32_twin(twin, model):
+    """`twin` (a fresh model of model's class, quantized the same way) given model's codes and every
+    float parameter of model widened to float32."""
+    twin.update(tree_map(lambda p: p.astype(mx.float32) if mx.issubdtype(p.dtype, mx.floating) else p,
+                         model.parameters()))
+    mx.eval(twin.parameters())
+    return twin
+
+
+def separated_tokens(T, H, keep):
+    """T bf16 rows of 2 N(0, 1), drawn 64 at a time; keep(candidates) -> a bool per row says which
+    may be used (their router's top-k does not hinge on rounding)."""
+    rows = []
+    while len(rows) < T:
+        cand = (2.0 * mx.random.normal((64, H))).astype(mx.bfloat16)
+        ok = keep(cand)
+        for i in range(64):
+            if ok[i].item() and len(rows) < T:
+                rows.append(cand[i])
+    return mx.stack(rows)
+
+
 def main(out_dir):
     mx.set_default_device(mx.cpu)
     mx.random.seed(SEED)
@@ -128,11 +150,8 @@ def main(out_dir):
     save_config(config, os.path.join(ckpt, "config.json"))
 
     # Float32 twin: same codes, every float parameter widened.
-    twin = gemma4_text.Model(args)
-    twin, _ = quantize_model(twin, dict(CONFIG), group_size=32, bits=4, quant_predicate=predicate)
-    twin.update(tree_map(lambda p: p.astype(mx.float32) if mx.issubdtype(p.dtype, mx.floating) else p,
-                         model.parameters()))
-    mx.eval(twin.parameters())
+    twin, _ = quantize_model(gemma4_text.Model(args), dict(CONFIG), group_size=32, bits=4, quant_predicate=predicate)
+    twin = float32_twin(twin, model)
 
     k = CONFIG["top_k_experts"]
     H = CONFIG["hidden_size"]
@@ -140,15 +159,8 @@ def main(out_dir):
     for li in range(CONFIG["num_hidden_layers"]):
         layer, layer32 = model.model.layers[li], twin.model.layers[li]
         for T in (3, 40):
-            rows = []
-            while len(rows) < T:
-                cand = (2.0 * mx.random.normal((64, H))).astype(mx.bfloat16)
-                ok = well_separated(router_logits(layer, cand), k) & well_separated(
-                    router_logits(layer32, cand.astype(mx.float32)), k)
-                for i in range(64):
-                    if ok[i].item() and len(rows) < T:
-                        rows.append(cand[i])
-            h = mx.stack(rows)
+            h = separated_tokens(T, H, lambda cand: well_separated(router_logits(layer, cand), k) & well_separated(
+                router_logits(layer32, cand.astype(mx.float32)), k))
             out, _ = ffn(layer, h)
             out32, idx32 = ffn(layer32, h.astype(mx.float32))
             key = f"l{li}.t{T}"

@@ -137,10 +137,16 @@ std::string GatherQmmCase::name() const {
   return s;
 }
 
+// "" for Gemma 4's router (the names rows had before router kinds), else "_softmax_topk[_norenorm]".
+static std::string router_suffix(RouterKind kind, bool norm_topk_prob) {
+  if (kind == RouterKind::gemma4) return "";
+  return detail::cat("_", router_kind_name(kind), norm_topk_prob ? "" : "_norenorm");
+}
+
 std::string MoeGeometry::name() const {
   return detail::cat("H", H, "_I", I, "_E", E, "_k", k, "_", quant(bits, group, mode), "_router",
                      router_bits ? detail::cat("q", router_bits) : std::string("dense"), fused ? "_gateup" : "_gate_up",
-                     "_", activation_name(act), "_", short_dtype(dtype));
+                     "_", activation_name(act), "_", short_dtype(dtype), router_suffix(router, norm_topk_prob));
 }
 
 std::string SwitchGluCase::name() const {
@@ -154,7 +160,7 @@ std::string MoeLayerCase::name() const {
 
 std::string RouteCase::name() const {
   return detail::cat("route_", proj_bits ? quant(proj_bits, group) : std::string("dense"), "_", short_dtype(dtype),
-                     "_E", E, "_H", H, "_k", k, "_T", T, exact ? "_exact" : "");
+                     "_E", E, "_H", H, "_k", k, "_T", T, exact ? "_exact" : "", router_suffix(kind, norm_topk_prob));
 }
 
 std::string QuantizeCase::name() const {
@@ -516,6 +522,26 @@ void moe_rows(Table& t) {
   }
   for (const auto& d : decode)
     for (int64_t T : d.second) add(t, large, MoeLayerCase{d.first, T, MoePath::decode});
+  // Qwen3-MoE: the softmax_topk router and SwiGLU experts through the same layer. Qwen3-30B-A3B's
+  // geometry on the decode layer (forced, and against the general path) and at decode, sorted and
+  // prefill sizes as the library picks; small ones, with and without renormalisation, on both
+  // paths (the decode layer also with 8-bit experts and a dense router).
+  MoeGeometry qwen3{2048, 768, 128, 8, 4, 64, 8, false, Activation::swiglu, DType::bf16, RouterKind::softmax_topk};
+  // (T = 96: 768 sorted rows, the tile route, and a float64 reference the CPU computes in seconds.)
+  for (int64_t T : {1, 8}) add(t, large, MoeLayerCase{qwen3, T, MoePath::decode});
+  for (int64_t T : {1, 8, 96}) add(t, large, MoeLayerCase{qwen3, T, MoePath::automatic});
+  add(t, large, MoeLayerCase{qwen3, 40, MoePath::separate});
+  MoeGeometry qwen3_small{256, 128, 8, 2, 4, 64, 8, false, Activation::swiglu, DType::bf16, RouterKind::softmax_topk};
+  for (bool renorm : {true, false}) {
+    qwen3_small.norm_topk_prob = renorm;
+    for (int64_t T : {9, 40}) add(t, small, MoeLayerCase{qwen3_small, T, MoePath::automatic});
+    add(t, renorm ? small : large, MoeLayerCase{qwen3_small, 3, MoePath::decode});  // the sanitizer sees the decode router
+    MoeGeometry q8 = qwen3_small;
+    q8.bits = 8;
+    q8.router_bits = 0;
+    q8.dtype = DType::f16;
+    add(t, large, MoeLayerCase{q8, 5, MoePath::decode});
+  }
 }
 
 void route_rows(Table& t) {
@@ -533,6 +559,14 @@ void route_rows(Table& t) {
   add(t, small, RouteCase{128, 2816, 8, DType::bf16, 8, 64, 130, false});
   add(t, small, RouteCase{8, 64, 8, DType::f16, 4, 64, 17, false});
   add(t, small, RouteCase{128, 512, 8, DType::bf16, 4, 32, 9, false});
+  // Qwen3-MoE's softmax_topk router (no norm; softmax over all E; top-k; renormalised or not).
+  const RouterKind qwen3 = RouterKind::softmax_topk;
+  add(t, small, RouteCase{16, 64, 4, DType::f32, 0, 64, 9, true, qwen3, true});
+  add(t, small, RouteCase{16, 64, 4, DType::f32, 0, 64, 9, true, qwen3, false});
+  add(t, large, RouteCase{128, 256, 8, DType::f32, 8, 64, 37, true, qwen3, true});
+  add(t, large, RouteCase{1024, 64, 8, DType::f32, 0, 64, 5, true, qwen3, true});
+  add(t, small, RouteCase{128, 2048, 8, DType::bf16, 8, 64, 130, false, qwen3, true});
+  add(t, small, RouteCase{40, 256, 8, DType::f16, 8, 32, 300, false, qwen3, false});
 }
 
 void op_rows(Table& t) {

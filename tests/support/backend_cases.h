@@ -94,6 +94,8 @@ struct MoeGeometry {
   bool fused = false;
   Activation act = Activation::geglu;
   DType dtype = DType::bf16;
+  RouterKind router = RouterKind::gemma4;  // softmax_topk: Qwen3-MoE's (router reads un-normalised h)
+  bool norm_topk_prob = true;
   QuantMode mode = QuantMode::affine;  // the experts' (an fp mode: its own bits and group size)
   std::string name() const;
 };
@@ -120,7 +122,8 @@ struct MoeLayerCase {
 };
 
 // route(h, router) on CUDA against the CPU router. exact: every token picks the same experts and
-// the weights agree to 1e-5; else a token may differ only at a near-tie of the CPU's logits.
+// the weights agree to 1e-5; else a token may differ only at a near-tie of the CPU's scores (logits,
+// or a softmax_topk router's probabilities).
 struct RouteCase {
   int64_t E = 8, H = 64;
   int k = 2;
@@ -128,6 +131,8 @@ struct RouteCase {
   int proj_bits = 0, group = 64;  // 0: dense projection
   int64_t T = 1;
   bool exact = false;
+  RouterKind kind = RouterKind::gemma4;
+  bool norm_topk_prob = true;
   std::string name() const;
 };
 

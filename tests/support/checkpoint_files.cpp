@@ -124,4 +124,17 @@ void expect_same_layer(const Gemma4FfnWeights& a, const Gemma4FfnWeights& b, con
   EXPECT_EQ(a.moe.router.top_k, b.moe.router.top_k) << what;
 }
 
+void expect_same_layer(const Qwen3MoeFfnWeights& a, const Qwen3MoeFfnWeights& b, const std::string& what) {
+  expect_same(a.post_attention_layernorm, b.post_attention_layernorm, what + " post_attention_layernorm");
+  expect_same(a.moe.router.proj, b.moe.router.proj, what + " mlp.gate");
+  expect_same(a.moe.experts.gate, b.moe.experts.gate, what + " switch_mlp.gate_proj");
+  expect_same(a.moe.experts.up, b.moe.experts.up, what + " switch_mlp.up_proj");
+  expect_same(a.moe.experts.down, b.moe.experts.down, what + " switch_mlp.down_proj");
+  EXPECT_EQ(a.moe.router.kind, b.moe.router.kind) << what;
+  EXPECT_EQ(a.moe.router.top_k, b.moe.router.top_k) << what;
+  EXPECT_EQ(a.moe.router.norm_topk_prob, b.moe.router.norm_topk_prob) << what;
+  EXPECT_EQ(a.moe.experts.activation, b.moe.experts.activation) << what;
+  EXPECT_EQ(a.eps, b.eps) << what;
+}
+
 }  // namespace expertqmm::test

@@ -41,6 +41,7 @@ void rewrite_safetensors(const std::string& file,
 void expect_same(const Tensor& a, const Tensor& b, const std::string& what);
 void expect_same(const QuantizedWeight& a, const QuantizedWeight& b, const std::string& what);
 void expect_same_layer(const Gemma4FfnWeights& a, const Gemma4FfnWeights& b, const std::string& what);
+void expect_same_layer(const Qwen3MoeFfnWeights& a, const Qwen3MoeFfnWeights& b, const std::string& what);
 
 // Runs f, expecting an Error whose message holds every one of `parts`.
 template <class F>

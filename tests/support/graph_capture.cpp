@@ -71,5 +71,28 @@ void expect_replays_match(cudaGraph_t graph, cudaStream_t stream, Tensor& replay
   EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
 }
 
+void expect_block_capture_replays(const BlockInto& call, int64_t H, const std::vector<int64_t>& tokens,
+                                  size_t min_nodes, const std::function<void(cudaGraph_t, const std::string&)>& inspect) {
+  const CaptureStream stream;
+  Workspace ws;
+  for (int64_t T : tokens) {
+    const std::string what = "T=" + std::to_string(T);
+    const Tensor h = random_tensor({T, H}, DType::bf16, 1.0f, Device::cuda);
+    Tensor expected = Tensor::empty({T, H}, DType::bf16, Device::cuda);
+    call(expected, h, ws);
+    cuda_check();
+    const size_t held = ws.bytes_held();
+    Tensor replayed = Tensor::empty({T, H}, DType::bf16, Device::cuda);
+    cudaGraph_t graph = capture_graph(stream.get(), [&] { call(replayed, h, ws); }, what);
+    ASSERT_NE(graph, nullptr) << what;
+    EXPECT_EQ(ws.bytes_held(), held) << what << ": the workspace grew during the captured call";
+    size_t nodes = 0;
+    ASSERT_EQ(cudaGraphGetNodes(graph, nullptr, &nodes), cudaSuccess);
+    EXPECT_GT(nodes, min_nodes) << what << ": the graph should hold the whole block";
+    if (inspect) inspect(graph, what);
+    expect_replays_match(graph, stream.get(), replayed, expected, 2, what);
+  }
+}
+
 }  // namespace expertqmm::test
 #endif

@@ -6,7 +6,9 @@
 
 #include <functional>
 #include <string>
+#include <vector>
 
+#include "expertqmm/moe.h"
 #include "expertqmm/tensor.h"
 
 namespace expertqmm::test {
@@ -36,6 +38,15 @@ int kernel_nodes(cudaGraph_t graph);
 // expects the bytes of `expected` each time; then destroys the graph.
 void expect_replays_match(cudaGraph_t graph, cudaStream_t stream, Tensor& replayed, const Tensor& expected,
                           int replays, const std::string& what);
+
+// A block's into-call (out [T, H] from bf16 h [T, H] with scratch from ws: gemma4_ffn_into,
+// qwen3_moe_ffn_into) at each T of `tokens`, the first the largest (it grows the workspace; no later
+// call may): the call captured in a graph holds more than min_nodes nodes, `inspect` (when given)
+// passes on the graph's shape, and every replay writes the uncaptured call's bytes.
+using BlockInto = std::function<void(Tensor& out, const Tensor& h, Workspace& ws)>;
+void expect_block_capture_replays(const BlockInto& call, int64_t H, const std::vector<int64_t>& tokens,
+                                  size_t min_nodes,
+                                  const std::function<void(cudaGraph_t, const std::string&)>& inspect = {});
 
 }  // namespace expertqmm::test
 #endif

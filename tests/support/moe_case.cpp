@@ -145,23 +145,27 @@ void expect_routing_match(const Tensor& h, const RouterWeights& r, bool exact, c
 
 }  // namespace
 
-RouterWeights random_router(int64_t E, int64_t H, int k, DType dtype, int proj_bits, int group) {
+RouterWeights random_router(int64_t E, int64_t H, int k, DType dtype, int proj_bits, int group, RouterKind kind,
+                            bool norm_topk_prob) {
   RouterWeights r;
+  r.kind = kind;
   r.top_k = k;
-  if (proj_bits) r.proj = quantized({E, H}, proj_bits, group, 1.0f, dtype);
-  else r.proj_dense = random_tensor({E, H}, dtype, 1.0f);
-  r.scale = around_one(H, 0.1f, dtype);
-  r.per_expert_scale = around_one(E, 0.2f, dtype);
+  r.norm_topk_prob = norm_topk_prob;
+  const bool gemma4 = kind == RouterKind::gemma4;
+  const float proj_scale = gemma4 ? 1.0f : 1.0f / std::sqrt(static_cast<float>(H));
+  if (proj_bits) r.proj = quantized({E, H}, proj_bits, group, proj_scale, dtype);
+  else r.proj_dense = random_tensor({E, H}, dtype, proj_scale);
+  if (gemma4) {
+    r.scale = around_one(H, 0.1f, dtype);
+    r.per_expert_scale = around_one(E, 0.2f, dtype);
+  }
   return r;
 }
 
 RouterWeights router_to(const RouterWeights& r, Device device) {
-  RouterWeights d = r;
-  if (r.proj.defined()) d.proj = to_device(r.proj, device);
-  if (r.proj_dense.defined()) d.proj_dense = r.proj_dense.to(device);
-  d.scale = r.scale.to(device);
-  d.per_expert_scale = r.per_expert_scale.to(device);
-  return d;
+  MoeWeights m;
+  m.router = r;
+  return m.to(device).router;
 }
 
 SwitchGLUWeights experts_to(const SwitchGLUWeights& w, Device device) {
@@ -186,7 +190,7 @@ Layer make_layer(const MoeGeometry& g) {
     w.up = quantized({g.E, g.I, g.H}, g.bits, g.group, 0.05f, g.dtype, g.mode);
   }
   w.down = quantized({g.E, g.H, g.I}, g.bits, g.group, 0.05f, g.dtype, g.mode);
-  l.cpu.router = random_router(g.E, g.H, g.k, g.dtype, g.router_bits, 64);
+  l.cpu.router = random_router(g.E, g.H, g.k, g.dtype, g.router_bits, 64, g.router, g.norm_topk_prob);
   l.gpu.experts = experts_to(w, Device::cuda);
   l.gpu.router = router_to(l.cpu.router, Device::cuda);
   return l;
@@ -232,6 +236,30 @@ Tensor run_layer(const Tensor& h, const Tensor& x, const MoeWeights& w, Workspac
   poison(out);  // every element must be written
   moe_layer_into(out, h, x, w, ws);
   return out;
+}
+
+void expect_close_where_routed_alike(const Tensor& expected, const Tensor& got, const std::vector<int32_t>& cpu_idx,
+                                     const std::vector<int32_t>& gpu_idx, int64_t k, const std::string& what) {
+  ASSERT_EQ(got.shape(), expected.shape()) << what;
+  EXPECT_EQ(got.device(), Device::cuda) << what;
+  const int64_t T = expected.size(0), H = expected.size(1);
+  const std::vector<float> g = to_float(got), e = to_float(expected);
+  std::vector<float> g_same, e_same;
+  int64_t rerouted = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    std::vector<int32_t> a(cpu_idx.begin() + t * k, cpu_idx.begin() + (t + 1) * k);
+    std::vector<int32_t> b(gpu_idx.begin() + t * k, gpu_idx.begin() + (t + 1) * k);
+    std::sort(a.begin(), a.end());
+    std::sort(b.begin(), b.end());
+    if (a != b) {
+      ++rerouted;
+      continue;
+    }
+    g_same.insert(g_same.end(), g.begin() + t * H, g.begin() + (t + 1) * H);
+    e_same.insert(e_same.end(), e.begin() + t * H, e.begin() + (t + 1) * H);
+  }
+  EXPECT_LE(rerouted, std::max<int64_t>(1, T / 50)) << what << seed_note();
+  EXPECT_LE(rel_error(g_same, e_same), 1e-2) << what << " (" << rerouted << " tokens rerouted) " << seed_note();
 }
 
 uint64_t decode_hits() {
@@ -283,7 +311,7 @@ void check(const MoeLayerCase& c) {
 }
 
 void check(const RouteCase& c) {
-  const RouterWeights r = random_router(c.E, c.H, c.k, c.dtype, c.proj_bits, c.group);
+  const RouterWeights r = random_router(c.E, c.H, c.k, c.dtype, c.proj_bits, c.group, c.kind, c.norm_topk_prob);
   expect_routing_match(random_tensor({c.T, c.H}, c.dtype), r, c.exact, c.name() + " " + seed_note());
 }
 

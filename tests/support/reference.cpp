@@ -1,5 +1,6 @@
 #include "support/reference.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/gather_qmm_problem.h"
@@ -103,26 +104,50 @@ std::vector<double> reference_switch_glu_combine(const std::vector<float>& x, in
 
 std::vector<float> cpu_router_logits(const Tensor& h, const RouterWeights& r) {
   const int64_t T = h.size(0), H = h.size(1);
-  const std::vector<float> x = test::to_float(h), scale = test::to_float(r.scale);
-  const float root_size = 1.0f / std::sqrt(static_cast<float>(H));
-  std::vector<float> normed(x.size());
-  for (int64_t t = 0; t < T; ++t) {
-    float sum_sq = 0.f;
-    for (int64_t i = 0; i < H; ++i) sum_sq += x[t * H + i] * x[t * H + i];
-    const float inv_rms = 1.0f / std::sqrt(sum_sq / static_cast<float>(H) + r.eps);
-    for (int64_t i = 0; i < H; ++i) normed[t * H + i] = x[t * H + i] * inv_rms * (scale[i] * root_size);
+  const bool gemma4 = r.kind == RouterKind::gemma4;
+  const std::vector<float> x = test::to_float(h);
+  std::vector<float> normed = x;
+  if (gemma4) {
+    const std::vector<float> scale = test::to_float(r.scale);
+    const float root_size = 1.0f / std::sqrt(static_cast<float>(H));
+    for (int64_t t = 0; t < T; ++t) {
+      float sum_sq = 0.f;
+      for (int64_t i = 0; i < H; ++i) sum_sq += x[t * H + i] * x[t * H + i];
+      const float inv_rms = 1.0f / std::sqrt(sum_sq / static_cast<float>(H) + r.eps);
+      for (int64_t i = 0; i < H; ++i) normed[t * H + i] = x[t * H + i] * inv_rms * (scale[i] * root_size);
+    }
   }
   const Tensor rn = test::from_float(normed, {T, H}, h.dtype());
-  if (r.proj.defined()) return test::to_float(gather_qmm(rn, r.proj, Tensor(), Tensor()));
-  std::vector<float> p = test::to_float(r.proj_dense), logits;
-  const int64_t E = r.proj_dense.size(0);
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t e = 0; e < E; ++e) {
-      double acc = 0;
-      for (int64_t i = 0; i < H; ++i) acc += double(normed[t * H + i]) * p[e * H + i];
-      logits.push_back(static_cast<float>(acc));
-    }
-  return logits;
+  std::vector<float> logits;
+  DType logit_dtype = h.dtype();
+  if (r.proj.defined()) {
+    const Tensor l = gather_qmm(rn, r.proj, Tensor(), Tensor());
+    logit_dtype = l.dtype();
+    logits = test::to_float(l);
+  } else {
+    const std::vector<float> p = test::to_float(r.proj_dense);
+    const int64_t E = r.proj_dense.size(0);
+    logit_dtype = promote_floating(h.dtype(), r.proj_dense.dtype());
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t e = 0; e < E; ++e) {
+        double acc = 0;
+        for (int64_t i = 0; i < H; ++i) acc += double(normed[t * H + i]) * p[e * H + i];
+        logits.push_back(static_cast<float>(acc));
+      }
+  }
+  if (gemma4) return logits;
+  // softmax_topk ranks the probabilities, rounded to the logits' dtype (src/cpu/router.cpp).
+  const int64_t E = static_cast<int64_t>(logits.size()) / T;
+  logits = test::to_float(test::from_float(logits, {T, E}, logit_dtype));
+  std::vector<float> probs(logits.size());
+  for (int64_t t = 0; t < T; ++t) {
+    const float* l = logits.data() + t * E;
+    float m = l[0], sum = 0.f;
+    for (int64_t e = 1; e < E; ++e) m = std::max(m, l[e]);
+    for (int64_t e = 0; e < E; ++e) sum += std::exp(l[e] - m);
+    for (int64_t e = 0; e < E; ++e) probs[t * E + e] = std::exp(l[e] - m) * (1.0f / sum);
+  }
+  return test::to_float(test::from_float(probs, {T, E}, logit_dtype));
 }
 
 }  // namespace expertqmm::test

@@ -23,9 +23,10 @@ std::vector<double> reference_switch_glu_combine(const std::vector<float>& x, in
                                                  const std::vector<float>& weights, int64_t k,
                                                  const SwitchGLUWeights& experts);
 
-// The CPU router's logits [T, E], recomputed from its documented formula (src/cpu/router.cpp)
-// with the public CPU ops: used only to judge whether a GPU/CPU routing disagreement sits on a
-// near-tie. h on the host.
+// The scores the CPU router ranks [T, E], recomputed from its documented formula
+// (src/cpu/router.cpp) with the public CPU ops: the logits of a gemma4 router, the rounded softmax
+// probabilities of a softmax_topk one. Used only to judge whether a GPU/CPU routing disagreement
+// sits on a near-tie. h on the host.
 std::vector<float> cpu_router_logits(const Tensor& h, const RouterWeights& r);
 
 }  // namespace expertqmm::test

@@ -371,23 +371,6 @@ Measurement time_layer(Tensor& out, const Tensor& h, const std::vector<MoeWeight
 
 // ---- JSON (a writer small enough to read) ----
 
-std::string json_string(const std::string& s) {
-  std::string r = "\"";
-  for (char ch : s) {
-    const unsigned char c = static_cast<unsigned char>(ch);
-    if (c == '"' || c == '\\') {
-      r += '\\';
-      r += ch;
-    } else if (c < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-      r += buf;
-    } else {
-      r += ch;
-    }
-  }
-  return r + "\"";
-}
 
 std::string json_number(double v) {
   if (!(v == v) || v > 1e300 || v < -1e300) return "null";  // JSON has no NaN / Inf
@@ -411,18 +394,6 @@ std::string counters_json(const std::vector<RouteCounters>& counters) {
   return s.str() + "]";
 }
 
-std::string commit_id() {
-  if (const auto env = detail::environment_variable("EXPERTQMM_COMMIT"))
-    if (!env->empty()) return *env;
-  std::string out;
-  if (FILE* p = popen("git rev-parse --verify -q HEAD 2>/dev/null", "r")) {
-    char buf[128];
-    while (std::fgets(buf, sizeof(buf), p)) out += buf;
-    pclose(p);
-  }
-  while (!out.empty() && (out.back() == '\n' || out.back() == '\r')) out.pop_back();
-  return out.empty() ? "unknown" : out;
-}
 
 std::string utc_now() {
   std::time_t now = std::time(nullptr);
@@ -466,6 +437,37 @@ void export_weights(const std::string& dir, const Preset& p, const SwitchGLUWeig
 }
 
 }  // namespace
+
+std::string json_string(const std::string& s) {
+  std::string r = "\"";
+  for (char ch : s) {
+    const unsigned char c = static_cast<unsigned char>(ch);
+    if (c == '"' || c == '\\') {
+      r += '\\';
+      r += ch;
+    } else if (c < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+      r += buf;
+    } else {
+      r += ch;
+    }
+  }
+  return r + "\"";
+}
+
+std::string commit_id() {
+  if (const auto env = detail::environment_variable("EXPERTQMM_COMMIT"))
+    if (!env->empty()) return *env;
+  std::string out;
+  if (FILE* p = popen("git rev-parse --verify -q HEAD 2>/dev/null", "r")) {
+    char buf[128];
+    while (std::fgets(buf, sizeof(buf), p)) out += buf;
+    pclose(p);
+  }
+  while (!out.empty() && (out.back() == '\n' || out.back() == '\r')) out.pop_back();
+  return out.empty() ? "unknown" : out;
+}
 
 int run_bench(int argc, char** argv) {
   if (Args(argc, argv).has("model")) return run_bench_model(argc, argv);
@@ -518,8 +520,8 @@ int run_bench(int argc, char** argv) {
   host.experts = synthetic_experts(p, o.seed);
   host.router = o.routing == "zipf" ? steering_router(p, o.seed) : synthetic_router(p, o.seed);
   std::vector<MoeWeights> copies;
-  copies.push_back(to_device(host, Device::cuda));
-  for (int c = 1; c < kWeightCopies; ++c) copies.push_back(to_device(copies[0], Device::cuda));
+  copies.push_back(host.to(Device::cuda));
+  for (int c = 1; c < kWeightCopies; ++c) copies.push_back(copies[0].to(Device::cuda));
   if (!o.export_dir.empty()) {
     std::filesystem::create_directories(o.export_dir);
     export_weights(o.export_dir, p, host.experts, o.routing);

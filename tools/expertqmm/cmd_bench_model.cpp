@@ -1,6 +1,7 @@
-// `expertqmm bench --model DIR`: the feed-forward part (dense GeGLU MLP, router, experts, the five
-// norms, residual and layer_scalar) of every layer of a Gemma 4 checkpoint, run back to back as one
-// CUDA graph per token count. Attention is not run (it is not part of expertqmm) and the output says
+// `expertqmm bench --model DIR`: the feed-forward part of every layer of a checkpoint, run back to
+// back as one CUDA graph per token count. Gemma 4: dense GeGLU MLP, router, experts, the five norms,
+// residual and layer_scalar (gemma4_ffn); Qwen3-MoE: post_attention_layernorm, router, experts and
+// residual (qwen3_moe_ffn). Attention is not run (it is not part of expertqmm) and the output says
 // so. Reports µs per layer, tokens/s for prefill (T > 64) and decode (T <= 64) token counts, with the
 // fused and the separate GLU product, and the GPU memory the loaded layers and workspace take.
 #include <algorithm>
@@ -41,7 +42,7 @@ void print_model_usage() {
   std::printf(
       "usage: expertqmm bench --model DIR [--tokens 1,8,16,32,64,512,1024,2048] [--product fused|separate|both]\n"
       "                       [--replays 20] [--json FILE] [--seed S]\n"
-      "Loads every layer of the Gemma 4 checkpoint in DIR to the GPU and times the feed-forward part of\n"
+      "Loads every layer of the Gemma 4 or Qwen3-MoE checkpoint in DIR to the GPU and times the feed-forward part of\n"
       "all layers back to back (attention excluded) as one CUDA graph per token count: median of the\n"
       "replays, µs per layer, tokens/s (T <= 64: decode, else prefill), fused and separate GLU product.\n");
 }
@@ -88,32 +89,58 @@ double median_of(std::vector<double> v) {
 
 const char* product_label(ProductMode m) { return m == ProductMode::fused ? "fused" : "separate"; }
 
-// The 16-bit (unquantized) weights of layer l's feed-forward part, by module name ("l0.experts.down").
-std::vector<std::string> sixteen_bit_weights(const Gemma4FfnWeights& w, int l) {
-  std::vector<std::string> names;
-  const std::string p = "l" + std::to_string(l) + ".";
-  const SwitchGLUWeights& e = w.moe.experts;
-  const std::pair<const char*, bool> all[] = {
-      {"mlp.gate", w.mlp.gate.defined() && !w.mlp.gate.is_quantized()},
-      {"mlp.up", w.mlp.up.defined() && !w.mlp.up.is_quantized()},
-      {"mlp.down", w.mlp.down.defined() && !w.mlp.down.is_quantized()},
-      {"router.proj", w.moe.router.proj_dense.defined()},
-      {"experts.gate", e.gate_dense.defined()},
-      {"experts.up", e.up_dense.defined()},
-      {"experts.gate_up", e.gate_up_dense.defined()},
-      {"experts.down", e.down_dense.defined()}};
+// The 16-bit (unquantized) weights of layer l's MoE part, by module name ("l0.experts.down").
+void sixteen_bit_moe_weights(const MoeWeights& w, const std::string& p, std::vector<std::string>& names) {
+  const SwitchGLUWeights& e = w.experts;
+  const std::pair<const char*, bool> all[] = {{"router.proj", w.router.proj_dense.defined()},
+                                              {"experts.gate", e.gate_dense.defined()},
+                                              {"experts.up", e.up_dense.defined()},
+                                              {"experts.gate_up", e.gate_up_dense.defined()},
+                                              {"experts.down", e.down_dense.defined()}};
   for (const auto& [name, dense] : all)
     if (dense) names.push_back(p + name);
-  return names;
 }
+
+// Every layer of a checkpoint on the GPU, of its family (exactly one list is filled).
+struct DeviceLayers {
+  std::vector<Gemma4FfnWeights> gemma4;
+  std::vector<Qwen3MoeFfnWeights> qwen3;
+  size_t weight_bytes = 0;
+  std::vector<std::string> sixteen_bit;  // by module name, "l0.mlp.gate"
+
+  void load(const Gemma4Checkpoint& ck) {
+    for (int l = 0; l < ck.num_layers(); ++l) {
+      const std::string p = "l" + std::to_string(l) + ".";
+      if (ck.family() == ModelFamily::qwen3_moe) {
+        qwen3.push_back(ck.qwen3_moe_layer(l).to(Device::cuda));
+        weight_bytes += qwen3.back().nbytes();
+        sixteen_bit_moe_weights(qwen3.back().moe, p, sixteen_bit);
+        continue;
+      }
+      gemma4.push_back(ck.layer(l).to(Device::cuda));
+      const Gemma4FfnWeights& w = gemma4.back();
+      weight_bytes += w.nbytes();
+      for (const auto& [name, l16] : {std::pair<const char*, const Linear*>{"mlp.gate", &w.mlp.gate},
+                                      {"mlp.up", &w.mlp.up},
+                                      {"mlp.down", &w.mlp.down}})
+        if (l16->defined() && !l16->is_quantized()) sixteen_bit.push_back(p + name);
+      sixteen_bit_moe_weights(w.moe, p, sixteen_bit);
+    }
+  }
+  size_t size() const { return gemma4.size() + qwen3.size(); }
+  void ffn_into(size_t l, Tensor& out, const Tensor& in, Workspace& ws) const {
+    if (!qwen3.empty()) qwen3_moe_ffn_into(out, in, qwen3[l], ws);
+    else gemma4_ffn_into(out, in, gemma4[l], ws);
+  }
+};
 
 // Runs all layers: layer 0 reads x0 (kept intact so every replay starts from the same input),
 // the others ping-pong between a and b. Returns the buffer holding the last layer's output.
-Tensor* run_layers(const std::vector<Gemma4FfnWeights>& layers, const Tensor& x0, Tensor& a, Tensor& b, Workspace& ws) {
+Tensor* run_layers(const DeviceLayers& layers, const Tensor& x0, Tensor& a, Tensor& b, Workspace& ws) {
   const Tensor* in = &x0;
   Tensor* out = &a;
-  for (const Gemma4FfnWeights& w : layers) {
-    gemma4_ffn_into(*out, *in, w, ws);
+  for (size_t l = 0; l < layers.size(); ++l) {
+    layers.ffn_into(l, *out, *in, ws);
     in = out;
     out = out == &a ? &b : &a;
   }
@@ -147,14 +174,10 @@ int run_bench_model(int argc, char** argv) {
   size_t free_before = 0, total = 0;
   EXPERTQMM_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
   std::fprintf(stderr, "loading %d layers of %s to the GPU ...\n", ck.num_layers(), o.dir.c_str());
-  std::vector<Gemma4FfnWeights> layers;
-  size_t weight_bytes = 0;
-  std::vector<std::string> dense_weights;
-  for (int l = 0; l < ck.num_layers(); ++l) {
-    layers.push_back(ck.layer(l).to(Device::cuda));
-    for (const std::string& name : sixteen_bit_weights(layers.back(), l)) dense_weights.push_back(name);
-    weight_bytes += layers.back().nbytes();
-  }
+  DeviceLayers layers;
+  layers.load(ck);
+  const size_t weight_bytes = layers.weight_bytes;
+  const std::vector<std::string>& dense_weights = layers.sixteen_bit;
 
   std::vector<Row> rows;
   Workspace ws;
@@ -211,9 +234,10 @@ int run_bench_model(int argc, char** argv) {
   const double used_gib = double(free_before - std::min(free_before, free_after)) / double(1ull << 30);
 
   const int L = ck.num_layers();
-  std::printf("model %s: %d layers, H=%lld, dense I=%lld, %lld experts x I=%lld, top-%lld (attention excluded: "
+  std::printf("model %s (%s): %d layers, H=%lld, dense I=%lld, %lld experts x I=%lld, top-%lld (attention excluded: "
               "feed-forward part only)\n",
-              o.dir.c_str(), L, (long long)H, (long long)c.intermediate_size, (long long)c.num_experts,
+              o.dir.c_str(), model_family_name(c.family), L, (long long)H,
+              (long long)(c.family == ModelFamily::gemma4 ? c.intermediate_size : 0), (long long)c.num_experts,
               (long long)c.moe_intermediate_size, (long long)c.top_k_experts);
   std::printf("device %s: layer weights %.2f GiB, GPU memory used %.2f GiB (weights + workspace + buffers)\n",
               cuda_device_name(), double(weight_bytes) / double(1ull << 30), used_gib);
@@ -229,8 +253,10 @@ int run_bench_model(int argc, char** argv) {
   if (!o.json_path.empty()) {
     std::ofstream js(o.json_path);
     EXPERTQMM_CHECK(bool(js), "bench", "cannot write --json file '", o.json_path, "'");
-    js << "{\n  \"bench\": \"model_ffn\",\n  \"note\": \"attention excluded: feed-forward part of every layer\",\n"
-       << "  \"model\": " << '"' << o.dir << '"' << ",\n  \"device\": \"" << cuda_device_name() << "\",\n"
+    js << "{\n  \"bench\": \"model_ffn\",\n  \"commit\": " << json_string(commit_id()) << ",\n  \"gpu\": "
+       << json_string(cuda_device_name()) << ",\n  \"note\": \"attention excluded: feed-forward part of every layer\",\n"
+       << "  \"model\": " << json_string(o.dir) << ",\n  \"family\": " << json_string(model_family_name(c.family))
+       << ",\n  \"device\": " << json_string(cuda_device_name()) << ",\n"
        << "  \"layers\": " << L << ",\n  \"hidden\": " << H << ",\n  \"weight_bytes\": " << weight_bytes
        << ",\n  \"gpu_memory_used_bytes\": " << (free_before - std::min(free_before, free_after))
        << ",\n  \"replays\": " << o.replays << ",\n  \"sixteen_bit_weights\": [";

@@ -39,7 +39,7 @@ int run_diag(int argc, char** argv) {
   MoeWeights host;
   host.experts = synthetic_experts(preset, seed);
   host.router = synthetic_router(preset, seed);
-  const MoeWeights weights = device == Device::cpu ? host : to_device(host, device);
+  const MoeWeights weights = device == Device::cpu ? host : host.to(device);
   const Tensor x = random_tokens(T, preset.hidden, seed).to(device);
 
   const RouteSwitch tiles_before = expert_tiles_setting();

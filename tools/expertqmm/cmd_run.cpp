@@ -90,7 +90,7 @@ int run_run(int argc, char** argv) {
   host.experts = synthetic_experts(preset, seed);
   host.router = synthetic_router(preset, seed);
   const Tensor x_host = random_tokens(T, H, seed);
-  const MoeWeights weights = device == Device::cpu ? host : to_device(host, device);
+  const MoeWeights weights = device == Device::cpu ? host : host.to(device);
   const Tensor x = x_host.to(device);
 
   // Zipf routing bypasses the learned router: sampled indices and weights go straight into the

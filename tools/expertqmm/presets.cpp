@@ -17,19 +17,26 @@ int64_t Preset::bytes_per_expert() const {
 double Preset::flops_per_assignment() const { return 2.0 * 3.0 * double(intermediate) * double(hidden); }
 
 const std::vector<Preset>& presets() {
-  // Gemma 4 26B-A4B: shared/spec/gemma4-moe.md section 6, mlx-semantics.md 4.6.
+  // Gemma 4 26B-A4B: shared/spec/gemma4-moe.md section 6, mlx-semantics.md 4.6. Qwen3-30B-A3B:
+  // mlx-lm qwen3_moe (config: hidden 2048, moe_intermediate_size 768, 128 experts, top-8,
+  // norm_topk_prob true; mlx-community's 4-bit checkpoints: experts 4-bit g64).
+  constexpr RouterKind gemma4 = RouterKind::gemma4, qwen3 = RouterKind::softmax_topk;
   static const std::vector<Preset> table = {
       {"gemma4-26b-a4b", "Gemma 4 26B-A4B experts, mlx-lm layout (separate gate and up)", 128, 8, 2816, 704, 4,
-       64, Activation::geglu, false},
+       64, Activation::geglu, false, gemma4},
       {"gemma4-26b-a4b-fused", "Gemma 4 26B-A4B experts, HF layout (fused gate_up [E, 2I, H])", 128, 8, 2816,
-       704, 4, 64, Activation::geglu, true},
+       704, 4, 64, Activation::geglu, true, gemma4},
       // 8-bit experts (mlx-community publishes 8-bit Gemma 4 checkpoints): the decode layer's scalar
       // kernels at T <= 8 (moe_decode_scalar.cu), the mma.sync expert tiles above.
       {"gemma4-26b-a4b-q8", "Gemma 4 26B-A4B experts quantized 8-bit g64 (mlx-lm layout)", 128, 8, 2816, 704, 8, 64,
-       Activation::geglu, false},
+       Activation::geglu, false, gemma4},
+      {"qwen3-30b-a3b", "Qwen3-30B-A3B experts (SwiGLU, softmax -> top-8 -> renormalised), mlx-lm layout", 128, 8,
+       2048, 768, 4, 64, Activation::swiglu, false, qwen3},
       {"tiny", "small geometry for tests: E=8, k=2, H=256, I=128", 8, 2, 256, 128, 4, 64, Activation::geglu,
-       false},
-      {"tiny-fused", "tiny with a fused gate_up", 8, 2, 256, 128, 4, 64, Activation::geglu, true},
+       false, gemma4},
+      {"tiny-fused", "tiny with a fused gate_up", 8, 2, 256, 128, 4, 64, Activation::geglu, true, gemma4},
+      {"qwen3-tiny", "tiny with Qwen3-MoE's router and SwiGLU experts", 8, 2, 256, 128, 4, 64, Activation::swiglu,
+       false, qwen3},
   };
   return table;
 }

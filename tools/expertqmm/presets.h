@@ -9,10 +9,12 @@
 #include "expertqmm/backend.h"
 #include "expertqmm/diagnostics.h"
 #include "expertqmm/dtype.h"
-#include "expertqmm/ops.h"
+#include "expertqmm/moe.h"
 
 namespace expertqmm::cli {
 
+// A model family's MoE layer as data: geometry, quantization, the experts' activation and the
+// router kind. A new family is a row here (and a golden), not new kernels.
 struct Preset {
   const char* name;
   const char* description;
@@ -24,6 +26,7 @@ struct Preset {
   int group_size;
   Activation activation;
   bool fused_gate_up;  // one gate_up [E, 2I, H] (gate rows first) instead of gate and up
+  RouterKind router;   // gemma4: h is routed through its own norm; softmax_topk (Qwen3-MoE): renormalised
   QuantMode mode = QuantMode::affine;  // the experts' quantization mode (--quant)
 
   // Bytes of one expert's gate, up and down: codes plus bf16 scales and biases (affine) or uint8

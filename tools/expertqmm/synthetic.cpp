@@ -85,15 +85,19 @@ SwitchGLUWeights synthetic_experts(const Preset& p, uint64_t seed) {
   return ex;
 }
 
-// Router weights from bf16 bits: proj [E, H] quantized to 8 bits, group 64, as the Gemma 4 QAT
-// checkpoints do (spec mlx-semantics 4.6); scale [H]; per_expert_scale [E].
+// Router weights of the preset's kind from bf16 bits: proj [E, H] quantized to 8 bits, group 64,
+// as the Gemma 4 QAT checkpoints (spec mlx-semantics 4.6) and mlx-lm's qwen3_moe quant_predicate
+// do; a gemma4 router also gets scale [H] and per_expert_scale [E].
 static RouterWeights make_router(const Preset& p, const std::vector<uint16_t>& proj, const std::vector<uint16_t>& scale,
                                  const std::vector<uint16_t>& per_expert) {
   const int64_t E = p.experts, H = p.hidden;
   RouterWeights r;
+  r.kind = p.router;
   r.proj = quantize(bf16_host(proj, {E, H}), QuantSpec{8, 64, Rounding::cpu});
-  r.scale = bf16_host(scale, {H});
-  r.per_expert_scale = bf16_host(per_expert, {E});
+  if (p.router == RouterKind::gemma4) {
+    r.scale = bf16_host(scale, {H});
+    r.per_expert_scale = bf16_host(per_expert, {E});
+  }
   r.top_k = p.top_k;
   return r;
 }
@@ -175,31 +179,6 @@ std::vector<uint16_t> random_routing_weights(int64_t T, int k, uint64_t seed) {
     for (int j = 0; j < k; ++j) out[t * k + j] = float_to_bf16(float(e[j] / sum));
   }
   return out;
-}
-
-QuantizedWeight to_device(const QuantizedWeight& q, Device device) {
-  if (!q.defined()) return q;
-  QuantizedWeight r = q;
-  r.w = q.w.to(device);
-  r.scales = q.scales.to(device);
-  r.biases = q.biases.to(device);
-  return r;
-}
-
-MoeWeights to_device(const MoeWeights& w, Device device) {
-  MoeWeights r = w;
-  auto move = [device](Tensor& t) {
-    if (t.defined()) t = t.to(device);
-  };
-  r.router.proj = to_device(w.router.proj, device);
-  move(r.router.proj_dense);
-  move(r.router.scale);
-  move(r.router.per_expert_scale);
-  r.experts.gate = to_device(w.experts.gate, device);
-  r.experts.up = to_device(w.experts.up, device);
-  r.experts.gate_up = to_device(w.experts.gate_up, device);
-  r.experts.down = to_device(w.experts.down, device);
-  return r;
 }
 
 }  // namespace expertqmm::cli

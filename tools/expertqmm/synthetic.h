@@ -40,14 +40,14 @@ QuantizedWeight synthetic_quantized(int64_t E, int64_t N, int64_t K, int bits, i
 // gate and up [E, I, H] (or gate_up [E, 2I, H]) and down [E, H, I] of the preset.
 SwitchGLUWeights synthetic_experts(const Preset& p, uint64_t seed);
 
-// A learned-looking router: proj [E, H] ~ N(0, 1/sqrt(H)) (std) quantized to 8 bits, group 64, as
-// in the QAT checkpoints; scale [H] = 1 + 0.05 n, per_expert_scale [E] = 1 + 0.05 n. On random
-// tokens it routes close to uniformly at random.
+// A learned-looking router of the preset's kind: proj [E, H] ~ N(0, 1/sqrt(H)) (std) quantized to 8
+// bits, group 64, as in the QAT checkpoints; for a gemma4 router scale [H] = 1 + 0.05 n,
+// per_expert_scale [E] = 1 + 0.05 n. On random tokens it routes close to uniformly at random.
 RouterWeights synthetic_router(const Preset& p, uint64_t seed);
 
 // A router that follows a planned routing: proj [E, H] is the identity on the first E columns plus
-// N(0, 2e-4) noise (8-bit quantized like the real router), scale is ones, so logit e ~ h[e] / rms(h) / sqrt(H). Paired with
-// steering_tokens it selects exactly the planned experts. Needs H >= E.
+// N(0, 2e-4) noise (8-bit quantized like the real router), scale is ones, so logit e ~ h[e] / rms(h) / sqrt(H)
+// (gemma4) or h[e] (softmax_topk). Paired with steering_tokens it selects exactly the planned experts. Needs H >= E.
 RouterWeights steering_router(const Preset& p, uint64_t seed);
 
 // Tokens [T, H] bf16 whose first E columns put the planned experts of each token (indices [T*k])
@@ -64,9 +64,5 @@ std::vector<int32_t> zipf_routing(int64_t T, int experts, int k, double s, uint6
 
 // Routing weights [T*k]: softmax over the k of N(0, 1) logits, as bf16 bits.
 std::vector<uint16_t> random_routing_weights(int64_t T, int k, uint64_t seed);
-
-// Copies of weights on `device` (undefined members stay undefined).
-QuantizedWeight to_device(const QuantizedWeight& q, Device device);
-MoeWeights to_device(const MoeWeights& w, Device device);
 
 }  // namespace expertqmm::cli

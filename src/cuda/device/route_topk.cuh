@@ -1,9 +1,12 @@
-// The router's top-k + softmax of one token on one warp (spec gemma4-moe.md 5): shared by
-// router.cu (route_into) and moe_decode.cu (the decode layer's router), so both pick the same
-// experts in the same slot order with the same tie rules:
-//   idx = top_k experts by descending logit, NaN first, ties -> higher expert id (MLX's rule,
+// The router's top-k of one token on one warp and the weights of the k: shared by router.cu
+// (route_into) and moe_decode_router.cu (the decode layer's router), both router kinds, so all
+// pick the same experts in the same slot order with the same tie rules:
+//   idx = top_k experts by descending score, NaN first, ties -> higher expert id (MLX's rule,
 //         src/cpu/router.cpp and docs/numerics.md; +0 and -0 tie)
-//   w   = softmax(logits[idx]) * per_expert_scale[idx]   fp32 (sum in slot order)
+//   w   = finish(e, numerator(score[idx], score[idx_0]), sum of the k numerators)  fp32, slot order
+// Gemma 4 (warp_topk_softmax): scores are logits, numerator exp(s - s_max), finish
+// p / sum * per_expert_scale[e]. Qwen3-MoE (warp_softmax_topk): scores are the rounded softmax
+// probabilities, numerator s itself, finish s / sum (renormalised) or s.
 #pragma once
 #include <cstdint>
 
@@ -33,10 +36,11 @@ __device__ __forceinline__ int32_t key_expert(unsigned long long key) {
 
 constexpr int kTopkCachedKeys = 8;  // keys a lane keeps in registers: E <= 256 is read once
 
-// Top-k over one token's E logits, softmax over the k, times per_expert_scale; called by all 32
-// lanes of a warp (warp-uniform arguments).
-//   logit(e)        -> float: the token's logit of expert e (already rounded to the logit dtype)
-//   expert_scale(e) -> float: per_expert_scale[e]
+// Top-k over one token's E scores and the weights of the k; called by all 32 lanes of a warp
+// (warp-uniform arguments).
+//   logit(e)        -> float: the token's score of expert e (already rounded to its dtype)
+//   numerator(s, s0) -> float: the slot's share before normalisation (s0: the best score)
+//   finish(e, p, sum) -> float: the slot's weight from its numerator and the sum of the k
 //   indices         (k,) int32 of this token, best first (written, and re-read for k > 32)
 //   store_weight(slot, w): writes the slot's weight (the caller rounds it to its dtype)
 // Lane l reads experts l, l+32, ... once into keys (the first 8 in registers, the rest re-read per
@@ -46,8 +50,8 @@ constexpr int kTopkCachedKeys = 8;  // keys a lane keeps in registers: E <= 256 
 // slot 32b + l, writes its index and computes its softmax numerator; the sum is folded in slot
 // order through shuffles (the CPU's order), so the weights are written by all lanes at once.
 // Slots of earlier blocks (k > 32 only) are recomputed from the indices the same lanes wrote.
-template <class Logit, class ExpertScale, class StoreWeight>
-__device__ __forceinline__ void warp_topk_softmax(Logit logit, int64_t E, int k, ExpertScale expert_scale,
+template <class Logit, class Numerator, class Finish, class StoreWeight>
+__device__ __forceinline__ void warp_topk_weights(Logit logit, int64_t E, int k, Numerator numerator, Finish finish,
                                                   int32_t* indices, StoreWeight store_weight) {
   const int lane = threadIdx.x & 31;
   // 0 is below every key (a key's high word is never 0), so it stands for "no expert".
@@ -84,7 +88,7 @@ __device__ __forceinline__ void warp_topk_softmax(Logit logit, int64_t E, int k,
     }
     // Slot 0 holds the largest logit (a NaN there propagates, as on the CPU).
     if (block == 0) max_logit = key_logit(__shfl_sync(0xffffffffu, mine, 0));
-    const float p = lane < in_block ? expf(__fsub_rn(key_logit(mine), max_logit)) : 0.0f;
+    const float p = lane < in_block ? numerator(key_logit(mine), max_logit) : 0.0f;
     for (int j = 0; j < in_block; ++j) sum = __fadd_rn(sum, __shfl_sync(0xffffffffu, p, j));
     if (lane < in_block) indices[block * 32 + lane] = key_expert(mine);
   }
@@ -96,13 +100,47 @@ __device__ __forceinline__ void warp_topk_softmax(Logit logit, int64_t E, int k,
     float p;
     if (block == last_block) {
       e = key_expert(mine);
-      p = expf(__fsub_rn(key_logit(mine), max_logit));
+      p = numerator(key_logit(mine), max_logit);
     } else {
       e = indices[slot];  // written by this lane above
-      p = expf(__fsub_rn(logit(e), max_logit));
+      p = numerator(logit(e), max_logit);
     }
-    store_weight(slot, __fmul_rn(__fdiv_rn(p, sum), expert_scale(e)));
+    store_weight(slot, finish(e, p, sum));
   }
+}
+
+// The Qwen3-MoE router's top-k (RouterKind::softmax_topk, mlx-lm qwen3_moe): p = softmax over the
+// token's E logits (fp32, exp * 1/sum), each rounded by round_p (to the logits' dtype); top-k by p;
+// weights p (renormalize: round_p(p / round_p(sum of the k)), as mlx-lm's bf16 ops round).
+// The lanes stride over E for the max and the sum (shuffle reductions). A NaN logit is skipped by
+// the max but makes its exponential, the sum and so every p NaN (the CPU's result).
+template <class Logit, class RoundP, class StoreWeight>
+__device__ __forceinline__ void warp_softmax_topk(Logit logit, int64_t E, int k, bool renormalize, RoundP round_p,
+                                                  int32_t* indices, StoreWeight store_weight) {
+  const int lane = threadIdx.x & 31;
+  float max_logit = -INFINITY;
+  for (int64_t e = lane; e < E; e += 32) max_logit = fmaxf(max_logit, logit(e));
+  for (int off = 16; off > 0; off >>= 1) max_logit = fmaxf(max_logit, __shfl_xor_sync(0xffffffffu, max_logit, off));
+  float sum = 0.0f;
+  for (int64_t e = lane; e < E; e += 32) sum = __fadd_rn(sum, expf(__fsub_rn(logit(e), max_logit)));
+  for (int off = 16; off > 0; off >>= 1) sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, off));
+  const float inv_sum = __fdiv_rn(1.0f, sum);
+  warp_topk_weights(
+      [&](int64_t e) { return round_p(__fmul_rn(expf(__fsub_rn(logit(e), max_logit)), inv_sum)); }, E, k,
+      [](float p, float) { return p; },
+      [&](int32_t, float p, float k_sum) { return renormalize ? round_p(__fdiv_rn(p, round_p(k_sum))) : p; },
+      indices, store_weight);
+}
+
+// The Gemma 4 router's top-k (spec gemma4-moe.md 5): top-k by logit, softmax over the k, times
+// per_expert_scale (expert_scale(e) -> float).
+template <class Logit, class ExpertScale, class StoreWeight>
+__device__ __forceinline__ void warp_topk_softmax(Logit logit, int64_t E, int k, ExpertScale expert_scale,
+                                                  int32_t* indices, StoreWeight store_weight) {
+  warp_topk_weights(
+      logit, E, k, [](float s, float s0) { return expf(__fsub_rn(s, s0)); },
+      [&](int32_t e, float p, float sum) { return __fmul_rn(__fdiv_rn(p, sum), expert_scale(e)); }, indices,
+      store_weight);
 }
 
 }  // namespace expertqmm::cuda::device
