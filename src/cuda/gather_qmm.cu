@@ -102,8 +102,13 @@ device::QuantView quant_view(const detail::GatherQmmProblem& p) {
 device::QuantView quant_view(const QuantizedWeight& w, int64_t K) {
   device::QuantView q;
   q.w = w.w.data_as<const uint32_t>();
-  q.scales = w.scales.data_as<const uint16_t>();
-  q.biases = w.biases.data_as<const uint16_t>();
+  if (w.mode != QuantMode::affine) {
+    q.fp_scales = w.scales.data_as<const uint8_t>();
+    q.fp_mode = static_cast<int>(w.mode);
+  } else {
+    q.scales = w.scales.data_as<const uint16_t>();
+    q.biases = w.biases.data_as<const uint16_t>();
+  }
   q.words_per_row = static_cast<int>(K * w.bits / 32);
   q.groups_per_row = static_cast<int>(K / w.group_size);
   q.group_shift = log2_of(w.group_size);
