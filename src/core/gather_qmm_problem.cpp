@@ -111,13 +111,17 @@ void check_quantized(const char* op, const Tensor& w, const Tensor& scales, cons
   EXPERTQMM_CHECK(w.device() == scales.device(), op, "w and scales must be on one device");
 }
 
+void check_global_scale(const char* op, QuantMode mode, const Tensor& global_scale) {
+  if (!global_scale.defined()) return;
+  EXPERTQMM_CHECK(mode == QuantMode::nvfp4, op, "a global scale is only supported for mode nvfp4, got mode ",
+                  quant_mode_name(mode));
+  EXPERTQMM_CHECK(global_scale.dtype() == DType::f32 && global_scale.numel() == 1, op,
+                  "the global scale must be a float32 scalar, got ", global_scale.describe());
+}
+
 void check_quantized_weight(const char* op, const QuantizedWeight& q) {
   check_quantized(op, q.w, q.scales, q.biases, q.group_size, q.bits, q.mode);
-  if (!q.global_scale.defined()) return;
-  EXPERTQMM_CHECK(q.mode == QuantMode::nvfp4, op, "a global scale is only supported for mode nvfp4, got mode ",
-                  quant_mode_name(q.mode));
-  EXPERTQMM_CHECK(q.global_scale.dtype() == DType::f32 && q.global_scale.numel() == 1, op,
-                  "the global scale must be a float32 scalar, got ", q.global_scale.describe());
+  check_global_scale(op, q.mode, q.global_scale);
 }
 
 Tensor cast_floating(const Tensor& t, DType to) {

@@ -76,7 +76,9 @@ inline void check_quantized_triple(const char* op, const Tensor& w, const Tensor
                                    const Tensor& biases, int group_size, int bits) {
   check_quantized(op, w, scales, biases, group_size, bits, QuantMode::affine);
 }
-// check_quantized on q's fields, and q's global scale (nvfp4 only: a float32 scalar).
+// An optional global scale: nvfp4 only, a float32 scalar.
+void check_global_scale(const char* op, QuantMode mode, const Tensor& global_scale);
+// check_quantized on q's fields, and check_global_scale on q's.
 void check_quantized_weight(const char* op, const QuantizedWeight& q);
 void check_quant_params(const char* op, QuantMode mode, int bits, int group_size);
 inline void check_bits_group(const char* op, int bits, int group_size) {

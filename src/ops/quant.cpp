@@ -14,12 +14,7 @@ QuantizedWeight quantize(const Tensor& w, QuantSpec spec) {
                   "unknown rounding flavour ", static_cast<int>(spec.rounding));
   EXPERTQMM_CHECK(spec.mode == QuantMode::affine || spec.rounding == Rounding::cpu, kOp, "mode ",
                   quant_mode_name(spec.mode), " has one quantizer (MLX's CPU one): Rounding::gpu is affine only");
-  if (spec.global_scale.defined()) {
-    EXPERTQMM_CHECK(spec.mode == QuantMode::nvfp4, kOp, "a global scale is only supported for mode nvfp4, got mode ",
-                    quant_mode_name(spec.mode));
-    EXPERTQMM_CHECK(spec.global_scale.dtype() == DType::f32 && spec.global_scale.numel() == 1, kOp,
-                    "the global scale must be a float32 scalar, got ", spec.global_scale.describe());
-  }
+  detail::check_global_scale(kOp, spec.mode, spec.global_scale);
   EXPERTQMM_CHECK(w.defined(), kOp, "w is undefined");
   EXPERTQMM_CHECK(is_floating(w.dtype()), kOp, "w must be bfloat16, float16 or float32, got ", w.describe());
   EXPERTQMM_CHECK(w.ndim() >= 2, kOp, "w must have at least 2 dims [..., N, K], got ", w.describe());
