@@ -141,8 +141,12 @@ TEST(CheckpointMlxConfig, QuantizationEntriesAsMlxLmHonoursThem) {
   EXPECT_EQ(g128.quant_for("model.layers.0.router.proj", 2816).bits, 8);  // its override
   expect_error([] {
     parse_gemma4_config("{" + text_keys() + R"(, "quantization": {"group_size": 64, "bits": 4,
-        "model.layers.0.mlp.up_proj": {"bits": 4, "mode": "nvfp4"}}})", "c.json");
-  }, {"c.json", "model.layers.0.mlp.up_proj", "nvfp4"});
+        "model.layers.0.mlp.up_proj": {"bits": 4, "group_size": 32, "mode": "nvfp4"}}})", "c.json");
+  }, {"c.json", "model.layers.0.mlp.up_proj", "mode \"nvfp4\" takes bits=4 and group_size=16 only"});
+  expect_error([] {
+    parse_gemma4_config("{" + text_keys() + R"(, "quantization": {"group_size": 64, "bits": 4, "mode": "fp4"}})",
+                        "c.json");
+  }, {"c.json", "unknown quantization mode \"fp4\""});
   expect_error([] {
     parse_gemma4_config("{" + text_keys() + R"(, "quantization": {"group_size": 64, "bits": 4,
         "model.layers.0.mlp.up_proj": [4]}})", "c.json");

@@ -226,6 +226,9 @@ TEST_F(Cli, BadOptionsGiveOneLineAndExitCode2) {
       {"write-checkpoint --preset tiny", "--out DIR is required"},
       {"write-checkpoint --out /nonexistent/x --preset big", "--preset expects gemma4-26b-a4b, tiny, qwen3-30b-a3b or qwen3-tiny, got 'big'"},
       {"info --verbose", "expertqmm info: unknown option --verbose"},
+      {"run --preset tiny --tokens 3 --quant fp4", "--quant expects affine, mxfp4, mxfp8 or nvfp4, got 'fp4'"},
+      {"write-checkpoint --out /nonexistent/x --quant mxfp4 --group-size 64",
+       "--group-size: mode mxfp4 has one group size (32)"},
   };
   for (const Case& c : cases) {
     Result r = run_cli(c.args);
@@ -251,6 +254,29 @@ TEST_F(Cli, WriteCheckpointWithGroupSize128LeavesExpertsDownIn16Bit) {
   Result bad = run_cli("write-checkpoint --preset tiny --group-size 48 --out " + dir);
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.output.find("--group-size expects 32, 64 or 128, got '48'"), std::string::npos) << bad.output;
+  std::system(("rm -rf '" + dir + "'").c_str());
+}
+
+// --quant: the experts in each of MLX's modes, run and checked against the float64 reference
+// (which decodes the fp codes itself), and a checkpoint whose config.json carries the mode.
+TEST_F(Cli, QuantModesRunAndWriteCheckpoints) {
+  for (const char* mode : {"affine", "mxfp4", "mxfp8", "nvfp4"}) {
+    Result r = run_cli(std::string("run --preset tiny --tokens 8 --backend cpu --quant ") + mode);
+    EXPECT_EQ(r.exit_code, 0) << mode << "\n" << r.output;
+    EXPECT_EQ(field(r.output, "status"), "PASS") << r.output;
+    EXPECT_EQ(field(r.output, "quant").rfind(mode, 0), 0u) << r.output;
+  }
+  EXPECT_EQ(field(run_cli("run --preset tiny --tokens 2 --backend cpu --quant nvfp4").output, "quant"), "nvfp4 4-bit g16");
+  char dir_template[] = "/tmp/expertqmm_cli_ckpt_XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  Result w = run_cli("write-checkpoint --preset tiny --layers 1 --quant mxfp8 --out " + dir);
+  ASSERT_EQ(w.exit_code, 0) << w.output;
+  EXPECT_NE(read_file(dir + "/config.json").find("\"group_size\": 32, \"bits\": 8, \"mode\": \"mxfp8\""),
+            std::string::npos);
+  const expertqmm::Gemma4FfnWeights layer = expertqmm::Gemma4Checkpoint::open(dir).layer(0);
+  EXPECT_EQ(layer.moe.experts.gate.mode, expertqmm::QuantMode::mxfp8);
+  EXPECT_EQ(layer.moe.router.proj.mode, expertqmm::QuantMode::affine);  // its 8-bit g64 entry
   std::system(("rm -rf '" + dir + "'").c_str());
 }
 

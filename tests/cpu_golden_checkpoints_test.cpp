@@ -123,11 +123,34 @@ TEST(GoldenCheckpoints, OneExpertTopOne) {
   test::expect_ffn_matches_mlx(ck, "gemma4_one_expert_ffn.safetensors", 2);
 }
 
+// quantize_model(mode="mxfp4") with per-module modes: the experts' gate and up mxfp4 (the default),
+// their down_proj nvfp4, the dense MLP mxfp8 (a dict with only "mode"), router.proj affine 8-bit
+// (a dict without "mode"); uint8 scales, no biases; the layer against mlx-lm's own outputs.
+TEST(GoldenCheckpoints, FpQuantizationModesPerModule) {
+  const Gemma4Checkpoint ck = open_golden_ckpt("gemma4_fp_modes");
+  EXPECT_EQ(ck.config().default_quant.mode, QuantMode::mxfp4);
+  const Gemma4FfnWeights w = ck.layer(0);
+  const std::pair<const QuantizedWeight*, QuantMode> expected[] = {
+      {&w.moe.experts.gate, QuantMode::mxfp4}, {&w.moe.experts.up, QuantMode::mxfp4},
+      {&w.moe.experts.down, QuantMode::nvfp4}, {&w.mlp.gate.quantized, QuantMode::mxfp8},
+      {&w.mlp.down.quantized, QuantMode::mxfp8}, {&w.moe.router.proj, QuantMode::affine}};
+  for (const auto& [q, mode] : expected) {
+    ASSERT_TRUE(q->defined());
+    EXPECT_EQ(q->mode, mode) << quant_mode_name(mode);
+    EXPECT_EQ(q->bits, mode == QuantMode::affine ? 8 : quant_mode_bits(mode));
+    EXPECT_EQ(q->group_size, mode == QuantMode::affine ? 64 : quant_mode_group_size(mode));
+    EXPECT_EQ(q->scales.dtype(), mode == QuantMode::affine ? DType::bf16 : DType::u8);
+    EXPECT_EQ(q->biases.defined(), mode == QuantMode::affine);
+  }
+  test::expect_ffn_matches_mlx(ck, "gemma4_fp_modes_ffn.safetensors", 2);
+}
+
 // T = 0: MLX 0.32.4's CPU cannot run mlx-lm's layer on it (its quantized_matmul stops the process
 // with SIGFPE on zero rows: router.proj and the dense MLP), while gather_qmm and the dense router
 // give the empty shapes; gemma4_ffn returns [0, H] in h's dtype for every golden checkpoint.
 TEST(GoldenCheckpoints, ZeroTokensGiveAnEmptyOutput) {
-  for (const char* name : {"gemma4_tiny", "gemma4_dense_mlp", "gemma4_mixed_bits", "gemma4_bf16_down", "gemma4_one_expert"}) {
+  for (const char* name : {"gemma4_tiny", "gemma4_dense_mlp", "gemma4_mixed_bits", "gemma4_bf16_down", "gemma4_one_expert",
+                           "gemma4_fp_modes"}) {
     const Gemma4Checkpoint ck = open_golden_ckpt(name);
     const int64_t H = ck.config().hidden_size;
     const Gemma4FfnWeights w = ck.layer(0);

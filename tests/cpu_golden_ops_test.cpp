@@ -45,11 +45,14 @@ Tensor optional_tensor(const SafetensorsFile& f, const std::string& name) {
   return f.has(name) ? f.get(name) : Tensor();
 }
 
-QuantizedWeight load_quantized(const SafetensorsFile& f, const std::string& prefix, int bits, int group_size) {
+QuantizedWeight load_quantized(const SafetensorsFile& f, const std::string& prefix, int bits, int group_size,
+                               QuantMode mode = QuantMode::affine) {
   QuantizedWeight q;
   EXPECT_NO_FATAL_FAILURE(test::golden_tensor(f, prefix + ".w", &q.w));
   EXPECT_NO_FATAL_FAILURE(test::golden_tensor(f, prefix + ".scales", &q.scales));
-  EXPECT_NO_FATAL_FAILURE(test::golden_tensor(f, prefix + ".biases", &q.biases));
+  if (mode == QuantMode::affine) EXPECT_NO_FATAL_FAILURE(test::golden_tensor(f, prefix + ".biases", &q.biases));
+  else EXPECT_FALSE(f.has(prefix + ".biases")) << prefix << ": mode " << quant_mode_name(mode) << " has no biases";
+  q.mode = mode;
   q.bits = bits;
   q.group_size = group_size;
   return q;
@@ -92,7 +95,9 @@ TEST(CpuGoldenOps, GatherQmmMatchesMlx) {
   SafetensorsFile f;
   ASSERT_NO_FATAL_FAILURE(test::open_golden("ops_gather_qmm.safetensors", &f));
   const std::vector<test::GoldenCase> cases = test::golden_cases(f);
-  ASSERT_EQ(cases.size(), 26u) << "the generator writes 8 shape cases and 18 bits x group cases";
+  ASSERT_EQ(cases.size(), 38u)
+      << "the generator writes 8 shape cases, 18 bits x group cases and 4 cases per fp mode (mxfp4, mxfp8, nvfp4)";
+  std::map<std::string, int> per_mode;
   for (const test::GoldenCase& c : cases) {
     SCOPED_TRACE("case " + c.name);
     const std::string p = "gqmm." + c.name + ".";
@@ -100,7 +105,11 @@ TEST(CpuGoldenOps, GatherQmmMatchesMlx) {
     ASSERT_NO_FATAL_FAILURE(test::golden_tensor(f, p + "x", &x));
     ASSERT_NO_FATAL_FAILURE(test::golden_tensor(f, p + "out", &out_mlx));
     ASSERT_NO_FATAL_FAILURE(test::golden_tensor(f, p + "out_f32", &out_mlx_f32));
-    const QuantizedWeight q = load_quantized(f, "gqmm." + c.name, c.int_param("bits"), c.int_param("group_size"));
+    QuantMode mode;
+    ASSERT_TRUE(parse_quant_mode(c.params.at("mode"), &mode)) << c.params.at("mode");
+    ++per_mode[c.params.at("mode")];
+    const QuantizedWeight q =
+        load_quantized(f, "gqmm." + c.name, c.int_param("bits"), c.int_param("group_size"), mode);
     const Tensor lhs = optional_tensor(f, p + "lhs"), rhs = optional_tensor(f, p + "rhs");
     const bool transpose = c.int_param("transpose") != 0, sorted_indices = c.int_param("sorted_indices") != 0;
     const Tensor out = gather_qmm(x, q, lhs, rhs, transpose, sorted_indices);
@@ -113,6 +122,7 @@ TEST(CpuGoldenOps, GatherQmmMatchesMlx) {
     ASSERT_EQ(out32.dtype(), DType::f32);
     EXPECT_LE(rel_error(out32, out_mlx_f32), kF32SameMath);
   }
+  EXPECT_EQ(per_mode, (std::map<std::string, int>{{"affine", 26}, {"mxfp4", 4}, {"mxfp8", 4}, {"nvfp4", 4}}));
 }
 
 class CpuGoldenGemma4 : public ::testing::Test {

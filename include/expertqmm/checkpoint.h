@@ -18,10 +18,15 @@
 
 namespace expertqmm {
 
-// An MLX affine quantization setting; bits == 0 means "not quantized" (a `false` override).
+// An MLX quantization setting (mode, bits, group size); bits == 0 means "not quantized" (a
+// `false` override).
 struct QuantSetting {
+  QuantSetting() = default;
+  QuantSetting(int bits_, int group_size_, QuantMode mode_ = QuantMode::affine)
+      : bits(bits_), group_size(group_size_), mode(mode_) {}
   int bits = 0;
   int group_size = 0;
+  QuantMode mode = QuantMode::affine;
   bool quantized() const { return bits != 0; }
 };
 

@@ -8,17 +8,15 @@ namespace expertqmm {
 
 // mx.gather_qmm. x [*Bx, M, K]; w [*Bw, N, K*bits/32] (transpose) or [*Bw, K, N*bits/32];
 // lhs_indices / rhs_indices: integer arrays of flat batch indices (undefined = arange over the
-// batch), broadcast together to S. Output S + [M, N] in promote(x, scales) dtype.
-// `sorted_indices` is a promise that is checked, never trusted.
+// batch), broadcast together to S. Output S + [M, N] in promote(x, scales) dtype (affine) or x's
+// dtype (fp modes: scales uint8, biases undefined, as MLX). `sorted_indices` is a promise that is
+// checked, never trusted. A global scale (nvfp4) is refused: MLX 0.32 runs it on the GPU only.
 Tensor gather_qmm(const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor& biases,
                   const Tensor& lhs_indices, const Tensor& rhs_indices, bool transpose,
-                  int group_size, int bits, bool sorted_indices = false);
-inline Tensor gather_qmm(const Tensor& x, const QuantizedWeight& q, const Tensor& lhs_indices,
-                         const Tensor& rhs_indices, bool transpose = true,
-                         bool sorted_indices = false) {
-  return gather_qmm(x, q.w, q.scales, q.biases, lhs_indices, rhs_indices, transpose,
-                    q.group_size, q.bits, sorted_indices);
-}
+                  int group_size, int bits, bool sorted_indices = false,
+                  QuantMode mode = QuantMode::affine);
+Tensor gather_qmm(const Tensor& x, const QuantizedWeight& q, const Tensor& lhs_indices,
+                  const Tensor& rhs_indices, bool transpose = true, bool sorted_indices = false);
 
 // mx.gather_mm, the unquantized form (mlx-lm's SwitchLinear when experts stay 16-bit). a [*Ba, M, K];
 // b [*Bb, K, N], any strides (mlx-lm passes weight.swapaxes(-1, -2) of an [E, N, K] weight);

@@ -1,46 +1,79 @@
-// MLX affine quantization: codes in uint32 words, one scale and bias per group of `group_size`
-// consecutive values along the last axis. Spec: shared/spec/mlx-semantics.md section 1.
+// MLX quantization (mx.quantize's four modes). Codes in uint32 words along the last axis, one scale
+// (and, for affine, one bias) per group of `group_size` consecutive values.
+// Spec: shared/spec/mlx-semantics.md section 1 (affine); docs/numerics.md "fp modes" (mxfp4, mxfp8,
+// nvfp4: E2M1 / E4M3 values, E8M0 / E4M3 scales).
 #pragma once
+#include <string>
+
 #include "expertqmm/tensor.h"
 
 namespace expertqmm {
 
 // The two MLX quantizers (spec 1.3). They differ only on all-negative groups and exact .5 ties.
+// Affine only: the fp modes have one quantizer (MLX's CPU one).
 enum class Rounding : uint8_t {
   cpu,  // exact min/max, std::rint (ties to even): MLX's CPU backend
   gpu,  // w_max starts at 0, round half away from zero: MLX's Metal and CUDA backends
 };
 
-struct QuantSpec {
-  int bits = 4;         // 2, 3, 4, 5, 6 or 8
-  int group_size = 64;  // 32, 64 or 128
-  Rounding rounding = Rounding::cpu;
+// mx.quantize's `mode`. Each fp mode has one bits and one group size (quant_mode_bits/_group_size).
+enum class QuantMode : uint8_t {
+  affine,  // bits 2..8, group 32/64/128; scales and biases in the weight's float dtype
+  mxfp4,   // E2M1 values, group 32, uint8 E8M0 scales (2^(s-127)), no biases
+  mxfp8,   // E4M3 values, group 32, uint8 E8M0 scales, no biases
+  nvfp4,   // E2M1 values, group 16, uint8 E4M3 scales, no biases; optional float32 global scale
 };
+
+const char* quant_mode_name(QuantMode mode);                // "affine", "mxfp4", ... (MLX's strings)
+bool parse_quant_mode(const std::string& name, QuantMode* mode);  // false for an unknown name
+int quant_mode_bits(QuantMode mode);                        // mxfp8: 8, other fp modes: 4, affine: 4 (default)
+int quant_mode_group_size(QuantMode mode);                  // nvfp4: 16, mx modes: 32, affine: 64 (default)
+
+struct QuantSpec {
+  QuantSpec(int bits_ = 4, int group_size_ = 64, Rounding rounding_ = Rounding::cpu,
+            QuantMode mode_ = QuantMode::affine)
+      : bits(bits_), group_size(group_size_), rounding(rounding_), mode(mode_) {}
+  int bits = 4;         // affine: 2, 3, 4, 5, 6 or 8; fp modes: quant_mode_bits(mode)
+  int group_size = 64;  // affine: 32, 64 or 128; fp modes: quant_mode_group_size(mode)
+  Rounding rounding = Rounding::cpu;
+  QuantMode mode = QuantMode::affine;
+  Tensor global_scale;  // nvfp4 only, optional: float32 scalar (MLX's global_scale)
+};
+// The spec MLX uses for `mode` when bits and group_size are not given.
+QuantSpec default_quant_spec(QuantMode mode);
 
 // A quantized weight as MLX stores it, for w of logical shape [..., N, K]:
 //   w      [..., N, K*bits/32] uint32, LSB-first bit stream per row
-//   scales [..., N, K/group_size] in the float dtype of the original weight
-//   biases [..., N, K/group_size] same dtype as scales
+//   scales [..., N, K/group_size]: affine: the float dtype of the original weight; fp modes: uint8
+//   biases [..., N, K/group_size] same dtype as scales (affine); undefined for the fp modes
+//   global_scale: nvfp4 only, optional float32 scalar
 struct QuantizedWeight {
   Tensor w;
   Tensor scales;
   Tensor biases;
   int bits = 4;
   int group_size = 64;
+  QuantMode mode = QuantMode::affine;
+  Tensor global_scale;
   bool defined() const { return w.defined(); }
 };
 
-bool valid_bits(int bits);
-bool valid_group_size(int group_size);
+bool valid_bits(int bits);              // affine
+bool valid_group_size(int group_size);  // affine
+// Whether (mode, bits, group_size) is a combination MLX accepts.
+bool valid_quant_params(QuantMode mode, int bits, int group_size);
 
-// mx.quantize(w, group_size, bits, mode="affine"), with the chosen backend flavour of rounding.
+// mx.quantize(w, group_size, bits, mode, global_scale); affine with the chosen flavour of rounding.
 QuantizedWeight quantize(const Tensor& w, QuantSpec spec = {});
 
-// mx.dequantize: s*q + b, output in the dtype of scales, shape [..., N, K].
+// mx.dequantize (affine): s*q + b, output in the dtype of scales, shape [..., N, K].
 Tensor dequantize(const Tensor& w, const Tensor& scales, const Tensor& biases, int group_size,
                   int bits);
+// mx.dequantize(..., mode, global_scale, dtype) for any mode, output in `dtype`.
+Tensor dequantize(const QuantizedWeight& q, DType dtype);
+// MLX's default output dtype: the scales' dtype (affine), bfloat16 (fp modes).
 inline Tensor dequantize(const QuantizedWeight& q) {
-  return dequantize(q.w, q.scales, q.biases, q.group_size, q.bits);
+  return dequantize(q, q.mode == QuantMode::affine ? q.scales.dtype() : DType::bf16);
 }
 
 }  // namespace expertqmm

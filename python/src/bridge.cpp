@@ -23,10 +23,11 @@ DType dtype_of(const nb::dlpack::dtype& d) {
   if (code == C::Bfloat && d.bits == 16) return DType::bf16;
   if (code == C::UInt && d.bits == 32) return DType::u32;
   if (code == C::Int && d.bits == 32) return DType::i32;
+  if (code == C::UInt && d.bits == 8) return DType::u8;  // the scales of MLX's fp quantization modes
   if (code == C::UInt && d.bits == 16) return DType::bf16;  // only reached with dtype="bfloat16" (checked below)
   static const char* names[] = {"int", "uint", "float", "opaque", "bfloat", "complex", "bool"};
   throw Error(kOp, detail::cat("unsupported element type ", d.code < 7 ? names[d.code] : "code?", int(d.bits),
-                               "; expertqmm takes bfloat16, float16, float32, uint32 and int32"));
+                               "; expertqmm takes bfloat16, float16, float32, uint32, int32 and uint8"));
 }
 
 nb::dlpack::dtype dlpack_of(DType t) {
@@ -38,6 +39,7 @@ nb::dlpack::dtype dlpack_of(DType t) {
     case DType::f32: return make(C::Float, 32);
     case DType::u32: return make(C::UInt, 32);
     case DType::i32: return make(C::Int, 32);
+    case DType::u8: return make(C::UInt, 8);
   }
   throw Error(kOp, "unknown dtype");
 }
@@ -45,9 +47,9 @@ nb::dlpack::dtype dlpack_of(DType t) {
 }  // namespace
 
 DType parse_dtype(const std::string& name, const char* op) {
-  for (DType t : {DType::bf16, DType::f16, DType::f32, DType::u32, DType::i32})
+  for (DType t : {DType::bf16, DType::f16, DType::f32, DType::u32, DType::i32, DType::u8})
     if (name == dtype_name(t)) return t;
-  throw Error(op, "unknown dtype '" + name + "' (bfloat16, float16, float32, uint32, int32)");
+  throw Error(op, "unknown dtype '" + name + "' (bfloat16, float16, float32, uint32, int32, uint8)");
 }
 
 PyTensor PyTensor::wrap(nb::handle obj, const std::optional<std::string>& dtype, bool writable) {

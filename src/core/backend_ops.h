@@ -21,7 +21,7 @@ namespace expertqmm::detail {
 // does, in mlx-lm's order, so the composition reads as the spec).
 #define EXPERTQMM_BACKEND_OPS(X)                                                                           \
   X(QuantizedWeight, quantize, (const Tensor& w, QuantSpec spec))                                          \
-  X(Tensor, dequantize, (const Tensor& w, const Tensor& scales, const Tensor& biases, int group_size, int bits)) \
+  X(Tensor, dequantize, (const QuantizedWeight& q, DType dtype))                                          \
   X(Tensor, gather_qmm, (const detail::GatherQmmProblem& p))                                              \
   X(Tensor, gather_mm, (const detail::GatherMmProblem& p))                                                \
   X(SortedRows, gather_sort, (const Tensor& x, const Tensor& indices))                                     \

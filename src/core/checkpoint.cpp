@@ -62,26 +62,36 @@ int64_t positive_int(const json::Value& obj, const char* key, const std::string&
   return static_cast<int64_t>(u);
 }
 
-// {"group_size": g, "bits": b} (extra keys allowed, "mode" must be affine when present). A
-// per-module entry may omit either: mlx-lm passes the dict to to_quantized, whose affine
-// defaults are group 64, 4 bits; the top-level default must have both (mlx-lm indexes them).
+// {"group_size": g, "bits": b, "mode": m} (extra keys allowed). mode defaults to "affine" (mlx-lm:
+// quantization.get("mode", "affine"); a per-module dict goes to to_quantized, whose mode default is
+// affine too, whatever the top level says). A per-module entry may omit bits or group_size: the
+// mode's defaults fill them (affine 4 / 64, mxfp4 4 / 32, mxfp8 8 / 32, nvfp4 4 / 16); the
+// top-level default must have both (mlx-lm indexes them).
 QuantSetting quant_setting(const json::Value& obj, const std::string& file, const std::string& key,
                            bool module_entry) {
   const std::string where = "quantization \"" + key + "\": ";
+  QuantMode mode = QuantMode::affine;
+  if (const json::Value* m = obj.find("mode"))
+    if (!m->is_string() || !parse_quant_mode(m->as_string(), &mode))
+      fail(file, where + "unknown quantization mode " +
+                     (m->is_string() ? "\"" + m->as_string() + "\"" : "(not a string)") +
+                     " (MLX: \"affine\", \"mxfp4\", \"mxfp8\", \"nvfp4\")");
   auto int_or_default = [&](const char* name, int fallback) {
     if (module_entry && !obj.find(name)) return fallback;
     return static_cast<int>(positive_int(obj, name, file, where));  // <= kMaxConfigInt: fits int
   };
   QuantSetting q;
-  q.bits = int_or_default("bits", 4);
-  q.group_size = int_or_default("group_size", 64);
-  if (!valid_bits(q.bits) || !valid_group_size(q.group_size))
-    fail(file, detail::cat(where, "unknown quantization bits=", q.bits, " group_size=", q.group_size,
-                           " (MLX affine: bits 2, 3, 4, 5, 6, 8; group_size 32, 64, 128)"));
-  if (const json::Value* mode = obj.find("mode"))
-    if (!mode->is_string() || mode->as_string() != "affine")
-      fail(file, where + "unsupported quantization mode " +
-                     (mode->is_string() ? "\"" + mode->as_string() + "\"" : "(not a string)") + "; only affine");
+  q.mode = mode;
+  q.bits = int_or_default("bits", quant_mode_bits(mode));
+  q.group_size = int_or_default("group_size", quant_mode_group_size(mode));
+  if (!valid_quant_params(mode, q.bits, q.group_size)) {
+    if (mode == QuantMode::affine)
+      fail(file, detail::cat(where, "unknown quantization bits=", q.bits, " group_size=", q.group_size,
+                             " (MLX affine: bits 2, 3, 4, 5, 6, 8; group_size 32, 64, 128)"));
+    fail(file, detail::cat(where, "mode \"", quant_mode_name(mode), "\" takes bits=", quant_mode_bits(mode),
+                           " and group_size=", quant_mode_group_size(mode), " only; got bits=", q.bits,
+                           " group_size=", q.group_size));
+  }
   return q;
 }
 
@@ -313,10 +323,13 @@ std::string Gemma4Config::to_json() const {
   if (quantized) {
     for (const char* key : {"quantization", "quantization_config"}) {
       s << ",\n  \"" << key << "\": {\"group_size\": " << default_quant.group_size
-        << ", \"bits\": " << default_quant.bits << ", \"mode\": \"affine\"";
+        << ", \"bits\": " << default_quant.bits << ", \"mode\": \"" << quant_mode_name(default_quant.mode) << "\"";
       for (const auto& [path, q] : overrides) {
         s << ",\n    " << json::quote(path) << ": ";
-        if (q.quantized())
+        if (q.quantized() && q.mode != QuantMode::affine)  // a module dict without "mode" is affine
+          s << "{\"group_size\": " << q.group_size << ", \"bits\": " << q.bits << ", \"mode\": \""
+            << quant_mode_name(q.mode) << "\"}";
+        else if (q.quantized())
           s << "{\"group_size\": " << q.group_size << ", \"bits\": " << q.bits << "}";
         else
           s << "false";
@@ -457,9 +470,9 @@ QuantSetting Gemma4Checkpoint::module_quant(const std::string& module, int64_t i
     fail(file_of(has(sname) ? sname : bname), "tensor '" + (has(sname) ? sname : bname) +
                                                   "' is present but config.json has no \"quantization\"");
   const Tensor w = tensor(wname), scales = tensor(sname);
-  if (!is_floating(scales.dtype()))
+  if (!is_floating(scales.dtype()) && scales.dtype() != DType::u8)
     fail(file_of(sname), "tensor '" + sname + "' is " + dtype_name(scales.dtype()) +
-                             ": only MLX affine quantization (float scales) is supported");
+                             ": MLX scales are a float type (affine) or uint8 (mxfp4, mxfp8, nvfp4)");
   if (w.ndim() < 2 || scales.ndim() < 2 || scales.size(-1) == 0 || in_features % scales.size(-1) != 0 ||
       (w.size(-1) * 32) % in_features != 0)
     fail(file_of(wname), detail::cat("tensors '", wname, "' ", shape_of(w.dtype(), w.shape()), " and '", sname, "' ",
@@ -468,6 +481,17 @@ QuantSetting Gemma4Checkpoint::module_quant(const std::string& module, int64_t i
   QuantSetting qs;
   qs.group_size = static_cast<int>(in_features / scales.size(-1));
   qs.bits = static_cast<int>(w.size(-1) * 32 / in_features);
+  if (scales.dtype() == DType::u8) {
+    // mlx-lm's infer_quant_config: uint8 scales are an fp mode, told apart by (bits, group_size).
+    for (QuantMode m : {QuantMode::nvfp4, QuantMode::mxfp4, QuantMode::mxfp8})
+      if (valid_quant_params(m, qs.bits, qs.group_size)) qs.mode = m;
+    if (qs.mode == QuantMode::affine)
+      fail(file_of(wname), detail::cat("tensors '", wname, "' ", shape_of(w.dtype(), w.shape()), " and '", sname,
+                                       "' ", shape_of(scales.dtype(), scales.shape()), " give bits=", qs.bits,
+                                       " group_size=", qs.group_size, " with uint8 scales: not an MLX fp mode "
+                                       "(mxfp4: 4 / 32, mxfp8: 8 / 32, nvfp4: 4 / 16)"));
+    return qs;
+  }
   if (!valid_bits(qs.bits) || !valid_group_size(qs.group_size))
     fail(file_of(wname), detail::cat("tensors '", wname, "' ", shape_of(w.dtype(), w.shape()), " and '", sname, "' ",
                                      shape_of(scales.dtype(), scales.shape()), " give bits=", qs.bits,
@@ -493,11 +517,29 @@ QuantizedWeight Gemma4Checkpoint::load_quantized(const std::string& module, int6
   QuantizedWeight q;
   q.bits = bits;
   q.group_size = gs;
+  q.mode = qs.mode;
   q.w = tensor(wname);
   if (q.w.dtype() != DType::u32 || q.w.shape() != wshape)
     fail(wfile, detail::cat("tensor '", wname, "': expected ", shape_of(DType::u32, wshape), " (bits=", bits,
                             " group_size=", gs, "), got ", shape_of(q.w.dtype(), q.w.shape())));
+  if (has(module + ".global_scale"))
+    fail(file_of(module + ".global_scale"), "tensor '" + module + ".global_scale': nvfp4 global scales are not "
+                                            "supported (MLX 0.32 runs gather_qmm with one on the GPU only)");
   q.scales = tensor(sname);
+  if (qs.mode != QuantMode::affine) {
+    if (q.scales.dtype() != DType::u8 || q.scales.shape() != gshape)
+      fail(file_of(sname), detail::cat("tensor '", sname, "': expected ", shape_of(DType::u8, gshape), " (mode ",
+                                       quant_mode_name(qs.mode), " bits=", bits, " group_size=", gs, "), got ",
+                                       shape_of(q.scales.dtype(), q.scales.shape())));
+    if (has(bname))
+      fail(file_of(bname), detail::cat("tensor '", bname, "' is present but mode ", quant_mode_name(qs.mode),
+                                       " has no biases"));
+    return q;
+  }
+  if (q.scales.dtype() == DType::u8)
+    fail(file_of(sname), detail::cat("tensor '", sname, "' is uint8 (the scales of an MLX fp mode: mxfp4, mxfp8, "
+                                     "nvfp4) but config.json quantizes '", module, "' as affine (bits=", bits,
+                                     " group_size=", gs, ")"));
   q.biases = tensor(bname);
   for (const auto& [name, t] : {std::pair<std::string, Tensor>{sname, q.scales}, {bname, q.biases}})
     if (!is_floating(t.dtype()) || t.shape() != gshape)

@@ -15,6 +15,7 @@
 #include "core/float16.h"
 #include "core/json.h"
 #include "core/staged_dir.h"
+#include "core/synthetic_fp.h"
 #include "expertqmm/checkpoint.h"
 #include "expertqmm/error.h"
 
@@ -51,12 +52,13 @@ Tensor bf16_tensor(const std::vector<float>& v, const Shape& shape) {
   return t;
 }
 
-// [E..., N, K] quantized with random codes; scale ±(0.01 + 0.002 n) * magnitude, bias = -scale *
-// middle code.
+// [E..., N, K] quantized with random codes. Affine: scale ±(0.01 + 0.002 n) * magnitude, bias =
+// -scale * middle code; fp modes: detail::finish_synthetic_fp's scales (magnitude not applied: its
+// E8M0 / E4M3 scales give weights of about 0.01 to 0.05), no biases.
 QuantizedWeight random_quantized(int64_t experts, int64_t N, int64_t K, QuantSetting qs, uint64_t seed,
                                  double magnitude) {
-  EXPERTQMM_CHECK(valid_bits(qs.bits) && valid_group_size(qs.group_size), kOp, "bits ", qs.bits, " / group_size ",
-                  qs.group_size, " is not an MLX affine pair");
+  EXPERTQMM_CHECK(valid_quant_params(qs.mode, qs.bits, qs.group_size), kOp, "bits ", qs.bits, " / group_size ",
+                  qs.group_size, " is not an MLX ", quant_mode_name(qs.mode), " pair");
   EXPERTQMM_CHECK(K % qs.group_size == 0 && (K * qs.bits) % 32 == 0, kOp, "K=", K,
                   " is not a multiple of group_size ", qs.group_size, " and of 32/bits");
   Shape wshape, gshape;
@@ -66,6 +68,7 @@ QuantizedWeight random_quantized(int64_t experts, int64_t N, int64_t K, QuantSet
   QuantizedWeight q;
   q.bits = qs.bits;
   q.group_size = qs.group_size;
+  q.mode = qs.mode;
   q.w = Tensor::empty(wshape, DType::u32);
   SplitMix64 words{seed};
   uint32_t* w = q.w.data_as<uint32_t>();
@@ -77,6 +80,11 @@ QuantizedWeight random_quantized(int64_t experts, int64_t N, int64_t K, QuantSet
   }
   if (n % 2) w[n - 1] = uint32_t(words.next());
   const int64_t groups = shape_numel(gshape);
+  if (qs.mode != QuantMode::affine) {
+    q.scales = Tensor::empty(gshape, DType::u8);
+    detail::finish_synthetic_fp(qs.mode, w, n, q.scales.data_as<uint8_t>(), groups, seed);
+    return q;
+  }
   q.scales = Tensor::empty(gshape, DType::bf16);
   q.biases = Tensor::empty(gshape, DType::bf16);
   SplitMix64 g{seed ^ 0x5bf03635f0b4f3a1ull};
@@ -131,7 +139,7 @@ void add_module(NamedTensors& out, const std::string& base, const std::string& n
   if (q.defined()) {
     out.push_back({base + name + ".weight", q.w});
     out.push_back({base + name + ".scales", q.scales});
-    out.push_back({base + name + ".biases", q.biases});
+    if (q.biases.defined()) out.push_back({base + name + ".biases", q.biases});  // affine only
   } else {
     out.push_back({base + name + ".weight", dense});
   }
@@ -198,6 +206,7 @@ const char* st_dtype(DType t) {
     case DType::f32: return "F32";
     case DType::u32: return "U32";
     case DType::i32: return "I32";
+    case DType::u8: return "U8";
   }
   return "?";
 }

@@ -11,6 +11,7 @@ size_t dtype_size(DType t) {
     case DType::f32:
     case DType::u32:
     case DType::i32: return 4;
+    case DType::u8: return 1;
   }
   throw Error("dtype_size", "unknown dtype");
 }
@@ -22,6 +23,7 @@ const char* dtype_name(DType t) {
     case DType::f32: return "float32";
     case DType::u32: return "uint32";
     case DType::i32: return "int32";
+    case DType::u8: return "uint8";
   }
   return "unknown";
 }

@@ -64,25 +64,41 @@ Tensor to_index_tensor(const std::vector<int64_t>& v, Device device) {
 }
 }  // namespace
 
-void check_bits_group(const char* op, int bits, int group_size) {
-  EXPERTQMM_CHECK(valid_bits(bits), op, "bits must be one of 2, 3, 4, 5, 6, 8; got bits=", bits);
-  EXPERTQMM_CHECK(valid_group_size(group_size), op,
-                  "group_size must be one of 32, 64, 128; got group_size=", group_size);
+void check_quant_params(const char* op, QuantMode mode, int bits, int group_size) {
+  if (mode == QuantMode::affine) {
+    EXPERTQMM_CHECK(valid_bits(bits), op, "bits must be one of 2, 3, 4, 5, 6, 8; got bits=", bits);
+    EXPERTQMM_CHECK(valid_group_size(group_size), op,
+                    "group_size must be one of 32, 64, 128; got group_size=", group_size);
+    return;
+  }
+  EXPERTQMM_CHECK(mode == QuantMode::mxfp4 || mode == QuantMode::mxfp8 || mode == QuantMode::nvfp4, op,
+                  "unknown quantization mode ", static_cast<int>(mode));
+  EXPERTQMM_CHECK(valid_quant_params(mode, bits, group_size), op, "mode ", quant_mode_name(mode),
+                  " takes bits=", quant_mode_bits(mode), " and group_size=", quant_mode_group_size(mode),
+                  " only; got bits=", bits, " group_size=", group_size);
 }
 
-void check_quantized_triple(const char* op, const Tensor& w, const Tensor& scales, const Tensor& biases,
-                            int group_size, int bits) {
-  check_bits_group(op, bits, group_size);
+void check_quantized(const char* op, const Tensor& w, const Tensor& scales, const Tensor& biases,
+                     int group_size, int bits, QuantMode mode) {
+  check_quant_params(op, mode, bits, group_size);
   EXPERTQMM_CHECK(w.defined(), op, "w is undefined");
   EXPERTQMM_CHECK(scales.defined(), op, "scales are undefined");
-  EXPERTQMM_CHECK(biases.defined(), op, "biases are required for affine quantization");
   EXPERTQMM_CHECK(w.dtype() == DType::u32, op, "w must be uint32, got ", w.describe());
   EXPERTQMM_CHECK(w.ndim() >= 2, op, "w must have at least 2 dims, got ", w.describe());
-  EXPERTQMM_CHECK(is_floating(scales.dtype()), op, "scales must be a float type, got ", scales.describe());
-  EXPERTQMM_CHECK(biases.dtype() == scales.dtype(), op, "biases dtype ", dtype_name(biases.dtype()),
-                  " differs from scales dtype ", dtype_name(scales.dtype()));
-  EXPERTQMM_CHECK(scales.shape() == biases.shape(), op, "scales ", shape_str(scales.shape()),
-                  " and biases ", shape_str(biases.shape()), " must have the same shape");
+  if (mode == QuantMode::affine) {
+    EXPERTQMM_CHECK(biases.defined(), op, "biases are required for affine quantization");
+    EXPERTQMM_CHECK(is_floating(scales.dtype()), op, "scales must be a float type, got ", scales.describe());
+    EXPERTQMM_CHECK(biases.dtype() == scales.dtype(), op, "biases dtype ", dtype_name(biases.dtype()),
+                    " differs from scales dtype ", dtype_name(scales.dtype()));
+    EXPERTQMM_CHECK(scales.shape() == biases.shape(), op, "scales ", shape_str(scales.shape()),
+                    " and biases ", shape_str(biases.shape()), " must have the same shape");
+    EXPERTQMM_CHECK(w.device() == biases.device(), op, "w, scales and biases must be on one device");
+  } else {
+    EXPERTQMM_CHECK(!biases.defined(), op, "mode ", quant_mode_name(mode), " has no biases, got ",
+                    biases.describe());
+    EXPERTQMM_CHECK(scales.dtype() == DType::u8, op, "mode ", quant_mode_name(mode),
+                    " needs uint8 scales, got ", scales.describe());
+  }
   EXPERTQMM_CHECK(scales.ndim() == w.ndim(), op, "scales ", shape_str(scales.shape()), " and w ",
                   shape_str(w.shape()), " must have the same rank");
   for (int i = 0; i < w.ndim() - 1; ++i)
@@ -92,8 +108,20 @@ void check_quantized_triple(const char* op, const Tensor& w, const Tensor& scale
                   " holds ", w.size(-1) * 32 / bits, " values per row (bits=", bits, ") but scales ",
                   shape_str(scales.shape()), " cover ", scales.size(-1) * group_size,
                   " (group_size=", group_size, ")");
-  EXPERTQMM_CHECK(w.device() == scales.device() && w.device() == biases.device(), op,
-                  "w, scales and biases must be on one device");
+  EXPERTQMM_CHECK(w.device() == scales.device(), op, "w and scales must be on one device");
+}
+
+void check_global_scale(const char* op, QuantMode mode, const Tensor& global_scale) {
+  if (!global_scale.defined()) return;
+  EXPERTQMM_CHECK(mode == QuantMode::nvfp4, op, "a global scale is only supported for mode nvfp4, got mode ",
+                  quant_mode_name(mode));
+  EXPERTQMM_CHECK(global_scale.dtype() == DType::f32 && global_scale.numel() == 1, op,
+                  "the global scale must be a float32 scalar, got ", global_scale.describe());
+}
+
+void check_quantized_weight(const char* op, const QuantizedWeight& q) {
+  check_quantized(op, q.w, q.scales, q.biases, q.group_size, q.bits, q.mode);
+  check_global_scale(op, q.mode, q.global_scale);
 }
 
 Tensor cast_floating(const Tensor& t, DType to) {
@@ -192,8 +220,8 @@ GatherBatch make_gather_batch(const char* op, const Tensor& x, DType dtype, cons
 GatherQmmProblem make_gather_qmm_problem(const Tensor& x, const Tensor& w, const Tensor& scales,
                                          const Tensor& biases, const Tensor& lhs_indices,
                                          const Tensor& rhs_indices, bool transpose, int group_size,
-                                         int bits, bool sorted_indices) {
-  check_quantized_triple(kOp, w, scales, biases, group_size, bits);
+                                         int bits, bool sorted_indices, QuantMode mode) {
+  check_quantized(kOp, w, scales, biases, group_size, bits, mode);
   EXPERTQMM_CHECK(x.defined(), kOp, "x is undefined");
   EXPERTQMM_CHECK(is_floating(x.dtype()), kOp, "x must be a float type, got ", x.describe());
   EXPERTQMM_CHECK(x.ndim() >= 2, kOp, "x must have at least 2 dims [..., M, K], got ", x.describe());
@@ -203,6 +231,7 @@ GatherQmmProblem make_gather_qmm_problem(const Tensor& x, const Tensor& w, const
   GatherQmmProblem p;
   p.bits = bits;
   p.group_size = group_size;
+  p.mode = mode;
   p.transpose = transpose;
   p.sorted_indices = sorted_indices;
   p.device = x.device();
@@ -222,7 +251,8 @@ GatherQmmProblem make_gather_qmm_problem(const Tensor& x, const Tensor& w, const
   EXPERTQMM_CHECK((transpose ? p.K : p.N) % group_size == 0, kOp, transpose ? "K=" : "N=",
                   transpose ? p.K : p.N, " is not a multiple of group_size=", group_size);
 
-  p.dtype = promote_floating(x.dtype(), scales.dtype());
+  // MLX: affine promotes x with the scales; the fp modes compute in x's dtype.
+  p.dtype = mode == QuantMode::affine ? promote_floating(x.dtype(), scales.dtype()) : x.dtype();
   GatherBatch g = make_gather_batch(kOp, x, p.dtype, Shape(w.shape().begin(), w.shape().end() - 2), lhs_indices,
                                     rhs_indices);
   p.batch = std::move(g.batch);
@@ -236,13 +266,18 @@ GatherQmmProblem make_gather_qmm_problem(const Tensor& x, const Tensor& w, const
   p.lhs_is_identity = g.lhs_is_identity;
   p.rhs_is_identity = g.rhs_is_identity;
   p.w = w.contiguous();
-  p.scales = cast_floating(scales, p.dtype).contiguous();
-  p.biases = cast_floating(biases, p.dtype).contiguous();
+  if (mode == QuantMode::affine) {
+    p.scales = cast_floating(scales, p.dtype).contiguous();
+    p.biases = cast_floating(biases, p.dtype).contiguous();
+  } else {
+    p.scales = scales.contiguous();
+  }
   return p;
 }
 
 std::string GatherQmmProblem::describe() const {
-  return cat("gather_qmm problem {M=", M, " N=", N, " K=", K, " bits=", bits, " group_size=", group_size,
+  return cat("gather_qmm problem {M=", M, " N=", N, " K=", K, " mode=", quant_mode_name(mode), " bits=", bits,
+             " group_size=", group_size,
              " transpose=", transpose, " sorted_indices=", sorted_indices, " batch=", shape_str(batch),
              " x_batch=", x_batch, " w_batch(E)=", w_batch, " dtype=", dtype_name(dtype),
              " device=", device_name(device), " x=", x.describe(), " w=", w.describe(), "}");

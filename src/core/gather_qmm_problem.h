@@ -3,6 +3,7 @@
 #pragma once
 #include <string>
 
+#include "expertqmm/quant.h"
 #include "expertqmm/tensor.h"
 
 namespace expertqmm::detail {
@@ -10,17 +11,19 @@ namespace expertqmm::detail {
 struct GatherQmmProblem {
   int64_t M = 0, N = 0, K = 0;  // out[b] = x[lhs[b]] (M x K) @ dequant(w[rhs[b]])^T (K x N)
   int bits = 4, group_size = 64;
+  QuantMode mode = QuantMode::affine;  // fp modes: scales uint8, biases undefined
   bool transpose = true;        // w is [E, N, K*bits/32] (true) or [E, K, N*bits/32] (false)
   bool sorted_indices = false;  // the caller's promise; backends must stay correct if it is false
   Shape batch;                  // S: broadcast shape of the index arrays; output is S + [M, N]
   int64_t B = 0;                // numel(S)
   int64_t x_batch = 0;          // number of [M, K] matrices in x (prod of x's batch dims)
   int64_t w_batch = 0;          // E: number of weight matrices
-  DType dtype = DType::bf16;    // activation = output dtype (x, scales, biases promoted to it)
+  DType dtype = DType::bf16;    // activation = output dtype (affine: promote(x, scales); fp: x's)
   Device device = Device::cpu;
 
   // Operands, all on `device`. x: the x_batch matrices, each [M, K] row-major, x_batch_stride
-  // elements apart. w, scales, biases: contiguous, scales/biases in `dtype`.
+  // elements apart. w, scales, biases: contiguous; affine: scales/biases in `dtype`; fp modes:
+  // scales uint8 codes (E8M0 or E4M3) and no biases.
   Tensor x;
   int64_t x_batch_stride = 0;
   Tensor w, scales, biases;
@@ -62,12 +65,25 @@ GatherBatch make_gather_batch(const char* op, const Tensor& x, DType dtype, cons
 GatherQmmProblem make_gather_qmm_problem(const Tensor& x, const Tensor& w, const Tensor& scales,
                                          const Tensor& biases, const Tensor& lhs_indices,
                                          const Tensor& rhs_indices, bool transpose, int group_size,
-                                         int bits, bool sorted_indices);
+                                         int bits, bool sorted_indices, QuantMode mode = QuantMode::affine);
 
-// Shared checks for quantized-weight triples (used by quantize/dequantize/gather_qmm).
-void check_quantized_triple(const char* op, const Tensor& w, const Tensor& scales,
-                            const Tensor& biases, int group_size, int bits);
-void check_bits_group(const char* op, int bits, int group_size);
+// Shared checks for quantized weights (used by quantize/dequantize/gather_qmm and the layers):
+// shapes, dtypes (affine: float scales and biases of one dtype; fp modes: uint8 scales, no
+// biases), devices, and the (mode, bits, group_size) combination.
+void check_quantized(const char* op, const Tensor& w, const Tensor& scales, const Tensor& biases,
+                     int group_size, int bits, QuantMode mode);
+inline void check_quantized_triple(const char* op, const Tensor& w, const Tensor& scales,
+                                   const Tensor& biases, int group_size, int bits) {
+  check_quantized(op, w, scales, biases, group_size, bits, QuantMode::affine);
+}
+// An optional global scale: nvfp4 only, a float32 scalar.
+void check_global_scale(const char* op, QuantMode mode, const Tensor& global_scale);
+// check_quantized on q's fields, and check_global_scale on q's.
+void check_quantized_weight(const char* op, const QuantizedWeight& q);
+void check_quant_params(const char* op, QuantMode mode, int bits, int group_size);
+inline void check_bits_group(const char* op, int bits, int group_size) {
+  check_quant_params(op, QuantMode::affine, bits, group_size);
+}
 
 // Casts a float tensor to another float dtype (any device; device tensors go through the host).
 Tensor cast_floating(const Tensor& t, DType to);

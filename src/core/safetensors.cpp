@@ -38,7 +38,7 @@ struct DTypeName {
   DType dtype;
 };
 constexpr DTypeName kDTypes[] = {
-    {"BF16", DType::bf16}, {"F16", DType::f16}, {"F32", DType::f32}, {"U32", DType::u32}, {"I32", DType::i32}};
+    {"BF16", DType::bf16}, {"F16", DType::f16}, {"F32", DType::f32}, {"U32", DType::u32}, {"I32", DType::i32}, {"U8", DType::u8}};
 
 const char* safetensors_dtype_name(DType t) {
   for (const DTypeName& d : kDTypes)
@@ -128,7 +128,7 @@ SafetensorsFile SafetensorsFile::open(const std::string& path) {
         known = true;
       }
     if (!known)
-      fail_tensor(path, name, "unsupported dtype '" + dtype->as_string() + "' (supported: BF16, F16, F32, U32, I32)");
+      fail_tensor(path, name, "unsupported dtype '" + dtype->as_string() + "' (supported: BF16, F16, F32, U32, I32, U8)");
 
     if (!shape->is_array()) fail_tensor(path, name, "'shape' must be an array of non-negative integers");
     if (shape->items().size() > kMaxRank)

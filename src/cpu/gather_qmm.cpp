@@ -3,7 +3,9 @@
 //   out[b] = x[lhs[b]] (M x K) @ dequant(w[rhs[b]])   (K x N)   (transpose = false)
 // Weights are dequantized in fp32 as float(s) * q + float(b) (never rounded to the activation
 // dtype, like MLX's CPU _qmm_t_simd), products are accumulated in fp32 in increasing k, and each
-// output is rounded once to p.dtype.
+// output is rounded once to p.dtype. The fp modes (mxfp4, mxfp8, nvfp4) read each weight as its
+// E2M1 / E4M3 value times the group's decoded scale (exact in fp32; MLX's CPU fp_qmm_t with T=float
+// sums x * value per group and multiplies by the scale once: the same products, another order).
 #include <cstring>
 #include <vector>
 
@@ -11,6 +13,7 @@
 #include "cpu/cpu_backend.h"
 #include "cpu/elements.h"
 #include "cpu/gathered_matmul.h"
+#include "cpu/quantize_fp.h"
 
 namespace expertqmm::cpu {
 
@@ -54,13 +57,38 @@ void dequantize_matrix(const detail::GatherQmmProblem& p, const uint32_t* w, con
   }
 }
 
+// dequantize_matrix for the fp modes: scales are uint8 codes, one per group.
+void dequantize_fp_matrix(const detail::GatherQmmProblem& p, const uint32_t* w, const uint8_t* scales, int64_t e,
+                          std::vector<float>& w_nk) {
+  const int64_t rows = p.transpose ? p.N : p.K;
+  const int64_t row_values = p.transpose ? p.K : p.N;
+  const int64_t row_words = p.w_row_words();
+  const int64_t groups = p.groups_per_row();
+  w_nk.assign(static_cast<size_t>(p.N * p.K), 0.f);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint32_t* words = w + (e * rows + r) * row_words;
+    const uint8_t* s = scales + (e * rows + r) * groups;
+    for (int64_t c = 0; c < row_values; ++c) {
+      const float value = fp_weight(p.mode, words, c, s[c / p.group_size]);
+      const int64_t n = p.transpose ? r : c;
+      const int64_t k = p.transpose ? c : r;
+      w_nk[n * p.K + k] = value;
+    }
+  }
+}
 
 }  // namespace
 
 Tensor gather_qmm(const detail::GatherQmmProblem& p) {
+  const uint32_t* w = p.w.data_as<const uint32_t>();
+  if (p.mode != QuantMode::affine) {
+    const uint8_t* scales = p.scales.data_as<const uint8_t>();
+    return gathered_matmul(p, [&](int64_t e, std::vector<float>& w_nk) {
+      dequantize_fp_matrix(p, w, scales, e, w_nk);
+    });
+  }
   const std::vector<float> scales = to_f32(p.scales);
   const std::vector<float> biases = to_f32(p.biases);
-  const uint32_t* w = p.w.data_as<const uint32_t>();
   return gathered_matmul(p, [&](int64_t e, std::vector<float>& w_nk) {
     dequantize_matrix(p, w, scales.data(), biases.data(), e, w_nk);
   });

@@ -1,4 +1,5 @@
-// CPU reference of MLX affine quantize / dequantize (spec shared/spec/mlx-semantics.md 1.2-1.4).
+// CPU reference of MLX affine quantize / dequantize (spec shared/spec/mlx-semantics.md 1.2-1.4);
+// the fp modes are in quantize_fp.cpp.
 //
 // Layout, for w of shape [..., N, K] viewed as R = numel / K rows:
 //   w        (R, K) bf16/f16/f32, row-major
@@ -16,39 +17,13 @@
 
 #include "core/float16.h"
 #include "cpu/cpu_backend.h"
+#include "cpu/elements.h"
+#include "cpu/quantize_fp.h"
 #include "expertqmm/error.h"
 
 namespace expertqmm::cpu {
 
 namespace {
-
-float load_float(const void* base, DType t, int64_t i) {
-  switch (t) {
-    case DType::bf16: return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
-    case DType::f16: return f16_to_float(static_cast<const uint16_t*>(base)[i]);
-    case DType::f32: return static_cast<const float*>(base)[i];
-    default: throw Error("quantize", detail::cat("not a float dtype: ", dtype_name(t)));
-  }
-}
-
-// Stores v rounded to nearest even in dtype t.
-void store_float(void* base, DType t, int64_t i, float v) {
-  switch (t) {
-    case DType::bf16: static_cast<uint16_t*>(base)[i] = float_to_bf16(v); return;
-    case DType::f16: static_cast<uint16_t*>(base)[i] = float_to_f16(v); return;
-    case DType::f32: static_cast<float*>(base)[i] = v; return;
-    default: throw Error("quantize", detail::cat("not a float dtype: ", dtype_name(t)));
-  }
-}
-
-// v rounded to dtype t and widened back to fp32.
-float round_to(DType t, float v) {
-  switch (t) {
-    case DType::bf16: return round_to_bf16(v);
-    case DType::f16: return f16_to_float(float_to_f16(v));
-    default: return v;
-  }
-}
 
 // The product rounded to fp32 before anything else uses it: keeps -ffp-contract from fusing it
 // with the following add into an FMA, which MLX's separate multiply and add kernels never do.
@@ -139,6 +114,7 @@ uint32_t get_code(const uint32_t* row, int64_t i, int bits) {
 }  // namespace
 
 QuantizedWeight quantize(const Tensor& w_in, QuantSpec spec) {
+  if (spec.mode != QuantMode::affine) return quantize_fp(w_in, spec);
   const Tensor w = w_in.contiguous();
   const int bits = spec.bits, gs = spec.group_size;
   const int64_t K = w.size(-1);
@@ -163,12 +139,12 @@ QuantizedWeight quantize(const Tensor& w_in, QuantSpec spec) {
     uint32_t* row = q.w.data_as<uint32_t>() + r * row_words;
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t first = r * K + g * gs;
-      for (int j = 0; j < gs; ++j) group[j] = load_float(w.data(), w.dtype(), first + j);
+      for (int j = 0; j < gs; ++j) group[j] = load_float("quantize", w.data(), w.dtype(), first + j);
       const GroupAffine a = spec.rounding == Rounding::cpu ? group_affine_cpu(group.data(), gs, n_bins)
                                                            : group_affine_gpu(group.data(), gs, n_bins);
       for (int j = 0; j < gs; ++j) put_code(row, g * gs + j, bits, code_of(group[j], a, n_bins, spec.rounding));
-      store_float(q.scales.data(), w.dtype(), r * groups + g, a.scale);
-      store_float(q.biases.data(), w.dtype(), r * groups + g, a.bias);
+      store_float("quantize", q.scales.data(), w.dtype(), r * groups + g, a.scale);
+      store_float("quantize", q.biases.data(), w.dtype(), r * groups + g, a.bias);
     }
   }
   return q;
@@ -176,9 +152,11 @@ QuantizedWeight quantize(const Tensor& w_in, QuantSpec spec) {
 
 // MLX on a CPU stream (ops.cpp dequantize fallback): multiply(codes, scales) in the scales dtype,
 // then add(biases) in that dtype: T(T(q * s) + b), each op in fp32 then rounded to T.
-Tensor dequantize(const Tensor& w_in, const Tensor& scales_in, const Tensor& biases_in, int group_size,
-                  int bits) {
-  const Tensor w = w_in.contiguous(), scales = scales_in.contiguous(), biases = biases_in.contiguous();
+// The fp modes: dequantize_fp (quantize_fp.cpp). Affine ignores `dtype` (the front casts).
+Tensor dequantize(const QuantizedWeight& q, DType dtype) {
+  if (q.mode != QuantMode::affine) return dequantize_fp(q, dtype);
+  const int group_size = q.group_size, bits = q.bits;
+  const Tensor w = q.w.contiguous(), scales = q.scales.contiguous(), biases = q.biases.contiguous();
   const DType t = scales.dtype();
   const int64_t row_words = w.size(-1);
   const int64_t K = row_words * 32 / bits;
@@ -191,12 +169,12 @@ Tensor dequantize(const Tensor& w_in, const Tensor& scales_in, const Tensor& bia
   for (int64_t r = 0; r < rows; ++r) {
     const uint32_t* row = w.data_as<uint32_t>() + r * row_words;
     for (int64_t g = 0; g < groups; ++g) {
-      const float s = load_float(scales.data(), t, r * groups + g);
-      const float b = load_float(biases.data(), t, r * groups + g);
+      const float s = load_float("dequantize", scales.data(), t, r * groups + g);
+      const float b = load_float("dequantize", biases.data(), t, r * groups + g);
       for (int64_t i = g * group_size; i < (g + 1) * group_size; ++i) {
         const float q = static_cast<float>(get_code(row, i, bits));
-        const float scaled = round_to(t, rounded_product(q, s));
-        store_float(out.data(), t, r * K + i, scaled + b);
+        const float scaled = round_as(rounded_product(q, s), t);
+        store_float("dequantize", out.data(), t, r * K + i, scaled + b);
       }
     }
   }

@@ -74,7 +74,7 @@ Tensor project(const Tensor& r, const RouterWeights& router) {
     const QuantizedWeight& q = router.proj;
     detail::GatherQmmProblem p = detail::make_gather_qmm_problem(
         r, q.w, q.scales, q.biases, Tensor(), Tensor(), /*transpose=*/true, q.group_size, q.bits,
-        /*sorted_indices=*/false);
+        /*sorted_indices=*/false, q.mode);
     return gather_qmm(p);
   }
   const int64_t T = r.size(0), H = r.size(1), E = router.proj_dense.size(0);

@@ -42,15 +42,25 @@ bool check_problem(const detail::GatherQmmProblem& p, const void* out) {
   EXPERTQMM_CHECK(is_floating(p.dtype), kOp, "activation dtype must be a float type, got ", dtype_name(p.dtype));
   if (p.B == 0 || p.M == 0 || p.N == 0) return false;
   EXPERTQMM_CHECK(out != nullptr, kOp, "output pointer is null for ", p.describe());
-  EXPERTQMM_CHECK(p.x.device() == Device::cuda && p.w.device() == Device::cuda &&
-                      p.scales.device() == Device::cuda && p.biases.device() == Device::cuda,
-                  kOp, "operands must be on cuda: ", p.describe());
-  EXPERTQMM_CHECK(p.x.dtype() == p.dtype && p.scales.dtype() == p.dtype && p.biases.dtype() == p.dtype, kOp,
-                  "x ", p.x.describe(), ", scales ", p.scales.describe(), " and biases must be in dtype ",
-                  dtype_name(p.dtype));
-  EXPERTQMM_CHECK(p.w.dtype() == DType::u32 && p.w.is_contiguous() && p.scales.is_contiguous() &&
-                      p.biases.is_contiguous(),
-                  kOp, "w must be contiguous uint32 and scales/biases contiguous: ", p.describe());
+  if (p.mode != QuantMode::affine) {  // uint8 scale codes, no biases
+    EXPERTQMM_CHECK(p.x.device() == Device::cuda && p.w.device() == Device::cuda && p.scales.device() == Device::cuda,
+                    kOp, "operands must be on cuda: ", p.describe());
+    EXPERTQMM_CHECK(p.x.dtype() == p.dtype && p.scales.dtype() == DType::u8 && !p.biases.defined(), kOp, "x ",
+                    p.x.describe(), " must be in dtype ", dtype_name(p.dtype), " and mode ", quant_mode_name(p.mode),
+                    " needs uint8 scales ", p.scales.describe(), " and no biases");
+    EXPERTQMM_CHECK(p.w.dtype() == DType::u32 && p.w.is_contiguous() && p.scales.is_contiguous(), kOp,
+                    "w must be contiguous uint32 and scales contiguous: ", p.describe());
+  } else {
+    EXPERTQMM_CHECK(p.x.device() == Device::cuda && p.w.device() == Device::cuda &&
+                        p.scales.device() == Device::cuda && p.biases.device() == Device::cuda,
+                    kOp, "operands must be on cuda: ", p.describe());
+    EXPERTQMM_CHECK(p.x.dtype() == p.dtype && p.scales.dtype() == p.dtype && p.biases.dtype() == p.dtype, kOp,
+                    "x ", p.x.describe(), ", scales ", p.scales.describe(), " and biases must be in dtype ",
+                    dtype_name(p.dtype));
+    EXPERTQMM_CHECK(p.w.dtype() == DType::u32 && p.w.is_contiguous() && p.scales.is_contiguous() &&
+                        p.biases.is_contiguous(),
+                    kOp, "w must be contiguous uint32 and scales/biases contiguous: ", p.describe());
+  }
   if (!p.lhs_is_identity) check_index_tensor(kOp, p.lhs, "lhs", p.B);
   if (!p.rhs_is_identity) check_index_tensor(kOp, p.rhs, "rhs", p.B);
   return true;
@@ -76,8 +86,13 @@ int device_sm_count() {
 device::QuantView quant_view(const detail::GatherQmmProblem& p) {
   device::QuantView q;
   q.w = static_cast<const uint32_t*>(p.w.data());
-  q.scales = static_cast<const uint16_t*>(p.scales.data());
-  q.biases = static_cast<const uint16_t*>(p.biases.data());
+  if (p.mode != QuantMode::affine) {
+    q.fp_scales = static_cast<const uint8_t*>(p.scales.data());
+    q.fp_mode = static_cast<int>(p.mode);
+  } else {
+    q.scales = static_cast<const uint16_t*>(p.scales.data());
+    q.biases = static_cast<const uint16_t*>(p.biases.data());
+  }
   q.words_per_row = static_cast<int>(p.w_row_words());
   q.groups_per_row = static_cast<int>(p.groups_per_row());
   q.group_shift = log2_of(p.group_size);
@@ -87,8 +102,13 @@ device::QuantView quant_view(const detail::GatherQmmProblem& p) {
 device::QuantView quant_view(const QuantizedWeight& w, int64_t K) {
   device::QuantView q;
   q.w = w.w.data_as<const uint32_t>();
-  q.scales = w.scales.data_as<const uint16_t>();
-  q.biases = w.biases.data_as<const uint16_t>();
+  if (w.mode != QuantMode::affine) {
+    q.fp_scales = w.scales.data_as<const uint8_t>();
+    q.fp_mode = static_cast<int>(w.mode);
+  } else {
+    q.scales = w.scales.data_as<const uint16_t>();
+    q.biases = w.biases.data_as<const uint16_t>();
+  }
   q.words_per_row = static_cast<int>(K * w.bits / 32);
   q.groups_per_row = static_cast<int>(K / w.group_size);
   q.group_shift = log2_of(w.group_size);
@@ -117,6 +137,7 @@ detail::GatherQmmProblem single_matrix_problem(const void* x, int64_t T, int64_t
   p.K = K;
   p.bits = q.bits;
   p.group_size = q.group_size;
+  p.mode = q.mode;
   p.transpose = true;
   p.sorted_indices = false;
   p.batch = {};
@@ -129,7 +150,7 @@ detail::GatherQmmProblem single_matrix_problem(const void* x, int64_t T, int64_t
   p.x_batch_stride = T * K;
   p.w = q.w.contiguous();
   p.scales = scales.defined() ? scales : q.scales.contiguous();
-  p.biases = biases.defined() ? biases : q.biases.contiguous();
+  if (q.mode == QuantMode::affine) p.biases = biases.defined() ? biases : q.biases.contiguous();
   p.lhs_is_identity = true;
   p.rhs_is_identity = true;
   return p;

@@ -1,6 +1,8 @@
 // qmv: the decode route of gather_qmm (MLX gather_qmv numerics): for each problem row, every
 // output column is a dot product of the row of x with one dequantized weight row, computed as
 // sum over chunks of s * sum(x * q) + b * sum(x) in fp32, never rounding the dequantized weight.
+// The fp modes (kFp: 1 mxfp4 / mxfp8, E8M0 scales, group 32; 2 nvfp4, E4M3 scales, group 16) sum
+// s * sum(x * v) per group, v the E2M1 / E4M3 value (device::fp_word_dot), no bias term.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -51,18 +53,22 @@ struct QmvArgs {
 // One lane's weights for a batch: kQmvChunksPerLane chunks of each of the warp's 4 columns, with
 // the scale and bias of each chunk's group. Columns past N and chunks past the row read nothing and
 // hold zero codes, scale and bias, so they add exactly 0.
-template <class T, int kVecWords>
+// Scales per chunk: one, except nvfp4's 16-value groups under a 32-value chunk (two).
+constexpr int scales_per_chunk(int fp, int vals_per_chunk) { return fp == 2 && vals_per_chunk > 16 ? vals_per_chunk / 16 : 1; }
+
+template <class T, int kVecWords, int kFp = 0, int kScales = 1>
 struct QmvBatch {
   uint32_t words[kQmvChunksPerLane][kQmvColsPerWarp][kVecWords];
-  float scale[kQmvChunksPerLane][kQmvColsPerWarp];
+  float scale[kQmvChunksPerLane][kQmvColsPerWarp][kScales];
   float bias[kQmvChunksPerLane][kQmvColsPerWarp];
 
   // chunk0: the lane's first chunk of this batch; consecutive chunks of a lane are chunk_stride apart.
   // w_col0, scale_col0, bias_col0: column col0's weight row and its first scale and bias; the
   // warp's other columns follow at words_per_row / groups_per_row strides.
+  // fp_col0 (fp modes; scale_col0 and bias_col0 are then null): column col0's uint8 scale codes.
   __device__ __forceinline__ void load(const QmvArgs& a, const uint32_t* w_col0, const uint16_t* scale_col0,
-                                       const uint16_t* bias_col0, int cols_left, int chunk0, int chunk_stride,
-                                       int vals_per_chunk) {
+                                       const uint16_t* bias_col0, const uint8_t* fp_col0, int cols_left, int chunk0,
+                                       int chunk_stride, int vals_per_chunk) {
 #pragma unroll
     for (int it = 0; it < kQmvChunksPerLane; ++it) {
       const int c = chunk0 + it * chunk_stride;
@@ -80,12 +86,23 @@ struct QmvBatch {
           } else {
             words[it][i][0] = __ldg(src);
           }
-          scale[it][i] = Elem<T>::raw_to_float(__ldg(scale_col0 + i * a.q.groups_per_row + group));
-          bias[it][i] = Elem<T>::raw_to_float(__ldg(bias_col0 + i * a.q.groups_per_row + group));
+          if constexpr (kFp != 0) {
+            const uint8_t* fp_col = fp_col0 + i * a.q.groups_per_row;  // E4M3 (nvfp4) or E8M0 codes
+#pragma unroll
+            for (int s = 0; s < kScales; ++s) {
+              const uint8_t code = __ldg(fp_col + ((c * vals_per_chunk + 16 * s) >> a.q.group_shift));
+              scale[it][i][s] = kFp == 2 ? e4m3_value(code) : e8m0_value(code);
+            }
+            bias[it][i] = 0.f;
+          } else {
+            scale[it][i][0] = Elem<T>::raw_to_float(__ldg(scale_col0 + i * a.q.groups_per_row + group));
+            bias[it][i] = Elem<T>::raw_to_float(__ldg(bias_col0 + i * a.q.groups_per_row + group));
+          }
         } else {
 #pragma unroll
           for (int v = 0; v < kVecWords; ++v) words[it][i][v] = 0u;
-          scale[it][i] = 0.f;
+#pragma unroll
+          for (int s = 0; s < kScales; ++s) scale[it][i][s] = 0.f;
           bias[it][i] = 0.f;
         }
       }
@@ -108,9 +125,10 @@ struct QmvBatch {
 // only then stage x (its loads overlap the weights'), then the math. Later batches (K beyond
 // 64 chunks per slice) load and compute in turn. Lanes reduce with xor shuffles; with
 // k_split > 1 the slices meet in shared memory.
-template <class T, int kBits, int kVecWords>
+template <class T, int kBits, int kVecWords, int kFp>
 __global__ void __launch_bounds__(kQmvThreads, kQmvMinCtasPerSm) qmv_kernel(QmvArgs a) {
   constexpr int kValsPerChunk = kVecWords * (32 / kBits);
+  constexpr int kScales = scales_per_chunk(kFp, kValsPerChunk);
   constexpr int kUnit = kValsPerChunk < kQmvStageVals ? kValsPerChunk : kQmvStageVals;  // values per staged unit
   constexpr int kUnitsPerChunk = kValsPerChunk / kUnit;
   extern __shared__ __align__(16) float qmv_smem[];
@@ -140,14 +158,17 @@ __global__ void __launch_bounds__(kQmvThreads, kQmvMinCtasPerSm) qmv_kernel(QmvA
   const int cols_left = a.N - col0;  // may be <= 0: the warp then loads nothing
   const int64_t col_row = expert * a.N + col0;  // (expert, col0) as a row of w / scales / biases
   const uint32_t* w_col0 = a.q.w + col_row * a.q.words_per_row;
-  const uint16_t* scale_col0 = a.q.scales + col_row * a.q.groups_per_row;
-  const uint16_t* bias_col0 = a.q.biases + col_row * a.q.groups_per_row;
+  // Affine: raw T scales and biases; fp modes: uint8 scale codes (the others null).
+  const int64_t group_row0 = col_row * a.q.groups_per_row;
+  const uint16_t* scale_col0 = kFp ? nullptr : a.q.scales + group_row0;
+  const uint16_t* bias_col0 = kFp ? nullptr : a.q.biases + group_row0;
+  const uint8_t* fp_col0 = kFp ? a.q.fp_scales + group_row0 : nullptr;
   const int chunk_stride = 32 * a.k_split;  // between one lane's consecutive chunks
   const int batch_stride = kQmvChunksPerLane * chunk_stride;
 
-  QmvBatch<T, kVecWords> batch;
+  QmvBatch<T, kVecWords, kFp, kScales> batch;
   int chunk0 = slice * 32 + lane;
-  batch.load(a, w_col0, scale_col0, bias_col0, cols_left, chunk0, chunk_stride, kValsPerChunk);
+  batch.load(a, w_col0, scale_col0, bias_col0, fp_col0, cols_left, chunk0, chunk_stride, kValsPerChunk);
 
   // Stage x: thread u takes units u, u + 256, ...; 16-byte loads when the row is aligned.
   const T* xrow = static_cast<const T*>(a.x) + xb * a.x_batch_stride + static_cast<int64_t>(m) * a.K;
@@ -167,8 +188,9 @@ __global__ void __launch_bounds__(kQmvThreads, kQmvMinCtasPerSm) qmv_kernel(QmvA
 #pragma unroll
     for (int v = 0; v < kUnit; ++v) {
       sum += xv[v];
-      // kUnit is 4 or 8, so value v sits at k % 4 == v % 4.
-      xs[padded(u * kUnit + v)] = kBits == 4 ? xv[v] * (1.0f / static_cast<float>(1 << (4 * (v & 3)))) : xv[v];
+      // kUnit is 4 or 8, so value v sits at k % 4 == v % 4 (the affine nibble trick; fp: x as it is).
+      xs[padded(u * kUnit + v)] =
+          kBits == 4 && kFp == 0 ? xv[v] * (1.0f / static_cast<float>(1 << (4 * (v & 3)))) : xv[v];
     }
     unit_sum[u] = sum;
   }
@@ -187,25 +209,46 @@ __global__ void __launch_bounds__(kQmvThreads, kQmvMinCtasPerSm) qmv_kernel(QmvA
       // registers to one word's worth while the batch's weights are live.
       const float* xc = xs + padded(c * kValsPerChunk);
       constexpr int kValsPerWord = 32 / kBits;
-      float dot[kQmvColsPerWarp];
+      if constexpr (kFp != 0) {
+        // One scale per kVecWords / kScales words: sum x * v over them, then times the scale.
+        constexpr int kWordsPerScale = kVecWords / kScales;
 #pragma unroll
-      for (int i = 0; i < kQmvColsPerWarp; ++i) dot[i] = 0.f;
+        for (int s = 0; s < kScales; ++s) {
+          float dot[kQmvColsPerWarp];
 #pragma unroll
-      for (int wi = 0; wi < kVecWords; ++wi) {
-        float xv[kValsPerWord];
-        word_x<kBits>(xc, wi, xv);
+          for (int i = 0; i < kQmvColsPerWarp; ++i) dot[i] = 0.f;
 #pragma unroll
-        for (int i = 0; i < kQmvColsPerWarp; ++i) dot[i] = word_dot<kBits>(batch.words[it][i][wi], xv, dot[i]);
+          for (int wj = 0; wj < kWordsPerScale; ++wj) {
+            float xv[kValsPerWord];
+            word_x<kBits>(xc, s * kWordsPerScale + wj, xv);
+#pragma unroll
+            for (int i = 0; i < kQmvColsPerWarp; ++i)
+              dot[i] = device::fp_word_dot<kBits>(batch.words[it][i][s * kWordsPerScale + wj], xv, dot[i]);
+          }
+#pragma unroll
+          for (int i = 0; i < kQmvColsPerWarp; ++i) acc[i] = fmaf(batch.scale[it][i][s], dot[i], acc[i]);
+        }
+      } else {
+        float dot[kQmvColsPerWarp];
+#pragma unroll
+        for (int i = 0; i < kQmvColsPerWarp; ++i) dot[i] = 0.f;
+#pragma unroll
+        for (int wi = 0; wi < kVecWords; ++wi) {
+          float xv[kValsPerWord];
+          word_x<kBits>(xc, wi, xv);
+#pragma unroll
+          for (int i = 0; i < kQmvColsPerWarp; ++i) dot[i] = word_dot<kBits>(batch.words[it][i][wi], xv, dot[i]);
+        }
+        float sx = 0.f;
+#pragma unroll
+        for (int u = 0; u < kUnitsPerChunk; ++u) sx += unit_sum[c * kUnitsPerChunk + u];
+#pragma unroll
+        for (int i = 0; i < kQmvColsPerWarp; ++i) acc[i] += batch.scale[it][i][0] * dot[i] + batch.bias[it][i] * sx;
       }
-      float sx = 0.f;
-#pragma unroll
-      for (int u = 0; u < kUnitsPerChunk; ++u) sx += unit_sum[c * kUnitsPerChunk + u];
-#pragma unroll
-      for (int i = 0; i < kQmvColsPerWarp; ++i) acc[i] += batch.scale[it][i] * dot[i] + batch.bias[it][i] * sx;
     }
     chunk0 += batch_stride;
     if (chunk0 - lane >= a.num_chunks) break;  // warp-uniform: no lane has chunks left
-    batch.load(a, w_col0, scale_col0, bias_col0, cols_left, chunk0, chunk_stride, kValsPerChunk);
+    batch.load(a, w_col0, scale_col0, bias_col0, fp_col0, cols_left, chunk0, chunk_stride, kValsPerChunk);
   }
 
 #pragma unroll
@@ -237,25 +280,34 @@ __global__ void __launch_bounds__(kQmvThreads, kQmvMinCtasPerSm) qmv_kernel(QmvA
   }
 }
 
-template <class T, int kBits, int kVecWords>
+template <class T, int kBits, int kVecWords, int kFp = 0>
 void launch_qmv(const QmvArgs& a, dim3 grid, size_t smem) {
-  qmv_kernel<T, kBits, kVecWords><<<grid, kQmvThreads, smem, current_stream()>>>(a);
+  qmv_kernel<T, kBits, kVecWords, kFp><<<grid, kQmvThreads, smem, current_stream()>>>(a);
   EXPERTQMM_CUDA_CHECK_LAUNCH("qmv_kernel");
 }
 
-// The qmv kernels by (dtype, bits, words per chunk): 16-byte loads when every weight row starts
-// 16-byte aligned, single words otherwise (K % 8 == 0 is all qmv asks of K).
+// The qmv kernels by (dtype, mode, bits, words per chunk): 16-byte loads when every weight row
+// starts 16-byte aligned, single words otherwise (K % 8 == 0 is all qmv asks of K).
 struct QmvVariant {
   DType dtype;
+  QuantMode mode;
   int bits;
   int vec_words;
   void (*launch)(const QmvArgs&, dim3, size_t);
 };
+constexpr QuantMode kAffine = QuantMode::affine, kMxfp4 = QuantMode::mxfp4, kMxfp8 = QuantMode::mxfp8,
+                    kNvfp4 = QuantMode::nvfp4;
 const QmvVariant kQmvVariants[] = {
-    {DType::bf16, 4, 4, launch_qmv<__nv_bfloat16, 4, 4>}, {DType::bf16, 4, 1, launch_qmv<__nv_bfloat16, 4, 1>},
-    {DType::bf16, 8, 4, launch_qmv<__nv_bfloat16, 8, 4>}, {DType::bf16, 8, 1, launch_qmv<__nv_bfloat16, 8, 1>},
-    {DType::f16, 4, 4, launch_qmv<__half, 4, 4>},         {DType::f16, 4, 1, launch_qmv<__half, 4, 1>},
-    {DType::f16, 8, 4, launch_qmv<__half, 8, 4>},         {DType::f16, 8, 1, launch_qmv<__half, 8, 1>},
+    {DType::bf16, kAffine, 4, 4, launch_qmv<__nv_bfloat16, 4, 4>}, {DType::bf16, kAffine, 4, 1, launch_qmv<__nv_bfloat16, 4, 1>},
+    {DType::bf16, kAffine, 8, 4, launch_qmv<__nv_bfloat16, 8, 4>}, {DType::bf16, kAffine, 8, 1, launch_qmv<__nv_bfloat16, 8, 1>},
+    {DType::f16, kAffine, 4, 4, launch_qmv<__half, 4, 4>},         {DType::f16, kAffine, 4, 1, launch_qmv<__half, 4, 1>},
+    {DType::f16, kAffine, 8, 4, launch_qmv<__half, 8, 4>},         {DType::f16, kAffine, 8, 1, launch_qmv<__half, 8, 1>},
+    {DType::bf16, kMxfp4, 4, 4, launch_qmv<__nv_bfloat16, 4, 4, 1>}, {DType::bf16, kMxfp4, 4, 1, launch_qmv<__nv_bfloat16, 4, 1, 1>},
+    {DType::bf16, kMxfp8, 8, 4, launch_qmv<__nv_bfloat16, 8, 4, 1>}, {DType::bf16, kMxfp8, 8, 1, launch_qmv<__nv_bfloat16, 8, 1, 1>},
+    {DType::bf16, kNvfp4, 4, 4, launch_qmv<__nv_bfloat16, 4, 4, 2>}, {DType::bf16, kNvfp4, 4, 1, launch_qmv<__nv_bfloat16, 4, 1, 2>},
+    {DType::f16, kMxfp4, 4, 4, launch_qmv<__half, 4, 4, 1>},         {DType::f16, kMxfp4, 4, 1, launch_qmv<__half, 4, 1, 1>},
+    {DType::f16, kMxfp8, 8, 4, launch_qmv<__half, 8, 4, 1>},         {DType::f16, kMxfp8, 8, 1, launch_qmv<__half, 8, 1, 1>},
+    {DType::f16, kNvfp4, 4, 4, launch_qmv<__half, 4, 4, 2>},         {DType::f16, kNvfp4, 4, 1, launch_qmv<__half, 4, 1, 2>},
 };
 
 // xs, unit_sum (at most K / 4 units: 8-bit single-word chunks) and the split-K partials.
@@ -316,7 +368,7 @@ void call_qmv(const detail::GatherQmmProblem& p, void* out, Workspace*) {
   const dim3 grid(ceil_div(p.N, cols_per_cta), static_cast<unsigned>(rows));
   const size_t smem = qmv_smem_bytes(p.K);
   for (const QmvVariant& v : kQmvVariants) {
-    if (v.dtype != p.dtype || v.bits != p.bits || v.vec_words != vec_words) continue;
+    if (v.dtype != p.dtype || v.mode != p.mode || v.bits != p.bits || v.vec_words != vec_words) continue;
     v.launch(a, grid, smem);
     return;
   }

@@ -200,6 +200,8 @@ void run_rhs_tiles(const detail::GatherQmmProblem& p, void* out, int bm, Workspa
 }  // namespace
 
 RouteSupport supports_tile_operands(const detail::GatherQmmProblem& p) {
+  // The tile kernels dequantize s * q + b: an fp mode's E2M1 / E4M3 codes go to simt.
+  if (p.mode != QuantMode::affine) return route_miss(Fallback::quantization);
   if (p.dtype != DType::bf16 && p.dtype != DType::f16) return route_miss(Fallback::dtype);
   if (p.bits != 4 && p.bits != 8) return route_miss(Fallback::quantization);
   if (p.group_size != 32 && p.group_size != 64 && p.group_size != 128) return route_miss(Fallback::quantization);

@@ -1,6 +1,7 @@
 // simt: the CUDA-core route of gather_qmm that takes every MLX combination the tensor-core and
 // decode routes do not (bits 2..8 including the 3/5/6-bit streams, transpose=false, f32
-// activations, any K). Simple on purpose: fp32 dequantization s*q + b and fp32 accumulation.
+// activations, any K, the fp modes mxfp4 / mxfp8 / nvfp4). Simple on purpose: fp32 dequantization
+// (s*q + b, or the fp value times its decoded scale, exact) and fp32 accumulation.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -49,24 +50,20 @@ __global__ void simt_kernel(SimtArgs a) {
     const int64_t n = el.n, expert = el.expert;
     const T* xrow = x + el.xb * a.x_batch_stride + el.m * a.K;
     float acc = 0.f;
+    // Weight (row, i) of W[expert]: row runs over N (transpose) or K, i over the other.
+    auto weight = [&](int64_t wrow, int64_t i) {
+      const uint32_t* codes = a.q.w + wrow * a.q.words_per_row;
+      const int64_t pi = wrow * a.q.groups_per_row + (i >> a.q.group_shift);
+      if (a.q.fp_mode != 0) return device::fp_weight(a.q.fp_mode, codes, i, a.q.fp_scales[pi]);
+      return fmaf(load_param<T>(a.q.scales, pi), static_cast<float>(extract_code(codes, i, a.bits)),
+                  load_param<T>(a.q.biases, pi));
+    };
     if (a.transpose) {
       const int64_t wrow = expert * a.N + n;  // row of (E*N, K) codes
-      const uint32_t* codes = a.q.w + wrow * a.q.words_per_row;
-      for (int64_t k = 0; k < a.K; ++k) {
-        const int64_t pi = wrow * a.q.groups_per_row + (k >> a.q.group_shift);
-        const float wv = fmaf(load_param<T>(a.q.scales, pi), static_cast<float>(extract_code(codes, k, a.bits)),
-                              load_param<T>(a.q.biases, pi));
-        acc = fmaf(Elem<T>::to_float(xrow[k]), wv, acc);
-      }
+      for (int64_t k = 0; k < a.K; ++k) acc = fmaf(Elem<T>::to_float(xrow[k]), weight(wrow, k), acc);
     } else {
-      for (int64_t k = 0; k < a.K; ++k) {
-        const int64_t wrow = expert * a.K + k;  // row of (E*K, N) codes
-        const int64_t pi = wrow * a.q.groups_per_row + (n >> a.q.group_shift);
-        const float wv = fmaf(load_param<T>(a.q.scales, pi),
-                              static_cast<float>(extract_code(a.q.w + wrow * a.q.words_per_row, n, a.bits)),
-                              load_param<T>(a.q.biases, pi));
-        acc = fmaf(Elem<T>::to_float(xrow[k]), wv, acc);
-      }
+      for (int64_t k = 0; k < a.K; ++k)  // row k of (E*K, N) codes
+        acc = fmaf(Elem<T>::to_float(xrow[k]), weight(expert * a.K + k, n), acc);
     }
     out[idx] = Elem<T>::from_float(acc);
   }
@@ -107,7 +104,7 @@ void call_simt(const detail::GatherQmmProblem& p, void* out, Workspace*) {
   EXPERTQMM_CHECK(s.ok, "gather_qmm", "simt does not support ", p.describe(), " (", fallback_name(s.reason), ")");
   SimtArgs a{};
   a.x = p.x.data();
-  a.q = quant_view(p);  // simt reads scales/biases of any float dtype through load_param<T>
+  a.q = quant_view(p);  // simt reads scales/biases of any float dtype through load_param<T>, or fp codes
   a.lhs = p.lhs_is_identity ? nullptr : static_cast<const int32_t*>(p.lhs.data());
   a.rhs = p.rhs_is_identity ? nullptr : static_cast<const int32_t*>(p.rhs.data());
   a.out = out;

@@ -25,12 +25,25 @@ int32_t* i32_at(void* base, size_t offset) { return static_cast<int32_t*>(at(bas
 // A nominal arena base for planning: as aligned as any real one (ArenaLayout::kAlign).
 void* nominal_base() { return reinterpret_cast<void*>(uintptr_t{ArenaLayout::kAlign}); }
 
+// An fp-mode weight (mxfp4, mxfp8, nvfp4): uint8 scale codes, no biases, computed in x's dtype; the
+// plan never casts its parameters, and only qmv and simt take its GEMMs (the fusions need the tile
+// routes, which refuse it).
+bool fp_mode(const QuantizedWeight& q) { return q.defined() && q.mode != QuantMode::affine; }
+
+// The dtype a quantized projection promotes its input with: its scales' (affine), the input's (fp).
+DType param_dtype(const QuantizedWeight& q, DType in) { return fp_mode(q) ? in : q.scales.dtype(); }
+
 // scales/biases of q as a GEMM reads them: the weight's own, or the arena's copies cast to the
 // problem's dtype (offsets s_off / b_off).
 void gemm_params(const QuantizedWeight& q, bool cast, DType dtype, void* base, size_t s_off, size_t b_off,
                  Tensor& scales, Tensor& biases) {
   if (!q.defined()) {  // a 16-bit projection: no parameters
     scales = biases = Tensor();
+    return;
+  }
+  if (fp_mode(q)) {
+    scales = q.scales.contiguous();
+    biases = Tensor();
     return;
   }
   if (!cast) {
@@ -53,6 +66,7 @@ detail::GatherQmmProblem quantized_problem(const QuantizedWeight& q, const Tenso
   p.K = K;
   p.bits = q.bits;
   p.group_size = q.group_size;
+  p.mode = q.mode;
   p.transpose = true;
   p.sorted_indices = sorted;
   p.batch = {n};
@@ -140,10 +154,10 @@ void reserve_fixed(LayerPlan& p, const SwitchGLUWeights& w, bool routes, DType r
   // quantized part gets a cast copy (16-bit parts read their weight widened, with no copy).
   const QuantizedWeight* parts[2] = {s.fused ? &w.gate_up : &w.gate, s.fused ? nullptr : &w.up};
   for (const QuantizedWeight* q : parts)
-    if (q && q->defined() && q->scales.dtype() != s.hidden_dtype) p.cast_gate_up = true;
+    if (q && q->defined() && !fp_mode(*q) && q->scales.dtype() != s.hidden_dtype) p.cast_gate_up = true;
   if (p.cast_gate_up) {
     for (int i = 0; i < 2; ++i) {
-      if (!parts[i] || !parts[i]->defined()) continue;
+      if (!parts[i] || !parts[i]->defined() || fp_mode(*parts[i])) continue;
       sc.gu_scales[i] = layout.reserve(bytes_of(parts[i]->scales.numel(), s.hidden_dtype));
       sc.gu_biases[i] = layout.reserve(bytes_of(parts[i]->biases.numel(), s.hidden_dtype));
     }
@@ -151,7 +165,7 @@ void reserve_fixed(LayerPlan& p, const SwitchGLUWeights& w, bool routes, DType r
   sc.hidden = layout.reserve(bytes_of(s.n * s.I, s.hidden_dtype));
   p.cast_hidden = s.hidden_dtype != s.out_dtype;
   if (p.cast_hidden) sc.hidden_cast = layout.reserve(bytes_of(s.n * s.I, s.out_dtype));
-  p.cast_down = !s.down_dense && w.down.scales.dtype() != s.out_dtype;
+  p.cast_down = !s.down_dense && !fp_mode(w.down) && w.down.scales.dtype() != s.out_dtype;
   if (p.cast_down) {
     sc.down_scales = layout.reserve(bytes_of(w.down.scales.numel(), s.out_dtype));
     sc.down_biases = layout.reserve(bytes_of(w.down.biases.numel(), s.out_dtype));
@@ -222,8 +236,9 @@ ExpertShape expert_shape(const Tensor& x, int64_t k, const SwitchGLUWeights& w) 
   s.I = s.fused ? first_w.size(1) / 2 : first_w.size(1);
   s.sorted = s.n >= kSortThreshold;
   s.x_dtype = x.dtype();
-  s.hidden_dtype = promote_floating(s.x_dtype, s.gate_dense ? first_dense.dtype() : first.scales.dtype());
-  s.out_dtype = promote_floating(s.hidden_dtype, s.down_dense ? w.down_dense.dtype() : w.down.scales.dtype());
+  s.hidden_dtype = promote_floating(s.x_dtype, s.gate_dense ? first_dense.dtype() : param_dtype(first, s.x_dtype));
+  s.out_dtype =
+      promote_floating(s.hidden_dtype, s.down_dense ? w.down_dense.dtype() : param_dtype(w.down, s.hidden_dtype));
   EXPERTQMM_CHECK(s.n <= INT32_MAX && s.T <= INT32_MAX, "switch_glu", "T*k=", s.n, " rows exceed int32 indexing");
   return s;
 }

@@ -31,7 +31,7 @@ struct Arena {
 // Casts q's scales and biases into the arena pieces the plan reserved for them.
 void cast_params(const QuantizedWeight& q, DType dtype, const Arena& a, size_t s_off, size_t b_off,
                  cudaStream_t stream) {
-  if (!q.defined()) return;  // a 16-bit projection: nothing to cast
+  if (!q.defined() || q.mode != QuantMode::affine) return;  // 16-bit or fp mode: nothing to cast
   const Tensor s = q.scales.contiguous(), b = q.biases.contiguous();
   launch_cast(s.dtype(), s.data(), dtype, a.at(s_off), s.numel(), stream);
   launch_cast(b.dtype(), b.data(), dtype, a.at(b_off), b.numel(), stream);

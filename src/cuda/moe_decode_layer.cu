@@ -35,6 +35,7 @@ bool rows_aligned(const Tensor& t) {
 // scales and biases in `dtype`, contiguous, 16-byte aligned rows.
 RouteSupport check_weight(const QuantizedWeight& q, int64_t E, int64_t N, int64_t K, DType dtype) {
   if (!q.defined() || !q.scales.defined() || !q.biases.defined()) return route_miss(Fallback::quantization);
+  if (q.mode != QuantMode::affine) return route_miss(Fallback::quantization);  // affine math only
   if (q.bits != 4 && q.bits != 8) return route_miss(Fallback::quantization);
   if (q.group_size != 32 && q.group_size != 64 && q.group_size != 128) return route_miss(Fallback::quantization);
   if (q.scales.dtype() != dtype || q.biases.dtype() != dtype) return route_miss(Fallback::dtype);

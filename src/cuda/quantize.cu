@@ -1,4 +1,5 @@
-// MLX affine quantize / dequantize on the GPU (spec mlx-semantics.md 1.2-1.4), bit-exact with the
+// MLX affine quantize / dequantize on the GPU (spec mlx-semantics.md 1.2-1.4; the fp modes:
+// quantize_fp.cu), bit-exact with the
 // CPU backend of the same Rounding flavour: every fp32 operation of spec 1.3 is an explicit
 // round-to-nearest intrinsic (no FMA contraction, no fast-math), and bf16/f16 conversions are the
 // shared ones of core/float16.h.
@@ -7,6 +8,7 @@
 #include "core/gather_qmm_problem.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/moe_internal.h"
+#include "cuda/quantize_fp.h"
 
 namespace expertqmm::cuda {
 
@@ -144,6 +146,7 @@ unsigned grid_for(int64_t work_items, int per_block) {
 }  // namespace
 
 QuantizedWeight quantize(const Tensor& w_in, QuantSpec spec) {
+  if (spec.mode != QuantMode::affine) return quantize_fp(w_in, spec);
   detail::check_bits_group("quantize", spec.bits, spec.group_size);
   EXPERTQMM_CHECK(w_in.device() == Device::cuda, "quantize", "cuda::quantize needs a device tensor, got ",
                   w_in.describe());
@@ -183,13 +186,16 @@ QuantizedWeight quantize(const Tensor& w_in, QuantSpec spec) {
   return q;
 }
 
-Tensor dequantize(const Tensor& w_in, const Tensor& scales_in, const Tensor& biases_in, int group_size, int bits) {
-  detail::check_quantized_triple("dequantize", w_in, scales_in, biases_in, group_size, bits);
-  EXPERTQMM_CHECK(w_in.device() == Device::cuda, "dequantize", "cuda::dequantize needs device tensors, got ",
-                  w_in.describe());
-  const Tensor w = w_in.contiguous();
-  const Tensor scales = scales_in.contiguous();
-  const Tensor biases = biases_in.contiguous();
+// The fp modes: dequantize_fp (quantize_fp.cu). Affine ignores `dtype` (the front casts).
+Tensor dequantize(const QuantizedWeight& q, DType dtype) {
+  detail::check_quantized_weight("dequantize", q);
+  EXPERTQMM_CHECK(q.w.device() == Device::cuda, "dequantize", "cuda::dequantize needs device tensors, got ",
+                  q.w.describe());
+  if (q.mode != QuantMode::affine) return dequantize_fp(q, dtype);
+  const int group_size = q.group_size, bits = q.bits;
+  const Tensor w = q.w.contiguous();
+  const Tensor scales = q.scales.contiguous();
+  const Tensor biases = q.biases.contiguous();
   const int64_t K = w.size(-1) * 32 / bits;
   Shape out_shape = w.shape();
   out_shape.back() = K;

@@ -147,7 +147,9 @@ void route_into(const Tensor& h, const RouterWeights& router, int32_t* indices, 
   if (T == 0) return;
   const DType h_dtype = h.dtype();
   // The projection runs in promote(r, proj) (r is rounded to h's dtype first, as on the CPU).
-  const DType proj_dtype = quantized ? router.proj.scales.dtype() : router.proj_dense.dtype();
+  // (An fp-mode proj has uint8 scales and computes in r's dtype, as MLX's gather_qmm.)
+  const bool fp_proj = quantized && router.proj.mode != QuantMode::affine;
+  const DType proj_dtype = fp_proj ? h_dtype : quantized ? router.proj.scales.dtype() : router.proj_dense.dtype();
   const DType logit_dtype = promote_floating(h_dtype, proj_dtype);
   const bool gemma4 = router.kind == RouterKind::gemma4;
   // softmax_topk projects h itself, which must then be a dense [T, H] block.
@@ -158,7 +160,7 @@ void route_into(const Tensor& h, const RouterWeights& router, int32_t* indices, 
   const size_t r_off = gemma4 ? layout.reserve(static_cast<size_t>(T * H) * dtype_size(h_dtype)) : 0;
   const bool cast_r = quantized && logit_dtype != h_dtype;  // gather_qmm wants x in its dtype
   const size_t r_cast_off = cast_r ? layout.reserve(static_cast<size_t>(T * H) * dtype_size(logit_dtype)) : 0;
-  const bool cast_scales = quantized && proj_dtype != logit_dtype;
+  const bool cast_scales = quantized && !fp_proj && proj_dtype != logit_dtype;
   const int64_t proj_groups = quantized ? router.proj.scales.numel() : 0;
   const size_t scales_off = cast_scales ? layout.reserve(static_cast<size_t>(proj_groups) * dtype_size(logit_dtype)) : 0;
   const size_t biases_off = cast_scales ? layout.reserve(static_cast<size_t>(proj_groups) * dtype_size(logit_dtype)) : 0;

@@ -33,9 +33,10 @@ void check_linear(const char* name, const Linear& l, int64_t out, int64_t in, co
   DType out_dtype;
   if (l.is_quantized()) {
     const QuantizedWeight& q = l.quantized;
-    detail::check_quantized_triple(kOp, q.w, q.scales, q.biases, q.group_size, q.bits);
+    detail::check_quantized_weight(kOp, q);
+    EXPERTQMM_CHECK(!q.global_scale.defined(), kOp, name, ": an nvfp4 global scale is not supported in the layers");
     EXPERTQMM_CHECK(q.w.ndim() == 2, kOp, name, " must be [N, K*bits/32], got ", q.w.describe());
-    out_dtype = promote_floating(h.dtype(), q.scales.dtype());
+    out_dtype = q.mode == QuantMode::affine ? promote_floating(h.dtype(), q.scales.dtype()) : h.dtype();
   } else {
     EXPERTQMM_CHECK(is_floating(w.dtype()) && w.ndim() == 2, kOp, name, " dense weight must be a float [N, K], got ",
                     w.describe());

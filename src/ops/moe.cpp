@@ -33,7 +33,8 @@ void check_on_device(const char* op, const char* name, const Tensor& t, Device d
 // logical K (values per row).
 int64_t check_quantized(const char* op, const char* name, const QuantizedWeight& q, int rank, Device device) {
   EXPERTQMM_CHECK(q.defined(), op, name, " is undefined");
-  detail::check_quantized_triple(op, q.w, q.scales, q.biases, q.group_size, q.bits);
+  detail::check_quantized_weight(op, q);
+  EXPERTQMM_CHECK(!q.global_scale.defined(), op, name, ": an nvfp4 global scale is not supported in the layers");
   EXPERTQMM_CHECK(q.w.ndim() == rank, op, name, " must have rank ", rank, ", got ", q.w.describe());
   check_on_device(op, name, q.w, device);
   return q.w.size(-1) * 32 / q.bits;
@@ -56,7 +57,7 @@ ProjDims check_projection(const char* op, const char* name, const QuantizedWeigh
     p.K = check_quantized(op, name, q, 3, device);
     p.E = q.w.size(0);
     p.N = q.w.size(1);
-    p.out_dtype = promote_floating(in, q.scales.dtype());
+    p.out_dtype = q.mode == QuantMode::affine ? promote_floating(in, q.scales.dtype()) : in;  // fp modes: x's
     return p;
   }
   check_floating(op, name, dense);

@@ -82,13 +82,13 @@ Tensor linear(const Tensor& x, const Linear& w) {
                   ", dense: ", w.dense.defined(), ")");
   if (w.is_quantized()) {
     const QuantizedWeight& q = w.quantized;
-    detail::check_quantized_triple(op, q.w, q.scales, q.biases, q.group_size, q.bits);
+    detail::check_quantized_weight(op, q);
     EXPERTQMM_CHECK(q.w.ndim() == 2, op, "quantized weight must be [N, K*bits/32], got ", q.w.describe());
     EXPERTQMM_CHECK(w.in_features() == x.size(1), op, "weight rows hold K=", w.in_features(), " values but x ",
                     shape_str(x.shape()), " has K=", x.size(1));
     check_same_device(op, "x", x, "weight", q.w);
     // One batch of M = T rows: x [T, K] @ W^T -> [T, N] (no batch dims: B = 1, identity indices).
-    return gather_qmm(x, q.w, q.scales, q.biases, Tensor(), Tensor(), true, q.group_size, q.bits);
+    return gather_qmm(x, q, Tensor(), Tensor(), true);
   }
   check_floating(op, "dense weight", w.dense);
   EXPERTQMM_CHECK(w.dense.ndim() == 2 && w.dense.size(1) == x.size(1), op, "dense weight must be [N, K=", x.size(1),

@@ -52,15 +52,24 @@ Tensor zeros(const Shape& shape, DType dtype, Device device) {
 
 Tensor gather_qmm(const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor& biases,
                   const Tensor& lhs_indices, const Tensor& rhs_indices, bool transpose, int group_size,
-                  int bits, bool sorted_indices) {
+                  int bits, bool sorted_indices, QuantMode mode) {
   const detail::GatherQmmProblem p = detail::make_gather_qmm_problem(
-      x, w, scales, biases, lhs_indices, rhs_indices, transpose, group_size, bits, sorted_indices);
+      x, w, scales, biases, lhs_indices, rhs_indices, transpose, group_size, bits, sorted_indices, mode);
   Shape out_shape = p.batch;
   out_shape.push_back(p.M);
   out_shape.push_back(p.N);
   if (p.M == 0 || p.N == 0 || p.B == 0) return Tensor::empty(out_shape, p.dtype, p.device);
   if (p.K == 0) return zeros(out_shape, p.dtype, p.device);  // empty dot products
   return backend_ops("gather_qmm", p.device).gather_qmm(p);
+}
+
+Tensor gather_qmm(const Tensor& x, const QuantizedWeight& q, const Tensor& lhs_indices, const Tensor& rhs_indices,
+                  bool transpose, bool sorted_indices) {
+  EXPERTQMM_CHECK(!q.global_scale.defined(), "gather_qmm",
+                  "an nvfp4 global scale is not supported (MLX 0.32 computes it on the GPU only); got ",
+                  q.global_scale.describe());
+  return gather_qmm(x, q.w, q.scales, q.biases, lhs_indices, rhs_indices, transpose, q.group_size, q.bits,
+                    sorted_indices, q.mode);
 }
 
 Tensor gather_mm(const Tensor& a, const Tensor& b, const Tensor& lhs_indices, const Tensor& rhs_indices,

@@ -19,6 +19,9 @@ checkpoint mlx-lm loads as written):
       (an unquantized SwitchLinear: MLX gather_mm); gate and up are 4-bit g64, router.proj 8-bit g64.
   gemma4_one_expert_ckpt/  gemma4_text, 1 layer, a single expert and top-1 (num_experts 1,
       top_k_experts 1): every token goes to expert 0 with weight per_expert_scale[0].
+  gemma4_fp_modes_ckpt/    gemma4_text, 1 layer, quantize_model(mode="mxfp4"): the default mxfp4 (experts'
+      gate and up), the experts' down_proj nvfp4 (group 16), the dense MLP {"mode": "mxfp8"} (bits
+      and group size from the mode), router.proj {"group_size": 64, "bits": 8} (no mode: affine).
 (No golden for T = 0: MLX 0.32.4's CPU quantized_matmul stops the process with SIGFPE on an input
 with zero rows, so mlx-lm's router.proj cannot run it; gather_qmm and the dense router give the
 empty shapes, [0, H] and [0, k], which is what expertqmm returns.)
@@ -85,18 +88,27 @@ def mixed_predicate(path, module):
     return True
 
 
+def fp_modes_predicate(path, module):
+    if path.endswith("router.proj"):
+        return {"group_size": 64, "bits": 8}
+    if ".mlp." in path:
+        return {"mode": "mxfp8"}
+    # SwitchLinear.to_quantized defaults to group 64 / 4 bits whatever the mode: spell them out.
+    return {"group_size": 16, "bits": 4, "mode": "nvfp4"} if path.endswith("switch_glu.down_proj") else True
+
+
 def layers_of(model):
     return model.language_model.model.layers if hasattr(model, "language_model") else model.model.layers
 
 
-def write(out_dir, name, config, predicate, group_size, list_every_module=False, mlx_bf16=True):
+def write(out_dir, name, config, predicate, group_size, list_every_module=False, mlx_bf16=True, mode="affine"):
     """Builds, quantizes (mlx-lm's quantize_model) and saves checkpoint `name`, then its goldens."""
     wrapped = config.get("model_type") == "gemma4"
     model = (gemma4.Model(gemma4.ModelArgs.from_dict(config)) if wrapped else
              gemma4_text.Model(gemma4_text.ModelArgs.from_dict(config)))
     layer_goldens.randomize(model.language_model.model if wrapped else model.model)
     model.set_dtype(mx.bfloat16)
-    model, qconfig = quantize_model(model, copy.deepcopy(config), group_size=group_size, bits=4,
+    model, qconfig = quantize_model(model, copy.deepcopy(config), group_size=group_size, bits=4, mode=mode,
                                     quant_predicate=predicate)
     if list_every_module:
         qconfig = awq.update_config(model, qconfig)
@@ -151,6 +163,7 @@ def main(out_dir):
     bf16_down = dict(TEXT, moe_intermediate_size=80)
     write(out_dir, "gemma4_bf16_down", bf16_down, mlx_lm_predicate, 64, mlx_bf16=False)
     write(out_dir, "gemma4_one_expert", dict(TEXT, num_experts=1, top_k_experts=1), mlx_lm_predicate, 64)
+    write(out_dir, "gemma4_fp_modes", TEXT, fp_modes_predicate, 32, mode="mxfp4")
 
 
 if __name__ == "__main__":

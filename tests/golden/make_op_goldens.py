@@ -5,11 +5,12 @@ Usage: make_op_goldens.py OUTDIR   (needs `pip install mlx[cpu] mlx-lm`; runs on
 
 Files written (small on purpose; all together well under 1.5 MB):
   ops_gather_qmm.safetensors   mx.gather_qmm on hand-picked cases. Case <c> stores
-      gqmm.<c>.x / .w / .scales / .biases, optionally .lhs / .rhs (int32), and two results:
+      gqmm.<c>.x / .w / .scales / .biases (affine only: the fp modes mxfp4 / mxfp8 / nvfp4 have
+      uint8 scales and no biases), optionally .lhs / .rhs (int32), and two results:
       gqmm.<c>.out      MLX's bf16 result as it is (see below);
       gqmm.<c>.out_f32  the same call with x, scales and biases widened to float32 first.
       Its parameters are the metadata entry "case.<c>" = "bits=.. group_size=.. transpose=0|1
-      sorted_indices=0|1" (the convention of tests/support/golden.h).
+      sorted_indices=0|1 mode=.." (the convention of tests/support/golden.h).
   mlxlm_gemma4_moe.safetensors  mlx-lm gemma4_text Router + Experts (SwitchGLU with GeGLU) on a
       tiny random config, T=3 (unsorted SwitchGLU path) and T=40 (sorted path, T*k >= 64).
       Shared weights under router.* and experts.*, metadata "case.t<T>" = "T=.. top_k=..
@@ -74,29 +75,53 @@ def gather_qmm_cases():
     for bits in (2, 3, 4, 5, 6, 8):
         for gs in (32, 64, 128):
             cases.append((f"b{bits}_g{gs}", (5, 1, 1, 256), (3, 16, 256), None, ids((5, 2), 3), True, False, bits, gs))
+    cases = [c + ("affine",) for c in cases]
+    # The fp modes (each has one bits and one group size): SwitchGLU unsorted and sorted forms,
+    # transpose=False, and both indices broadcast. Their indices come from a key stream of their own,
+    # so that the affine cases above keep their inputs.
+    fp_keys = iter(mx.random.split(mx.random.key(SEED + 7), 64))
+
+    def fp_ids(shape, limit):
+        return mx.random.randint(0, limit, shape, key=next(fp_keys)).astype(mx.int32)
+
+    for mode, bits, gs in (("mxfp4", 4, 32), ("mxfp8", 8, 32), ("nvfp4", 4, 16)):
+        cases += [
+            (f"{mode}_rhs_only", (6, 1, 1, 128), (4, 48, 128), None, fp_ids((6, 3), 4), True, False, bits, gs, mode),
+            (f"{mode}_sorted_rows", (16, 1, 128), (4, 40, 128), None, mx.sort(fp_ids((16,), 4)), True, True, bits, gs,
+             mode),
+            (f"{mode}_transpose_false", (4, 3, 64), (3, 64, 96), None, fp_ids((4,), 3), False, False, bits, gs, mode),
+            (f"{mode}_lhs_rhs_broadcast", (3, 2, 64), (5, 32, 64), fp_ids((4, 1), 3), fp_ids((1, 5), 5), True, False, bits,
+             gs, mode),
+        ]
     return cases, keys
 
 
 def write_gather_qmm(outdir):
     cases, keys = gather_qmm_cases()
     arrays, metadata = {}, {"mlx": mx.__version__, "generator": "tests/golden/make_op_goldens.py"}
-    for name, xs, ws, lhs, rhs, transpose, sorted_indices, bits, gs in cases:
+    for name, xs, ws, lhs, rhs, transpose, sorted_indices, bits, gs, mode in cases:
         x = mx.random.normal(xs, key=next(keys)).astype(mx.bfloat16)
         w_dense = (0.05 * mx.random.normal(ws, key=next(keys))).astype(mx.bfloat16)
-        wq, scales, biases = mx.quantize(w_dense, group_size=gs, bits=bits)
-        out = mx.gather_qmm(x, wq, scales, biases, lhs_indices=lhs, rhs_indices=rhs, transpose=transpose,
-                            group_size=gs, bits=bits, sorted_indices=sorted_indices)
         p = f"gqmm.{name}."
+        common = dict(lhs_indices=lhs, rhs_indices=rhs, transpose=transpose, group_size=gs, bits=bits,
+                      sorted_indices=sorted_indices, mode=mode)
+        if mode == "affine":
+            wq, scales, biases = mx.quantize(w_dense, group_size=gs, bits=bits)
+            arrays[p + "biases"] = biases
+            out = mx.gather_qmm(x, wq, scales, biases, **common)
+            out_f32 = mx.gather_qmm(x.astype(mx.float32), wq, scales.astype(mx.float32),
+                                    biases.astype(mx.float32), **common)
+        else:  # no biases; uint8 scales; MLX computes in x's dtype
+            wq, scales = mx.quantize(w_dense, mode=mode)
+            out = mx.gather_qmm(x, wq, scales, **common)
+            out_f32 = mx.gather_qmm(x.astype(mx.float32), wq, scales, **common)
         arrays[p + "x"] = x
         arrays[p + "w"] = wq
         arrays[p + "scales"] = scales
-        arrays[p + "biases"] = biases
         arrays[p + "out"] = out
-        arrays[p + "out_f32"] = mx.gather_qmm(
-            x.astype(mx.float32), wq, scales.astype(mx.float32), biases.astype(mx.float32), lhs_indices=lhs,
-            rhs_indices=rhs, transpose=transpose, group_size=gs, bits=bits, sorted_indices=sorted_indices)
+        arrays[p + "out_f32"] = out_f32
         metadata["case." + name] = (f"bits={bits} group_size={gs} transpose={int(transpose)} "
-                                    f"sorted_indices={int(sorted_indices)}")
+                                    f"sorted_indices={int(sorted_indices)} mode={mode}")
         if lhs is not None:
             arrays[p + "lhs"] = lhs
         if rhs is not None:

@@ -17,11 +17,14 @@ const char* short_dtype(DType t) {
     case DType::f32: return "f32";
     case DType::u32: return "u32";
     case DType::i32: return "i32";
+    case DType::u8: return "u8";
   }
   return "unknown";
 }
 
-std::string quant(int bits, int group) { return detail::cat("q", bits, "g", group); }
+std::string quant(int bits, int group, QuantMode mode = QuantMode::affine) {
+  return mode == QuantMode::affine ? detail::cat("q", bits, "g", group) : std::string(quant_mode_name(mode));
+}
 
 }  // namespace
 
@@ -126,7 +129,7 @@ std::string GatherQmmCase::name() const {
     case Form::batched: form_name = detail::cat("batch", x_batch, "x", M, "_B", B, transpose ? "" : "_wKN"); break;
   }
   const char* operand_names[] = {"", "_xpad64", "_xpad4", "_woffset"};
-  std::string s = detail::cat("gather_qmm_", route, "_", short_dtype(dtype), "_", quant(bits, group), "_E", E, "_N",
+  std::string s = detail::cat("gather_qmm_", route, "_", short_dtype(dtype), "_", quant(bits, group, mode), "_E", E, "_N",
                               N, "_K", K, "_", form_name, operand_names[static_cast<int>(operands)]);
   if (refuses) s += "_refuses_" + expect;
   else if (!expect.empty()) s += "_picks_" + expect;
@@ -141,7 +144,7 @@ static std::string router_suffix(RouterKind kind, bool norm_topk_prob) {
 }
 
 std::string MoeGeometry::name() const {
-  return detail::cat("H", H, "_I", I, "_E", E, "_k", k, "_", quant(bits, group), "_router",
+  return detail::cat("H", H, "_I", I, "_E", E, "_k", k, "_", quant(bits, group, mode), "_router",
                      router_bits ? detail::cat("q", router_bits) : std::string("dense"), fused ? "_gateup" : "_gate_up",
                      "_", activation_name(act), "_", short_dtype(dtype), router_suffix(router, norm_topk_prob));
 }
@@ -162,7 +165,7 @@ std::string RouteCase::name() const {
 
 std::string QuantizeCase::name() const {
   return detail::cat("quantize_", values == Values::ties ? "ties" : "edges", "_", short_dtype(dtype), "_",
-                     quant(bits, group), "_", rounding == Rounding::gpu ? "gpu" : "cpu", "_", batch, "x", rows);
+                     quant(bits, group, mode), "_", rounding == Rounding::gpu ? "gpu" : "cpu", "_", batch, "x", rows);
 }
 
 std::string SortCase::name() const {
@@ -304,6 +307,35 @@ void gather_qmm_rows(Table& t) {
   add(t, small, refusal(batched_of("", {DType::bf16, 4, 32, 6, 128, 100}, 3, 2, 5, false), "qmv", "quantization"));
   add(t, small, refusal(batched_of("", {DType::bf16, 4, 32, 6, 128, 100}, 3, 2, 5, false), "rhs_tiles", "quantization"));
   add(t, small, picks(rows_of("", {DType::f32, 4, 32, 4, 72, 160}, sorted(50)), "simt"));
+  // MLX's fp modes (E2M1 / E4M3 codes, uint8 scales): qmv (bf16 / f16, decode sizes; E2M1 / E4M3
+  // decoded by bit placement) and simt compute them; the tile routes refuse them (quantization), so
+  // the selector picks simt beyond qmv's rows and for f32 or transpose=false. qmv's single-word
+  // kernels: w one word off (mx modes: rows are always whole uint4s), K = 144 (nvfp4: 18 words).
+  for (QuantMode mode : {QuantMode::mxfp4, QuantMode::mxfp8, QuantMode::nvfp4}) {
+    auto fp = [&](GatherQmmCase c) {
+      c.mode = mode;
+      c.bits = quant_mode_bits(mode);
+      c.group = quant_mode_group_size(mode);
+      return c;
+    };
+    for (DType dtype : {DType::bf16, DType::f16, DType::f32}) {
+      const char* decode_route = dtype == DType::f32 ? "simt" : "qmv";
+      add(t, small, picks(fp(rows_of("", {dtype, 4, 64, 8, 72, 192}, uniform(24))), decode_route));
+      add(t, small, picks(fp(topk_of("", {dtype, 4, 64, 8, 40, 128}, 5, 2)), decode_route));
+      add(t, small, fp(rows_of("simt", {dtype, 4, 64, 8, 72, 192}, uniform(24))));
+    }
+    for (DType dtype : {DType::bf16, DType::f16}) {
+      add(t, small, with_operands(fp(rows_of("qmv", {dtype, 4, 64, 8, 72, 192}, uniform(24))), Operands::w_word_offset));
+      add(t, small, fp(rows_of("qmv", {dtype, 4, 64, 8, 40, 144}, uniform(9))));
+      add(t, large, fp(rows_of("qmv", {dtype, 4, 64, 128, 704, 2816}, uniform(64))));  // Gemma 4's gate / up
+    }
+    add(t, small, picks(fp(batched_of("", {DType::bf16, 4, 64, 6, 96, 64}, 3, 2, 5, false)), "simt"));
+    add(t, small, picks(fp(batched_of("", {DType::bf16, 4, 64, 8, 200, 192}, 4, 3, 7)), "qmv"));
+    add(t, large, picks(fp(rows_of("", {DType::bf16, 4, 64, 128, 200, 448}, sorted(300))), "simt"));
+    const GatherQmmCase sorted_rows = fp(rows_of("", {DType::bf16, 4, 64, 8, 136, 384}, sorted(300)));
+    for (const char* r : {"rhs_tiles", "rhs_tiles_bm16", "expert_tiles_mma_sync", "expert_tiles_wgmma"})
+      add(t, small, refusal(sorted_rows, r, "quantization"));
+  }
   // Row counts from decode to long prefill (tokens x top-k over E), sorted rows and unsorted top-k.
   struct Rows {
     int64_t T, k, E;
@@ -451,6 +483,19 @@ void moe_rows(Table& t) {
     add(t, small, SwitchGluCase{g, 9, true});
   }
   for (int64_t T : {2, 40}) add(t, small, MoeLayerCase{MoeGeometry{}, T, MoePath::automatic});
+  // Experts in MLX's fp modes: the layer plan runs their GEMMs on qmv / simt (the decode layer and the
+  // tile routes refuse them); decode (T * k <= 64) and sorted prefill sizes.
+  for (QuantMode mode : {QuantMode::mxfp4, QuantMode::mxfp8, QuantMode::nvfp4})
+    for (bool fused : {false, true}) {
+      MoeGeometry g;
+      g.mode = mode;
+      g.bits = quant_mode_bits(mode);
+      g.group = quant_mode_group_size(mode);
+      g.fused = fused;
+      add(t, small, SwitchGluCase{g, 3, false});
+      add(t, small, MoeLayerCase{g, 5, MoePath::automatic});
+      add(t, large, MoeLayerCase{g, 40, MoePath::automatic});
+    }
   // The GLU product as two kernels instead of one, and as one on the same geometry.
   MoeGeometry e16;
   e16.E = 16;
@@ -536,6 +581,10 @@ void op_rows(Table& t) {
     for (Rounding rounding : {Rounding::cpu, Rounding::gpu})
       for (int bits : {3, 4, 8}) add(t, large, QuantizeCase{Values::edge_cases, dtype, bits, 64, rounding, 1, 7});
   add(t, large, QuantizeCase{Values::edge_cases, DType::bf16, 4, 64, Rounding::gpu, 3, 33});  // [E, N, K]
+  for (QuantMode mode : {QuantMode::mxfp4, QuantMode::mxfp8, QuantMode::nvfp4})
+    for (DType dtype : {DType::bf16, DType::f16, DType::f32})
+      add(t, small, QuantizeCase{Values::edge_cases, dtype, quant_mode_bits(mode), quant_mode_group_size(mode),
+                                 Rounding::cpu, 2, 12, mode});
   // gather_sort: 80-byte rows (byte-wise copy), 128-byte rows (16-byte copies) with uint32 ids, long
   // runs of equal ids (stability), Gemma's 2048 x 8 over 128.
   add(t, small, SortCase{1, 1, 4, 16, DType::i32});

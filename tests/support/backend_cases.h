@@ -67,6 +67,7 @@ struct GatherQmmCase {
   DType dtype = DType::bf16;   // activations; scales and biases in it too (bf16 under f32 x: promotion)
   int bits = 4, group = 64;
   int64_t E = 8, N = 0, K = 0;  // w [E, N, K] (transpose=false: [E, K, N])
+  QuantMode mode = QuantMode::affine;  // an fp mode: uint8 scales, no biases (bits / group: the mode's)
   Form form = Form::rows;
   Ids ids;                      // rows
   int64_t T = 0, k = 0;         // topk
@@ -95,6 +96,7 @@ struct MoeGeometry {
   DType dtype = DType::bf16;
   RouterKind router = RouterKind::gemma4;  // softmax_topk: Qwen3-MoE's (router reads un-normalised h)
   bool norm_topk_prob = true;
+  QuantMode mode = QuantMode::affine;  // the experts' (an fp mode: its own bits and group size)
   std::string name() const;
 };
 
@@ -146,6 +148,7 @@ struct QuantizeCase {
   int bits = 4, group = 64;
   Rounding rounding = Rounding::cpu;
   int64_t batch = 1, rows = 12;  // edge_cases weight [batch, rows, 256]
+  QuantMode mode = QuantMode::affine;  // an fp mode: its bits and group size, cpu rounding, edge_cases only
   std::string name() const;
 };
 

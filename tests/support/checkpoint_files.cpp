@@ -99,9 +99,11 @@ void expect_same(const Tensor& a, const Tensor& b, const std::string& what) {
 void expect_same(const QuantizedWeight& a, const QuantizedWeight& b, const std::string& what) {
   EXPECT_EQ(a.bits, b.bits) << what;
   EXPECT_EQ(a.group_size, b.group_size) << what;
+  EXPECT_EQ(a.mode, b.mode) << what;
   expect_same(a.w, b.w, what + ".weight");
   expect_same(a.scales, b.scales, what + ".scales");
-  expect_same(a.biases, b.biases, what + ".biases");
+  EXPECT_EQ(a.biases.defined(), b.biases.defined()) << what << ".biases";
+  if (a.biases.defined() && b.biases.defined()) expect_same(a.biases, b.biases, what + ".biases");
 }
 void expect_same_layer(const Gemma4FfnWeights& a, const Gemma4FfnWeights& b, const std::string& what) {
   expect_same(a.pre_feedforward_layernorm, b.pre_feedforward_layernorm, what + " pre_ff");

@@ -9,6 +9,7 @@
 #include <random>
 
 #include "core/device_memory.h"
+#include "core/synthetic_fp.h"
 #include "cuda/gather_qmm.h"
 #include "expertqmm/diagnostics.h"
 #include "expertqmm/error.h"
@@ -64,8 +65,9 @@ GatherCall build_call(const GatherQmmCase& c) {
   const DType params = c.dtype == DType::f32 ? DType::bf16 : c.dtype;
   const int64_t rows = c.transpose ? c.N : c.K, cols = c.transpose ? c.K : c.N;  // transpose=false: groups along N
   const QuantizedWeight& q =
-      built_once(detail::cat("codes ", c.E, "x", rows, "x", cols, " ", c.bits, "/", c.group, " ", dtype_name(params)),
-                 [&] { return random_codes(c.E, rows, cols, c.bits, c.group, params); });
+      built_once(detail::cat("codes ", c.E, "x", rows, "x", cols, " ", c.bits, "/", c.group, " ", dtype_name(params),
+                             " ", quant_mode_name(c.mode)),
+                 [&] { return random_codes(c.E, rows, cols, c.bits, c.group, params, c.mode); });
   GatherCall call;
   switch (c.form) {
     case Form::rows: call = rows_call(q, c.dtype, make_ids(c.ids, c.E), c.ids.sorted()); break;
@@ -128,11 +130,24 @@ RouteCounters gather_counters() {
   return {};
 }
 
-QuantizedWeight random_codes(int64_t E, int64_t rows, int64_t cols, int bits, int group_size, DType params) {
+QuantizedWeight random_codes(int64_t E, int64_t rows, int64_t cols, int bits, int group_size, DType params,
+                             QuantMode mode) {
   std::mt19937_64& g = rng();
   const int64_t words = cols * bits / 32, groups = cols / group_size;
   std::vector<uint32_t> w(E * rows * words);
   for (uint32_t& v : w) v = static_cast<uint32_t>(g());
+  if (mode != QuantMode::affine) {
+    QuantizedWeight q;
+    q.bits = bits;
+    q.group_size = group_size;
+    q.mode = mode;
+    std::vector<uint8_t> s(E * rows * groups);
+    detail::finish_synthetic_fp(mode, w.data(), static_cast<int64_t>(w.size()), s.data(),
+                                static_cast<int64_t>(s.size()), g());
+    q.w = Tensor::from_host(w.data(), {E, rows, words}, DType::u32);
+    q.scales = Tensor::from_host(s.data(), {E, rows, groups}, DType::u8);
+    return q;
+  }
   std::normal_distribution<float> nd(0.f, 1.f);
   std::vector<float> s(E * rows * groups), b(s.size());
   const float levels = static_cast<float>((1 << bits) - 1);
@@ -151,7 +166,7 @@ QuantizedWeight random_codes(int64_t E, int64_t rows, int64_t cols, int bits, in
 
 detail::GatherQmmProblem GatherCall::problem() const {
   return detail::make_gather_qmm_problem(x_dev, q_dev.w, q_dev.scales, q_dev.biases, lhs_dev, rhs_dev, transpose,
-                                         q_dev.group_size, q_dev.bits, sorted);
+                                         q_dev.group_size, q_dev.bits, sorted, q_dev.mode);
 }
 
 std::string GatherCall::describe(const std::string& route) const {
@@ -227,7 +242,7 @@ double reference_error(const GatherCall& c, const std::vector<float>& out) {
     QuantizedWeight one = c.q_host;
     one.w = expert(c.q_host.w, e);
     one.scales = expert(c.q_host.scales, e);
-    one.biases = expert(c.q_host.biases, e);
+    if (c.q_host.biases.defined()) one.biases = expert(c.q_host.biases, e);
     std::vector<int32_t> lhs;
     for (; i < picks.size() && c.rhs[picks[i]] == e; ++i) {
       lhs.push_back(c.lhs[picks[i]]);

@@ -19,8 +19,9 @@ namespace expertqmm::test {
 // is a valid code stream, so every code value is equally likely at any width) and scales/biases in
 // `params` that centre the codes on 0 (|w| <~ 0.08). Seconds even at Gemma's 500M weights, where the
 // CPU quantizer would take minutes.
+// An fp mode: random codes and uint8 scales (detail::finish_synthetic_fp), no biases.
 QuantizedWeight random_codes(int64_t E, int64_t rows, int64_t cols, int bits, int group_size,
-                             DType params = DType::bf16);
+                             DType params = DType::bf16, QuantMode mode = QuantMode::affine);
 
 // One gather_qmm call: host operands for the references, device operands for the routes.
 struct GatherCall {

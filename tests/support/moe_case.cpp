@@ -18,9 +18,10 @@ namespace expertqmm::test {
 
 namespace {
 
-QuantizedWeight quantized(const Shape& shape, int bits, int group, float scale, DType dtype) {
-  QuantizedWeight q = random_quantized(shape, bits, group, scale, Device::cpu);
-  if (dtype != q.scales.dtype()) {
+QuantizedWeight quantized(const Shape& shape, int bits, int group, float scale, DType dtype,
+                          QuantMode mode = QuantMode::affine) {
+  QuantizedWeight q = random_quantized(shape, bits, group, scale, Device::cpu, mode);
+  if (mode == QuantMode::affine && dtype != q.scales.dtype()) {
     q.scales = detail::cast_floating(q.scales, dtype);
     q.biases = detail::cast_floating(q.biases, dtype);
   }
@@ -183,12 +184,12 @@ Layer make_layer(const MoeGeometry& g) {
   SwitchGLUWeights& w = l.cpu.experts;
   w.activation = g.act;
   if (g.fused) {
-    w.gate_up = quantized({g.E, 2 * g.I, g.H}, g.bits, g.group, 0.05f, g.dtype);
+    w.gate_up = quantized({g.E, 2 * g.I, g.H}, g.bits, g.group, 0.05f, g.dtype, g.mode);
   } else {
-    w.gate = quantized({g.E, g.I, g.H}, g.bits, g.group, 0.05f, g.dtype);
-    w.up = quantized({g.E, g.I, g.H}, g.bits, g.group, 0.05f, g.dtype);
+    w.gate = quantized({g.E, g.I, g.H}, g.bits, g.group, 0.05f, g.dtype, g.mode);
+    w.up = quantized({g.E, g.I, g.H}, g.bits, g.group, 0.05f, g.dtype, g.mode);
   }
-  w.down = quantized({g.E, g.H, g.I}, g.bits, g.group, 0.05f, g.dtype);
+  w.down = quantized({g.E, g.H, g.I}, g.bits, g.group, 0.05f, g.dtype, g.mode);
   l.cpu.router = random_router(g.E, g.H, g.k, g.dtype, g.router_bits, 64, g.router, g.norm_topk_prob);
   l.gpu.experts = experts_to(w, Device::cuda);
   l.gpu.router = router_to(l.cpu.router, Device::cuda);

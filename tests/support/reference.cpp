@@ -10,6 +10,8 @@
 namespace expertqmm::test {
 
 std::vector<float> dequantize_f32(const QuantizedWeight& q) {
+  // fp modes: the E2M1 / E4M3 value times the decoded scale is exact in float32.
+  if (q.mode != QuantMode::affine) return to_float(dequantize(to_device(q, Device::cpu), DType::f32));
   Tensor s = detail::cast_floating(q.scales.to(Device::cpu), DType::f32);
   Tensor b = detail::cast_floating(q.biases.to(Device::cpu), DType::f32);
   return to_float(dequantize(q.w.to(Device::cpu), s, b, q.group_size, q.bits));

@@ -113,9 +113,11 @@ static double rel_error_impl(const std::vector<float>& a, const std::vector<Ref>
 double rel_error(const std::vector<float>& a, const std::vector<float>& b) { return rel_error_impl(a, b); }
 double rel_error(const std::vector<float>& a, const std::vector<double>& b) { return rel_error_impl(a, b); }
 
-QuantizedWeight random_quantized(const Shape& shape, int bits, int group_size, float scale, Device device) {
+QuantizedWeight random_quantized(const Shape& shape, int bits, int group_size, float scale, Device device,
+                                 QuantMode mode) {
   Tensor w = random_tensor(shape, DType::bf16, scale, Device::cpu);
-  QuantizedWeight q = quantize(w, QuantSpec{bits, group_size, Rounding::cpu});
+  QuantizedWeight q = quantize(w, mode == QuantMode::affine ? QuantSpec{bits, group_size, Rounding::cpu}
+                                                            : default_quant_spec(mode));
   return to_device(q, device);
 }
 
@@ -123,7 +125,7 @@ QuantizedWeight to_device(const QuantizedWeight& q, Device device) {
   QuantizedWeight r = q;
   r.w = q.w.to(device);
   r.scales = q.scales.to(device);
-  r.biases = q.biases.to(device);
+  if (q.biases.defined()) r.biases = q.biases.to(device);  // affine only
   return r;
 }
 

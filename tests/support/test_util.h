@@ -36,9 +36,10 @@ void poison(Tensor& t);
 double rel_error(const std::vector<float>& a, const std::vector<float>& b);
 double rel_error(const std::vector<float>& a, const std::vector<double>& b);
 
-// A quantized random weight [E..., N, K] (bf16 scales) built by the CPU quantizer.
+// A quantized random weight [E..., N, K] (bf16 scales; uint8 for an fp mode, whose own bits and
+// group size then apply) built by the CPU quantizer.
 QuantizedWeight random_quantized(const Shape& shape, int bits, int group_size, float scale = 0.05f,
-                                 Device device = Device::cpu);
+                                 Device device = Device::cpu, QuantMode mode = QuantMode::affine);
 QuantizedWeight to_device(const QuantizedWeight& q, Device device);
 
 // make(), drawn from rng() seeded by the test seed and `key` (rng()'s own state is restored after):

@@ -44,7 +44,7 @@ namespace expertqmm::cli {
 namespace {
 
 struct BenchOptions {
-  const Preset* preset = nullptr;
+  Preset preset{};  // with --quant applied
   std::vector<int64_t> tokens;
   std::string routing;
   std::vector<ProductMode> products;
@@ -57,7 +57,8 @@ struct BenchOptions {
 
 void print_usage() {
   std::printf(
-      "usage: expertqmm bench [--preset gemma4-26b-a4b] [--tokens 1,8,64,512,1024,2048] [--routing uniform|zipf]\n"
+      "usage: expertqmm bench [--preset gemma4-26b-a4b] [--quant affine|mxfp4|mxfp8|nvfp4]\n"
+      "                       [--tokens 1,8,64,512,1024,2048] [--routing uniform|zipf]\n"
       "                       [--product fused|separate|both] [--expert-tiles auto|on|off|both] [--json FILE]\n"
       "                       [--replays 100] [--export-dir DIR]\n"
       "                       [--seed S]\n"
@@ -68,9 +69,10 @@ void print_usage() {
 
 BenchOptions parse_options(int argc, char** argv) {
   Args args(argc, argv);
-  args.check_known({"preset", "tokens", "routing", "product", "expert-tiles", "json", "replays", "export-dir", "seed"});
+  args.check_known(
+      {"preset", "quant", "tokens", "routing", "product", "expert-tiles", "json", "replays", "export-dir", "seed"});
   BenchOptions o;
-  o.preset = &find_preset(args.get("preset", "gemma4-26b-a4b"));
+  o.preset = with_quant_option(find_preset(args.get("preset", "gemma4-26b-a4b")), args);
   o.tokens = args.get_int_list("tokens", {1, 8, 64, 512, 1024, 2048}, 1, kMaxTokens);
   o.routing = args.get_choice("routing", "uniform", {"uniform", "zipf"});
   o.products = product_modes(args, "fused");
@@ -411,7 +413,7 @@ void export_weights(const std::string& dir, const Preset& p, const SwitchGLUWeig
   auto add = [&](const std::string& name, const QuantizedWeight& q) {
     tensors.push_back({"switch_glu." + name + ".weight", q.w});
     tensors.push_back({"switch_glu." + name + ".scales", q.scales});
-    tensors.push_back({"switch_glu." + name + ".biases", q.biases});
+    if (q.biases.defined()) tensors.push_back({"switch_glu." + name + ".biases", q.biases});  // affine only
   };
   if (ex.fused()) {
     add("gate_up_proj", ex.gate_up);
@@ -427,6 +429,7 @@ void export_weights(const std::string& dir, const Preset& p, const SwitchGLUWeig
                     {"top_k", std::to_string(p.top_k)},
                     {"hidden", std::to_string(p.hidden)},
                     {"intermediate", std::to_string(p.intermediate)},
+                    {"mode", quant_mode_name(p.mode)},
                     {"bits", std::to_string(p.bits)},
                     {"group_size", std::to_string(p.group_size)},
                     {"activation", activation_name(p.activation)},
@@ -471,7 +474,7 @@ int run_bench(int argc, char** argv) {
   if (Args(argc, argv).has("help")) return print_usage(), 0;
   const BenchOptions o = parse_options(argc, argv);
   EXPERTQMM_CHECK(cuda_available(), "bench", "needs a usable CUDA device; none was found");
-  const Preset& p = *o.preset;
+  const Preset& p = o.preset;
   const int64_t H = p.hidden, k = p.top_k;
   if (o.replays < kMinProtocolReplays)
     std::fprintf(stderr, "warning: %d replays is below the protocol's %d; numbers are indicative only\n", o.replays,
@@ -642,7 +645,8 @@ int run_bench(int argc, char** argv) {
     f << "{\n  \"commit\": " << json_string(commit_id()) << ",\n  \"gpu\": " << json_string(cuda_device_name())
       << ",\n  \"date\": " << json_string(utc_now()) << ",\n  \"ceilings\": {\"copy_gbps\": "
       << json_number(ceilings.copy_gbps) << ", \"bf16_tflops\": " << json_number(ceilings.bf16_tflops)
-      << "},\n  \"preset\": " << json_string(p.name) << ",\n  \"routing\": " << json_string(o.routing)
+      << "},\n  \"preset\": " << json_string(p.name) << ",\n  \"quant\": " << json_string(quant_mode_name(p.mode))
+      << ",\n  \"routing\": " << json_string(o.routing)
       << ",\n  \"protocol\": {\"weight_copies\": " << kWeightCopies << ", \"l2_flush_bytes\": " << flush_bytes
       << ", \"replays\": " << o.replays << ", \"statistic\": \"median\"}"
       << ",\n  \"rows\": [\n    " << rows_json.str() << "\n  ],\n  \"product_deltas\": [\n    " << deltas_json.str()

@@ -20,11 +20,15 @@ void print_usage() {
   std::printf(
       "usage: expertqmm write-checkpoint --out DIR [--preset gemma4-26b-a4b|tiny|qwen3-30b-a3b|qwen3-tiny]\n"
       "                                  [--layers 30|48] [--seed 1]\n"
-      "                                  [--shards N] [--prefix model.] [--group-size 64] [--force]\n"
+      "                                  [--shards N] [--prefix model.] [--group-size 64]\n"
+      "                                  [--quant affine|mxfp4|mxfp8|nvfp4] [--force]\n"
       "Writes config.json and model.safetensors (or N shards and model.safetensors.index.json) with\n"
       "synthetic weights: experts 4-bit g64, dense MLP and router.proj 8-bit g64 (as the QAT checkpoint).\n"
       "--group-size 32|64|128 sets the default (the experts'); as mlx-lm's quantize_model, a module whose\n"
       "input width is not a multiple of it stays bf16 (at 128: the experts' down_proj, 704 inputs).\n"
+      "--quant sets the default's mode (the experts'; config.json quantization.mode): mxfp4 (4-bit\n"
+      "g32), mxfp8 (8-bit g32), nvfp4 (4-bit g16), each with uint8 scales and no biases; the dense MLP\n"
+      "and router.proj stay affine 8-bit g64. An fp mode has one group size: no --group-size with it.\n"
       "gemma4-26b-a4b: H=2816, I=2112, 128 experts x 704, top-8 (~0.45 GB a layer); tiny: H=128, I=192,\n"
       "8 experts x 64, top-2. qwen3-30b-a3b: mlx-lm qwen3_moe names, H=2048, 128 experts x 768, top-8,\n"
       "48 layers, experts 4-bit and the router mlp.gate 8-bit g64 (~0.34 GB a layer); qwen3-tiny: H=128,\n"
@@ -39,7 +43,7 @@ void print_usage() {
 int run_write_checkpoint(int argc, char** argv) {
   Args args(argc, argv);
   if (args.has("help")) return print_usage(), 0;
-  args.check_known({"out", "preset", "layers", "seed", "shards", "prefix", "group-size", "force"});
+  args.check_known({"out", "preset", "layers", "seed", "shards", "prefix", "group-size", "quant", "force"});
   const std::string out = args.get_required("out", "DIR");
   const std::string preset =
       args.get_choice("preset", "gemma4-26b-a4b", {"gemma4-26b-a4b", "tiny", "qwen3-30b-a3b", "qwen3-tiny"});
@@ -49,8 +53,14 @@ int run_write_checkpoint(int argc, char** argv) {
   const std::string prefix = args.get_choice("prefix", "model.", {"model.", "language_model.model."});
   const bool force = args.get_flag("force");
   const int group_size = std::stoi(args.get_choice("group-size", "64", {"32", "64", "128"}));
+  QuantMode mode = QuantMode::affine;
+  parse_quant_mode(args.get_choice("quant", "affine", {"affine", "mxfp4", "mxfp8", "nvfp4"}), &mode);
+  if (mode != QuantMode::affine && args.has("group-size"))
+    usage_error(detail::cat("--group-size: mode ", quant_mode_name(mode), " has one group size (",
+                            quant_mode_group_size(mode), "); give --group-size with --quant affine only"));
   Gemma4Config c = qwen3 ? Gemma4Config::qwen3_30b_a3b(layers, prefix) : Gemma4Config::gemma4_26b_a4b(layers, prefix);
   c.default_quant.group_size = int(group_size);
+  if (mode != QuantMode::affine) c.default_quant = {quant_mode_bits(mode), quant_mode_group_size(mode), mode};
   if (tiny) {
     c.hidden_size = 128;
     c.intermediate_size = 192;

@@ -17,15 +17,16 @@ int run_diag(int argc, char** argv) {
   Args args(argc, argv);
   if (args.has("help")) {
     std::printf(
-        "usage: expertqmm diag [--preset gemma4-26b-a4b] [--tokens 64] [--backend auto|cpu|cuda] [--seed S]\n"
+        "usage: expertqmm diag [--preset gemma4-26b-a4b] [--quant affine|mxfp4|mxfp8|nvfp4] [--tokens 64]\n"
+        "                      [--backend auto|cpu|cuda] [--seed S]\n"
         "                      [--expert-tiles auto|on|off|both] [--product fused|separate]\n"
         "Runs one moe_layer call and prints the route selector's counters for exactly that call (both:\n"
         "one call with the tile route at its default, one with it off). The counters count the CUDA\n"
         "routes; on the CPU backend they stay 0.\n");
     return 0;
   }
-  args.check_known({"preset", "tokens", "backend", "seed", "expert-tiles", "product"});
-  const Preset& preset = find_preset(args.get("preset", "gemma4-26b-a4b"));
+  args.check_known({"preset", "quant", "tokens", "backend", "seed", "expert-tiles", "product"});
+  const Preset preset = with_quant_option(find_preset(args.get("preset", "gemma4-26b-a4b")), args);
   const int64_t T = args.get_int("tokens", 64, 1, kMaxTokens);
   const uint64_t seed = uint64_t(args.get_int("seed", 1, 0, kMaxSeed));
   const std::vector<RouteSwitch> tile_settings = expert_tile_settings(args);

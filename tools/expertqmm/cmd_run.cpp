@@ -64,8 +64,8 @@ int run_run(int argc, char** argv) {
   Args args(argc, argv);
   if (args.has("help")) {
     std::printf(
-        "usage: expertqmm run --tokens N [--preset gemma4-26b-a4b] [--backend auto|cpu|cuda] [--seed S]\n"
-        "                     [--routing uniform|zipf] [--check-tokens C]\n"
+        "usage: expertqmm run --tokens N [--preset gemma4-26b-a4b] [--quant affine|mxfp4|mxfp8|nvfp4]\n"
+        "                     [--backend auto|cpu|cuda] [--seed S] [--routing uniform|zipf] [--check-tokens C]\n"
         "Runs expertqmm::moe_layer on synthetic weights of the preset and random bf16 tokens, times it,\n"
         "and checks C sampled tokens (default min(N, 4)) against a float64 reference: PASS when the\n"
         "relative error is <= 1e-2 (exit 0), else FAIL (exit 1). zipf routing samples the experts\n"
@@ -73,8 +73,8 @@ int run_run(int argc, char** argv) {
     for (const Preset& p : presets()) std::printf("  %-22s %s\n", p.name, p.description);
     return 0;
   }
-  args.check_known({"preset", "tokens", "backend", "seed", "routing", "check-tokens"});
-  const Preset& preset = find_preset(args.get("preset", "gemma4-26b-a4b"));
+  args.check_known({"preset", "quant", "tokens", "backend", "seed", "routing", "check-tokens"});
+  const Preset preset = with_quant_option(find_preset(args.get("preset", "gemma4-26b-a4b")), args);
   args.get_required("tokens", "N");
   const int64_t T = args.get_int("tokens", 0, 1, kMaxTokens);
   const uint64_t seed = uint64_t(args.get_int("seed", 1, 0, kMaxSeed));
@@ -178,6 +178,7 @@ int run_run(int argc, char** argv) {
   const double flops = double(T * k) * preset.flops_per_assignment();
   std::vector<std::pair<std::string, std::string>> rows = {
       {"preset", preset.name},
+      {"quant", detail::cat(quant_mode_name(preset.mode), " ", preset.bits, "-bit g", preset.group_size)},
       {"backend", device_name(device)},
       {"device", device_label(device)},
       {"routing", routing == "zipf" ? "zipf (s=1.1, sampled)" : "uniform (synthetic router)"},

@@ -10,7 +10,7 @@ namespace expertqmm::cli {
 int64_t Preset::bytes_per_expert() const {
   const int64_t weights = 3 * int64_t(intermediate) * hidden;  // gate, up, down
   const int64_t code_bytes = weights * bits / 8;
-  const int64_t group_bytes = weights / group_size * 2 * 2;  // bf16 scale + bf16 bias per group
+  const int64_t group_bytes = weights / group_size * (mode == QuantMode::affine ? 2 * 2 : 1);  // bf16 s + b, or u8 s
   return code_bytes + group_bytes;
 }
 

@@ -27,8 +27,10 @@ struct Preset {
   Activation activation;
   bool fused_gate_up;  // one gate_up [E, 2I, H] (gate rows first) instead of gate and up
   RouterKind router;   // gemma4: h is routed through its own norm; softmax_topk (Qwen3-MoE): renormalised
+  QuantMode mode = QuantMode::affine;  // the experts' quantization mode (--quant)
 
-  // Bytes of one expert's gate, up and down: codes plus bf16 scales and biases.
+  // Bytes of one expert's gate, up and down: codes plus bf16 scales and biases (affine) or uint8
+  // scales (fp modes).
   int64_t bytes_per_expert() const;
   // Multiply-adds x2 of one (token, expert) assignment: gate and up (2*I*H) and down (I*H).
   double flops_per_assignment() const;
@@ -44,6 +46,9 @@ constexpr int64_t kMaxTokens = 65536;
 constexpr int64_t kMaxSeed = INT64_MAX;
 // Throws UsageError naming the unknown preset and the known ones.
 const Preset& find_preset(const std::string& name);
+// --quant affine|mxfp4|mxfp8|nvfp4 (default affine): the preset with its experts in that mode
+// (affine keeps the preset's bits and group size; an fp mode has one of each).
+Preset with_quant_option(const Preset& p, const Args& args);
 
 // "auto" (CUDA when expertqmm::cuda_available(), else CPU), "cpu" or "cuda". Throws when CUDA is
 // requested and this build or this machine cannot provide it.

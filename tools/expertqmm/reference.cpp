@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "core/float16.h"
+#include "core/fp_codes.h"
 #include "expertqmm/error.h"
 
 namespace expertqmm::cli {
@@ -27,15 +28,24 @@ struct PackedRows {
   DType group_dtype;
   int64_t N, K, row_words, groups;
   int bits, group_size;
+  QuantMode mode;
 
   explicit PackedRows(const QuantizedWeight& q)
-      : w(q.w.data_as<uint32_t>()), scales(q.scales.data()), biases(q.biases.data()),
+      : w(q.w.data_as<uint32_t>()), scales(q.scales.data()), biases(q.biases.defined() ? q.biases.data() : nullptr),
         group_dtype(q.scales.dtype()), N(q.w.size(-2)), K(q.w.size(-1) * 32 / q.bits),
-        row_words(q.w.size(-1)), groups(q.scales.size(-1)), bits(q.bits), group_size(q.group_size) {
+        row_words(q.w.size(-1)), groups(q.scales.size(-1)), bits(q.bits), group_size(q.group_size), mode(q.mode) {
     EXPERTQMM_CHECK(q.w.device() == Device::cpu && q.w.is_contiguous() && q.scales.is_contiguous() &&
-                        q.biases.is_contiguous(),
+                        (!q.biases.defined() || q.biases.is_contiguous()),
                     "reference", "weights must be contiguous host tensors, got ", q.w.describe());
   }
+
+  // Group g's scale of row r: affine from the float scales; the fp modes decode their uint8 code
+  // (E4M3 for nvfp4, E8M0 for the mx modes), and a code is E2M1 (4 bits) or E4M3 (8 bits).
+  float fp_scale(int64_t i) const {
+    const uint8_t c = static_cast<const uint8_t*>(scales)[i];
+    return mode == QuantMode::nvfp4 ? e4m3_value(c) : e8m0_value(c);
+  }
+  float fp_value(uint32_t code) const { return bits == 8 ? e4m3_value(uint8_t(code)) : e2m1_value(code); }
 
   // Row n of expert e, dequantized: element i is bits [i*bits, (i+1)*bits) of the row's LSB-first
   // bit stream (spec 1.2), so 3/5/6-bit codes may straddle two words.
@@ -45,13 +55,15 @@ struct PackedRows {
     const uint32_t* words = w + r * row_words;
     const uint32_t mask = (1u << bits) - 1u;
     for (int64_t g = 0; g < groups; ++g) {
-      const float s = to_f32(scales, group_dtype, r * groups + g);
-      const float b = to_f32(biases, group_dtype, r * groups + g);
+      const bool affine = mode == QuantMode::affine;
+      const float s = affine ? to_f32(scales, group_dtype, r * groups + g) : fp_scale(r * groups + g);
+      const float b = affine ? to_f32(biases, group_dtype, r * groups + g) : 0.0f;
       for (int64_t i = g * group_size; i < (g + 1) * group_size; ++i) {
         const int64_t bit = i * bits, word = bit / 32, shift = bit % 32;
         uint64_t v = words[word] >> shift;
         if (shift + bits > 32) v |= uint64_t(words[word + 1]) << (32 - shift);
-        out[i] = s * float(uint32_t(v) & mask) + b;
+        const uint32_t code = uint32_t(v) & mask;
+        out[i] = affine ? s * float(code) + b : fp_value(code) * s;
       }
     }
   }

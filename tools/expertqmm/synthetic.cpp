@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "core/float16.h"
+#include "core/synthetic_fp.h"
 #include "expertqmm/error.h"
 
 namespace expertqmm::cli {
@@ -28,14 +29,16 @@ Tensor bf16_host(const std::vector<uint16_t>& bits, const Shape& shape) {
 
 }  // namespace
 
-QuantizedWeight synthetic_quantized(int64_t E, int64_t N, int64_t K, int bits, int group_size, uint64_t seed) {
-  EXPERTQMM_CHECK(valid_bits(bits) && valid_group_size(group_size), "synthetic_quantized", "bits ", bits,
-                  " / group_size ", group_size, " is not an MLX affine pair");
+QuantizedWeight synthetic_quantized(int64_t E, int64_t N, int64_t K, int bits, int group_size, uint64_t seed,
+                                    QuantMode mode) {
+  EXPERTQMM_CHECK(valid_quant_params(mode, bits, group_size), "synthetic_quantized", "bits ", bits,
+                  " / group_size ", group_size, " is not an MLX ", quant_mode_name(mode), " pair");
   EXPERTQMM_CHECK(K % group_size == 0 && (K * bits) % 32 == 0, "synthetic_quantized", "K ", K,
                   " must be a multiple of group_size ", group_size, " and of 32/bits");
   QuantizedWeight q;
   q.bits = bits;
   q.group_size = group_size;
+  q.mode = mode;
   q.w = Tensor::empty({E, N, K * bits / 32}, DType::u32);
   // Any bit pattern is a valid row of codes, so the words are just random.
   SplitMix64 words(derive_seed(seed, 0));
@@ -49,6 +52,11 @@ QuantizedWeight synthetic_quantized(int64_t E, int64_t N, int64_t K, int bits, i
   if (n_words % 2) w[n_words - 1] = uint32_t(words.next());
 
   const int64_t n_groups = E * N * (K / group_size);
+  if (mode != QuantMode::affine) {  // uint8 scales, no biases
+    q.scales = Tensor::empty({E, N, K / group_size}, DType::u8);
+    detail::finish_synthetic_fp(mode, w, n_words, q.scales.data_as<uint8_t>(), n_groups, derive_seed(seed, 1));
+    return q;
+  }
   std::vector<uint16_t> scales(n_groups), biases(n_groups);
   SplitMix64 groups(derive_seed(seed, 1));
   const double mid = std::ldexp(1.0, bits - 1) - 0.5;  // the middle code
@@ -68,12 +76,12 @@ SwitchGLUWeights synthetic_experts(const Preset& p, uint64_t seed) {
   ex.activation = p.activation;
   const int64_t E = p.experts, H = p.hidden, I = p.intermediate;
   if (p.fused_gate_up) {
-    ex.gate_up = synthetic_quantized(E, 2 * I, H, p.bits, p.group_size, derive_seed(seed, 10));
+    ex.gate_up = synthetic_quantized(E, 2 * I, H, p.bits, p.group_size, derive_seed(seed, 10), p.mode);
   } else {
-    ex.gate = synthetic_quantized(E, I, H, p.bits, p.group_size, derive_seed(seed, 11));
-    ex.up = synthetic_quantized(E, I, H, p.bits, p.group_size, derive_seed(seed, 12));
+    ex.gate = synthetic_quantized(E, I, H, p.bits, p.group_size, derive_seed(seed, 11), p.mode);
+    ex.up = synthetic_quantized(E, I, H, p.bits, p.group_size, derive_seed(seed, 12), p.mode);
   }
-  ex.down = synthetic_quantized(E, H, I, p.bits, p.group_size, derive_seed(seed, 13));
+  ex.down = synthetic_quantized(E, H, I, p.bits, p.group_size, derive_seed(seed, 13), p.mode);
   return ex;
 }
 

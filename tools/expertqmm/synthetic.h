@@ -33,7 +33,9 @@ uint64_t derive_seed(uint64_t seed, uint64_t stream);
 
 // [E, N, K] quantized weight: uniform random codes; per group scale = ±(0.01 + 0.002 n) with a
 // random sign, bias = -scale * (2^(bits-1) - 1/2) so that the dequantized values centre on 0.
-QuantizedWeight synthetic_quantized(int64_t E, int64_t N, int64_t K, int bits, int group_size, uint64_t seed);
+// An fp mode: random codes, uint8 scales from detail::finish_synthetic_fp (core/synthetic_fp.h).
+QuantizedWeight synthetic_quantized(int64_t E, int64_t N, int64_t K, int bits, int group_size, uint64_t seed,
+                                    QuantMode mode = QuantMode::affine);
 
 // gate and up [E, I, H] (or gate_up [E, 2I, H]) and down [E, H, I] of the preset.
 SwitchGLUWeights synthetic_experts(const Preset& p, uint64_t seed);

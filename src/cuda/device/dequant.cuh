@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "core/fp_codes.h"
 #include "cuda/device/elem.cuh"
 
 namespace expertqmm::cuda::device {
@@ -175,6 +176,41 @@ __device__ __forceinline__ uint32_t extract_code(const uint32_t* row, int64_t i,
 template <class T>
 __device__ __forceinline__ float load_param(const void* base, int64_t i) {
   return Elem<T>::to_float(static_cast<const T*>(base)[i]);
+}
+
+// Weight i of a packed fp-mode row (QuantMode mode: 1 mxfp4, 2 mxfp8, 3 nvfp4) whose group scale
+// code is `scale_code`, in fp32: the E2M1 / E4M3 value times the decoded E8M0 / E4M3 scale (exact
+// in fp32; core/fp_codes.h, as the CPU reference).
+__device__ __forceinline__ float fp_weight(int mode, const uint32_t* row, int64_t i, uint8_t scale_code) {
+  const float scale = mode == 3 ? e4m3_value(scale_code) : e8m0_value(scale_code);
+  if (mode == 2) return e4m3_value(static_cast<uint8_t>(row[i >> 2] >> ((i & 3) * 8))) * scale;
+  return e2m1_value(row[i >> 3] >> ((i & 7) * 4)) * scale;
+}
+
+// fp-mode GEMV inner product over one word of codes (8 E2M1 or 4 E4M3 values), x given as those
+// values. Decoding by bit placement: the 3 magnitude bits of an E2M1 code as a float's lowest
+// exponent bits and top mantissa bit give 2^-126 * its value (a subnormal for 0 and 0.5), the 7 of
+// an E4M3 code 2^-120 * its value; one exact multiply by 2^126 / 2^120 restores it (denormals are
+// not flushed: no fast math). E4M3 0x7F / 0xFF read as NaN, as fp_weight and the CPU.
+template <int kBits>
+__device__ __forceinline__ float fp_word_dot(uint32_t w, const float* xv, float dot) {
+  if constexpr (kBits == 4) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t c = (w >> (4 * j)) & 0xFu;
+      const float v = __uint_as_float(((c & 8u) << 28) | ((c & 7u) << 22)) * 0x1p126f;
+      dot = fmaf(xv[j], v, dot);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t c = (w >> (8 * j)) & 0xFFu;
+      const float v = (c & 0x7Fu) == 0x7Fu ? __uint_as_float(0x7fc00000u)
+                                          : __uint_as_float(((c & 0x80u) << 24) | ((c & 0x7Fu) << 20)) * 0x1p120f;
+      dot = fmaf(xv[j], v, dot);
+    }
+  }
+  return dot;
 }
 
 }  // namespace expertqmm::cuda::device

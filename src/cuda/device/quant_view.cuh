@@ -14,6 +14,11 @@ struct QuantView {
   int words_per_row = 0;             // K * bits / 32
   int groups_per_row = 0;            // K / group_size
   int group_shift = 0;               // log2(group_size)
+  // MLX's fp modes (mxfp4, mxfp8, nvfp4): uint8 scale codes instead of scales and biases (both null
+  // then); fp_mode is QuantMode's value (0: affine). Only the routes whose supports_* accept an fp
+  // mode read these (simt).
+  const uint8_t* fp_scales = nullptr;
+  int fp_mode = 0;
 };
 
 }  // namespace expertqmm::cuda::device
