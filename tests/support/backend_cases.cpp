@@ -310,8 +310,10 @@ void gather_qmm_rows(Table& t) {
   // MLX's fp modes (E2M1 / E4M3 codes, uint8 scales): qmv (bf16 / f16, decode sizes; E2M1 / E4M3
   // decoded by bit placement) and simt compute them; the tile routes refuse them (quantization), so
   // the selector picks simt beyond qmv's rows and for f32 or transpose=false. qmv's single-word
-  // kernels: w one word off (mx modes: rows are always whole uint4s), K = 144 (nvfp4: 18 words).
+  // kernels: w one word off (mx modes: rows are always whole uint4s), K = 144 (nvfp4: 18 words; the
+  // mx modes' group of 32 needs K = 160 instead).
   for (QuantMode mode : {QuantMode::mxfp4, QuantMode::mxfp8, QuantMode::nvfp4}) {
+    const int64_t odd_k = mode == QuantMode::nvfp4 ? 144 : 160;
     auto fp = [&](GatherQmmCase c) {
       c.mode = mode;
       c.bits = quant_mode_bits(mode);
@@ -326,7 +328,7 @@ void gather_qmm_rows(Table& t) {
     }
     for (DType dtype : {DType::bf16, DType::f16}) {
       add(t, small, with_operands(fp(rows_of("qmv", {dtype, 4, 64, 8, 72, 192}, uniform(24))), Operands::w_word_offset));
-      add(t, small, fp(rows_of("qmv", {dtype, 4, 64, 8, 40, 144}, uniform(9))));
+      add(t, small, fp(rows_of("qmv", {dtype, 4, 64, 8, 40, odd_k}, uniform(9))));
       add(t, large, fp(rows_of("qmv", {dtype, 4, 64, 128, 704, 2816}, uniform(64))));  // Gemma 4's gate / up
     }
     add(t, small, picks(fp(batched_of("", {DType::bf16, 4, 64, 6, 96, 64}, 3, 2, 5, false)), "simt"));
