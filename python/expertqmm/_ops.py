@@ -27,16 +27,18 @@ def dequantize(w: Any, scales: Any, biases: Any, group_size: int = 64, bits: int
 
 
 def gather_qmm(x: Any, w: Any, scales: Any, biases: Any, lhs_indices: Any = None, rhs_indices: Any = None,
-               transpose: bool = True, group_size: int = 64, bits: int = 4, sorted_indices: bool = False, *,
-               stream: Optional[int] = None) -> Any:
+               transpose: bool = True, group_size: int = 64, bits: int = 4, sorted_indices: bool = False,
+               mode: str = "affine", *, stream: Optional[int] = None) -> Any:
     """``mx.gather_qmm``: x [*Bx, M, K] times the quantized w [*Bw, N, K*bits/32] (transpose) picked by the
-    indices (None: every batch in order), output S + [M, N] in promote(x, scales).
+    indices (None: every batch in order), output S + [M, N] in promote(x, scales) (affine) or x's dtype.
 
-    ``sorted_indices`` is a promise that is checked, never trusted. int64 indices are narrowed to int32.
+    ``mode``: 'affine', or one of MLX's fp modes 'mxfp4', 'mxfp8', 'nvfp4' (uint8 scales, ``biases``
+    None). ``sorted_indices`` is a promise that is checked, never trusted. int64 indices are narrowed
+    to int32.
     """
-    out = _core.gather_qmm(to_core(x), to_core(w), to_core(scales), to_core(biases),
+    out = _core.gather_qmm(to_core(x), to_core(w), to_core(scales), optional_core(biases),
                            optional_core(narrow_indices(lhs_indices)), optional_core(narrow_indices(rhs_indices)),
-                           transpose, group_size, bits, sorted_indices, stream_of(x, stream))
+                           transpose, group_size, bits, sorted_indices, mode, stream_of(x, stream))
     return from_core(out, x)
 
 

@@ -131,16 +131,21 @@ void bind_ops(nb::module_& m) {
     return result(dequantize(w.tensor, scales.tensor, biases.tensor, group_size, bits), w);
   }, arg("w"), arg("scales"), arg("biases"), arg("group_size") = 64, arg("bits") = 4, arg("stream") = 0,
         "mx.dequantize: scales * q + biases, in the scales' dtype.");
-  m.def("gather_qmm", [](const PyTensor& x, const PyTensor& w, const PyTensor& scales, const PyTensor& biases,
+  m.def("gather_qmm", [](const PyTensor& x, const PyTensor& w, const PyTensor& scales, const PyTensor* biases,
                          const PyTensor* lhs, const PyTensor* rhs, bool transpose, int group_size, int bits,
-                         bool sorted_indices, uintptr_t stream) {
+                         bool sorted_indices, const std::string& mode, uintptr_t stream) {
+    QuantMode quant_mode = QuantMode::affine;
+    if (!parse_quant_mode(mode, &quant_mode))
+      throw Error("gather_qmm", "mode must be affine, mxfp4, mxfp8 or nvfp4, got '" + mode + "'");
     CudaScope scope(x, stream);
     nb::gil_scoped_release nogil;
-    return result(gather_qmm(x.tensor, w.tensor, scales.tensor, biases.tensor, tensor_or_undefined(lhs),
-                             tensor_or_undefined(rhs), transpose, group_size, bits, sorted_indices), x);
-  }, arg("x"), arg("w"), arg("scales"), arg("biases"), arg("lhs_indices").none() = nb::none(),
+    return result(gather_qmm(x.tensor, w.tensor, scales.tensor, tensor_or_undefined(biases), tensor_or_undefined(lhs),
+                             tensor_or_undefined(rhs), transpose, group_size, bits, sorted_indices, quant_mode),
+                  x);
+  }, arg("x"), arg("w"), arg("scales"), arg("biases").none(), arg("lhs_indices").none() = nb::none(),
         arg("rhs_indices").none() = nb::none(), arg("transpose") = true, arg("group_size") = 64, arg("bits") = 4,
-        arg("sorted_indices") = false, arg("stream") = 0, "mx.gather_qmm.");
+        arg("sorted_indices") = false, arg("mode") = "affine", arg("stream") = 0,
+        "mx.gather_qmm (mode: affine, or MLX's fp modes, whose biases are None).");
   m.def("gather_mm", [](const PyTensor& a, const PyTensor& b, const PyTensor* lhs, const PyTensor* rhs,
                         bool sorted_indices, uintptr_t stream) {
     CudaScope scope(a, stream);

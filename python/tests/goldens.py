@@ -9,7 +9,8 @@ import numpy as np
 GOLDEN_DIR = os.environ.get("EXPERTQMM_GOLDEN_DIR") or os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "..", "..", "tests", "golden")
 
-_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "U32": np.uint32, "I32": np.int32}
+_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16, "U32": np.uint32, "I32": np.int32,
+           "U8": np.uint8}
 
 
 def load(name):

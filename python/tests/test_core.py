@@ -36,13 +36,14 @@ def test_quantize_and_dequantize_match_mlx_bit_for_bit(file):
 def test_gather_qmm_matches_mlx():
     tensors, meta = load("ops_gather_qmm.safetensors")
     all_cases = cases(meta)
-    assert len(all_cases) == 26
+    modes = [p.get("mode", "affine") for p in all_cases.values()]
+    assert len(all_cases) == 38 and modes.count("affine") == 26, modes  # and 12 in MLX's fp modes
     for name, p in all_cases.items():
         g = lambda k: tensors.get(f"gqmm.{name}.{k}")  # noqa: E731
         out = expertqmm.gather_qmm(g("x"), g("w"), g("scales"), g("biases"), g("lhs"), g("rhs"),
                                    transpose=p["transpose"] == "1", group_size=int(p["group_size"]), bits=int(p["bits"]),
-                                   sorted_indices=p["sorted_indices"] == "1")
-        assert out.shape == g("out").shape and out.dtype == ml_dtypes.bfloat16, name
+                                   sorted_indices=p["sorted_indices"] == "1", mode=p.get("mode", "affine"))
+        assert out.shape == g("out").shape and out.dtype == g("out").dtype == ml_dtypes.bfloat16, name
         assert rel_error(out, g("out_f32")) <= BF16_ONE_ROUNDING, name
         assert rel_error(out, g("out")) <= MLX_BF16_BOUND, name
 
