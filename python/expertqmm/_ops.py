@@ -7,23 +7,31 @@ from . import _core
 from ._arrays import from_core, narrow_indices, optional_core, stream_of, to_core
 
 
-def quantize(w: Any, bits: int = 4, group_size: int = 64, rounding: str = "cpu", *,
-             stream: Optional[int] = None) -> Tuple[Any, Any, Any]:
-    """``mx.quantize(w, group_size, bits)`` (affine), bit-exact with MLX.
+def quantize(w: Any, bits: Optional[int] = None, group_size: Optional[int] = None, rounding: str = "cpu",
+             mode: str = "affine", global_scale: Any = None, *, stream: Optional[int] = None) -> Tuple[Any, Any, Any]:
+    """``mx.quantize(w, group_size, bits, mode, global_scale)``, bit-exact with MLX.
 
-    w: float [..., N, K], K a multiple of ``group_size``. ``rounding``: 'cpu' (MLX's CPU backend: exact
-    min/max, ties to even) or 'gpu' (MLX's Metal/CUDA backends). Returns ``(w_q, scales, biases)``:
-    uint32 [..., N, K*bits/32] and two [..., N, K/group_size] in w's dtype, in w's framework.
+    w: float [..., N, K], K a multiple of the group size. ``mode``: 'affine' (bits 4 and group 64 unless
+    given) or MLX's fp modes 'mxfp4', 'mxfp8', 'nvfp4' (their own bits and group size; ``global_scale``:
+    nvfp4's optional float32 scalar). ``rounding`` (affine): 'cpu' (MLX's CPU backend: exact min/max, ties
+    to even) or 'gpu' (MLX's Metal/CUDA backends). Returns ``(w_q, scales, biases)``: uint32
+    [..., N, K*bits/32], scales [..., N, K/group_size] (w's dtype; uint8 in the fp modes), biases like
+    the scales (affine) or None, in w's framework.
     """
-    q = _core.quantize(to_core(w), bits, group_size, rounding, stream_of(w, stream))
-    return tuple(from_core(t, w) for t in q)
+    q = _core.quantize(to_core(w), bits, group_size, rounding, mode, optional_core(global_scale), stream_of(w, stream))
+    return tuple(None if t is None else from_core(t, w) for t in q)
 
 
-def dequantize(w: Any, scales: Any, biases: Any, group_size: int = 64, bits: int = 4, *,
+def dequantize(w: Any, scales: Any, biases: Any, group_size: Optional[int] = None, bits: Optional[int] = None,
+               mode: str = "affine", global_scale: Any = None, dtype: Optional[str] = None, *,
                stream: Optional[int] = None) -> Any:
-    """``mx.dequantize``: ``scales * q + biases`` as [..., N, K] in the scales' dtype."""
-    out = _core.dequantize(to_core(w), to_core(scales), to_core(biases), group_size, bits, stream_of(w, stream))
-    return from_core(out, scales)
+    """``mx.dequantize``: [..., N, K]. Affine: ``scales * q + biases`` in the scales' dtype (bits 4 and
+    group 64 unless given). MLX's fp modes ('mxfp4', 'mxfp8', 'nvfp4'; ``biases`` None): the decoded
+    values in bfloat16, or float32 with nvfp4's ``global_scale``. ``dtype`` ('bfloat16', 'float16',
+    'float32') picks another output dtype."""
+    out = _core.dequantize(to_core(w), to_core(scales), optional_core(biases), group_size, bits, mode,
+                           optional_core(global_scale), dtype, stream_of(w, stream))
+    return from_core(out, w if biases is None else scales)
 
 
 def gather_qmm(x: Any, w: Any, scales: Any, biases: Any, lhs_indices: Any = None, rhs_indices: Any = None,

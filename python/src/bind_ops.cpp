@@ -76,6 +76,12 @@ std::string moe_output_dtype(const PyMoeWeights& m, const std::string& x) {
   return dtype_name(promote_floating(hidden, projection_dtype(e.down, e.down_dense)));
 }
 
+QuantMode parse_mode(const char* op, const std::string& name) {
+  QuantMode mode = QuantMode::affine;
+  if (!parse_quant_mode(name, &mode)) throw Error(op, "mode must be affine, mxfp4, mxfp8 or nvfp4, got '" + name + "'");
+  return mode;
+}
+
 Rounding parse_rounding(const std::string& s) {
   if (s == "cpu") return Rounding::cpu;
   if (s == "gpu") return Rounding::gpu;
@@ -114,29 +120,52 @@ void bind_ops(nb::module_& m) {
       .def_prop_ro("top_k", [](const PyMoeWeights& w) { return w.weights.router.top_k; }, "Experts per token.")
       .def_prop_ro("num_experts", [](const PyMoeWeights& w) { return w.weights.router.per_expert_scale.size(0); },
                    "E.");
-  m.def("quantize", [](const PyTensor& w, int bits, int group_size, const std::string& rounding, uintptr_t stream) {
+  m.def("quantize", [](const PyTensor& w, std::optional<int> bits, std::optional<int> group_size,
+                       const std::string& rounding, const std::string& mode, const PyTensor* global_scale,
+                       uintptr_t stream) {
+    QuantSpec spec = default_quant_spec(parse_mode("quantize", mode));
+    if (bits) spec.bits = *bits;
+    if (group_size) spec.group_size = *group_size;
+    spec.rounding = parse_rounding(rounding);
+    spec.global_scale = tensor_or_undefined(global_scale);
     CudaScope scope(w, stream);
     QuantizedWeight q;
     {
       nb::gil_scoped_release nogil;
-      q = quantize(w.tensor, QuantSpec{bits, group_size, parse_rounding(rounding)});
+      q = quantize(w.tensor, spec);
     }
-    return std::make_tuple(result(q.w, w), result(q.scales, w), result(q.biases, w));
-  }, arg("w"), arg("bits") = 4, arg("group_size") = 64, arg("rounding") = "cpu", arg("stream") = 0,
-        "mx.quantize(w, group_size, bits), affine: returns (w, scales, biases).");
-  m.def("dequantize", [](const PyTensor& w, const PyTensor& scales, const PyTensor& biases, int group_size, int bits,
-                         uintptr_t stream) {
+    std::optional<PyTensor> biases;
+    if (q.biases.defined()) biases = result(q.biases, w);
+    return std::make_tuple(result(q.w, w), result(q.scales, w), biases);
+  }, arg("w"), arg("bits").none() = nb::none(), arg("group_size").none() = nb::none(), arg("rounding") = "cpu",
+        arg("mode") = "affine", arg("global_scale").none() = nb::none(), arg("stream") = 0,
+        "mx.quantize(w, group_size, bits, mode, global_scale): (w, scales, biases); biases None in the fp modes.");
+  m.def("dequantize", [](const PyTensor& w, const PyTensor& scales, const PyTensor* biases,
+                         std::optional<int> group_size, std::optional<int> bits, const std::string& mode,
+                         const PyTensor* global_scale, std::optional<std::string> dtype, uintptr_t stream) {
+    QuantizedWeight q;
+    q.mode = parse_mode("dequantize", mode);
+    const QuantSpec defaults = default_quant_spec(q.mode);
+    q.w = w.tensor;
+    q.scales = scales.tensor;
+    q.biases = tensor_or_undefined(biases);
+    q.bits = bits ? *bits : defaults.bits;
+    q.group_size = group_size ? *group_size : defaults.group_size;
+    q.global_scale = tensor_or_undefined(global_scale);
     CudaScope scope(w, stream);
     nb::gil_scoped_release nogil;
-    return result(dequantize(w.tensor, scales.tensor, biases.tensor, group_size, bits), w);
-  }, arg("w"), arg("scales"), arg("biases"), arg("group_size") = 64, arg("bits") = 4, arg("stream") = 0,
-        "mx.dequantize: scales * q + biases, in the scales' dtype.");
+    if (q.mode == QuantMode::affine && !dtype)  // MLX's affine form: checked as mx.dequantize checks it
+      return result(dequantize(q.w, q.scales, q.biases, q.group_size, q.bits), w);
+    return result(dtype ? dequantize(q, parse_dtype(*dtype, "dequantize")) : dequantize(q), w);
+  }, arg("w"), arg("scales"), arg("biases").none(), arg("group_size").none() = nb::none(),
+        arg("bits").none() = nb::none(), arg("mode") = "affine", arg("global_scale").none() = nb::none(),
+        arg("dtype").none() = nb::none(), arg("stream") = 0,
+        "mx.dequantize: scales * q + biases (affine, in the scales' dtype) or the fp modes' decode (bfloat16, "
+        "float32 with a global scale); `dtype` picks another.");
   m.def("gather_qmm", [](const PyTensor& x, const PyTensor& w, const PyTensor& scales, const PyTensor* biases,
                          const PyTensor* lhs, const PyTensor* rhs, bool transpose, int group_size, int bits,
                          bool sorted_indices, const std::string& mode, uintptr_t stream) {
-    QuantMode quant_mode = QuantMode::affine;
-    if (!parse_quant_mode(mode, &quant_mode))
-      throw Error("gather_qmm", "mode must be affine, mxfp4, mxfp8 or nvfp4, got '" + mode + "'");
+    const QuantMode quant_mode = parse_mode("gather_qmm", mode);
     CudaScope scope(x, stream);
     nb::gil_scoped_release nogil;
     return result(gather_qmm(x.tensor, w.tensor, scales.tensor, tensor_or_undefined(biases), tensor_or_undefined(lhs),

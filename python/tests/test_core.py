@@ -33,6 +33,31 @@ def test_quantize_and_dequantize_match_mlx_bit_for_bit(file):
     assert checked >= 10
 
 
+@pytest.mark.parametrize("file,dtype", [("quant_modes_f32.safetensors", "float32"),
+                                        ("quant_modes_f16.safetensors", "float16"),
+                                        ("quant_modes_bf16.safetensors", "bfloat16")])
+def test_fp_modes_quantize_and_dequantize_match_mlx_bit_for_bit(file, dtype):
+    tensors, meta = load(file)
+    kinds = set()
+    for name, p in cases(meta).items():
+        mode, kind = p["mode"], p["kind"].split(":")[0]
+        global_scale = tensors.get(name + ".global_scale")
+        if kind != "dequantize":
+            wq, scales, biases = expertqmm.quantize(tensors[name + ".w"], mode=mode, global_scale=global_scale)
+            assert biases is None and scales.dtype == np.uint8, name
+            np.testing.assert_array_equal(wq, tensors[name + ".wq"], err_msg=name)
+            np.testing.assert_array_equal(scales, tensors[name + ".scales"], err_msg=name)
+        w_hat = expertqmm.dequantize(tensors[name + ".wq"], tensors[name + ".scales"], None, mode=mode,
+                                     global_scale=global_scale, dtype=dtype)
+        want = tensors[name + ".w_hat"]
+        assert w_hat.dtype == want.dtype, name  # float32 with a global scale, as MLX
+        np.testing.assert_array_equal(w_hat.view(np.uint8), want.view(np.uint8), err_msg=name)
+        kinds.add((mode, kind))
+    for mode in ("mxfp4", "mxfp8", "nvfp4"):
+        assert {(mode, "random"), (mode, "edge"), (mode, "dequantize")} <= kinds, mode
+    assert ("nvfp4", "global") in kinds
+
+
 def test_gather_qmm_matches_mlx():
     tensors, meta = load("ops_gather_qmm.safetensors")
     all_cases = cases(meta)
