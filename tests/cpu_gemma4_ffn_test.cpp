@@ -154,16 +154,7 @@ TEST(Gemma4Ffn, ElementwiseOpsFollowTheirDefinitions) {
   }
 }
 
-template <class F>
-void expect_error(F&& f, const std::string& op, const std::string& part) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected " << op << " / " << part;
-  } catch (const Error& e) {
-    EXPECT_EQ(e.op(), op) << e.what();
-    EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
-  }
-}
+using test::expect_error;
 
 TEST(Gemma4FfnBadInput, EveryEntryNamesTheOpAndTheValue) {
   const Tensor x = test::random_tensor({2, 64}, DType::bf16);

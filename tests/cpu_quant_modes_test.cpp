@@ -16,16 +16,7 @@ using namespace expertqmm;
 
 namespace {
 
-template <class F>
-void expect_error(F&& f, const std::string& op, const std::string& fragment) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected " << op << " error mentioning '" << fragment << "'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.op(), op) << e.what();
-    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
-  }
-}
+using test::expect_error;
 
 TEST(QuantModes, E2m1TableIsTheOcpGrid) {
   const float expected[16] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6, -0.0f, -0.5f, -1, -1.5f, -2, -3, -4, -6};

@@ -334,16 +334,7 @@ TEST(Dequantize, TwoRoundingsInTheScalesDtype) {
 
 // ---------------------------------------------------------------------------------------------
 // Bad input: an Error naming the op and the offending value.
-template <class F>
-void expect_error(F&& f, const std::string& op, const std::string& fragment) {
-  try {
-    f();
-    ADD_FAILURE() << "no error; expected " << op << " error mentioning '" << fragment << "'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.op(), op) << e.what();
-    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
-  }
-}
+using test::expect_error;
 
 TEST(Quantize, BadInputIsAnError) {
   const Tensor w = test::random_tensor({4, 64}, DType::bf16);

@@ -12,6 +12,7 @@
 
 #include "expertqmm/checkpoint.h"
 #include "expertqmm/error.h"
+#include "support/checkpoint_files.h"
 #include "support/graph_capture.h"
 #include "support/moe_case.h"
 #include "support/test_util.h"
@@ -22,15 +23,7 @@ namespace {
 // dense_bits: the dense MLP's bits (8: mlx-vlm's and the QAT uploads' 8-bit dense MLP; 4: mlx-lm's
 // default), which pick the decode gate/up kernel of the block's dense branch at T <= 8.
 Gemma4Config small_config(int dense_bits = 8) {
-  Gemma4Config c;
-  c.hidden_size = 256;
-  c.intermediate_size = 384;
-  c.moe_intermediate_size = 128;
-  c.num_experts = 16;
-  c.top_k_experts = 4;
-  c.num_hidden_layers = 1;
-  c.quantized = true;
-  c.default_quant = {4, 64};
+  Gemma4Config c = test::gemma4_config(256, 384, 128, 16, 4, 1);
   for (const char* m : {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"})
     c.overrides[std::string("model.layers.0.") + m] = {dense_bits, 64};
   c.overrides["model.layers.0.router.proj"] = {8, 64};

@@ -12,6 +12,7 @@
 #include "expertqmm/checkpoint.h"
 #include "expertqmm/error.h"
 #include "expertqmm/quant.h"
+#include "support/checkpoint_files.h"
 #include "support/graph_capture.h"
 #include "support/test_util.h"
 
@@ -36,14 +37,7 @@ TEST(GpuQuantModes, Nvfp4GlobalScaleMatchesTheCpuBitForBit) {
 
 // Experts mxfp4, dense MLP mxfp8, router nvfp4.
 Gemma4Config fp_modes_config() {
-  Gemma4Config c;
-  c.hidden_size = 256;
-  c.intermediate_size = 384;
-  c.moe_intermediate_size = 128;
-  c.num_experts = 16;
-  c.top_k_experts = 4;
-  c.num_hidden_layers = 1;
-  c.quantized = true;
+  Gemma4Config c = test::gemma4_config(256, 384, 128, 16, 4, 1);
   c.default_quant = {4, 32, QuantMode::mxfp4};
   for (const char* m : {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"})
     c.overrides[std::string("model.layers.0.") + m] = {8, 32, QuantMode::mxfp8};

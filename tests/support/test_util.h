@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "expertqmm/backend.h"
+#include "expertqmm/error.h"
 #include "expertqmm/moe.h"
 
 namespace expertqmm::test {
@@ -61,6 +62,18 @@ const auto& built_once(const std::string& key, Make make) {
     last_key = key;
   }
   return *last;
+}
+
+// Runs f, expecting an Error raised by `op` whose message holds `part`.
+template <class F>
+void expect_error(F&& f, const std::string& op, const std::string& part) {
+  try {
+    f();
+    ADD_FAILURE() << "no error; expected " << op << " error mentioning '" << part << "'";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.op(), op) << e.what();
+    EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace expertqmm::test
