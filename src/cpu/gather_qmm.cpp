@@ -34,9 +34,11 @@ uint32_t unpack_code(const uint32_t* row_words, int64_t i, int bits) {
 // Dequantizes weight matrix `e` into `w_nk` as an N x K row-major fp32 matrix, whatever the
 // stored orientation, so the dot products below always walk contiguous memory.
 //   w:      (E, rows, row_words) uint32, rows = N (transpose) or K (not transpose)
-//   scales: (E, rows, row_values / group_size) float, as float (already widened)
-void dequantize_matrix(const detail::GatherQmmProblem& p, const uint32_t* w, const float* scales,
-                       const float* biases, int64_t e, std::vector<float>& w_nk) {
+//   value(words, c, g): the weight at value c of a stored row, g its group's flat index into the
+//   (E, rows, row_values / group_size) scales (and affine biases): the mode's arithmetic.
+template <class Value>
+void dequantize_matrix(const detail::GatherQmmProblem& p, const uint32_t* w, int64_t e, Value value,
+                       std::vector<float>& w_nk) {
   const int64_t rows = p.transpose ? p.N : p.K;
   const int64_t row_values = p.transpose ? p.K : p.N;
   const int64_t row_words = p.w_row_words();
@@ -44,35 +46,12 @@ void dequantize_matrix(const detail::GatherQmmProblem& p, const uint32_t* w, con
   w_nk.assign(static_cast<size_t>(p.N * p.K), 0.f);
   for (int64_t r = 0; r < rows; ++r) {
     const uint32_t* words = w + (e * rows + r) * row_words;
-    const float* s = scales + (e * rows + r) * groups;
-    const float* b = biases + (e * rows + r) * groups;
+    const int64_t group0 = (e * rows + r) * groups;  // the row's first group in scales (and biases)
     for (int64_t c = 0; c < row_values; ++c) {
-      const int64_t g = c / p.group_size;
-      const float value = s[g] * static_cast<float>(unpack_code(words, c, p.bits)) + b[g];
       // transpose: row r is output column n = r, c runs over k; otherwise r is k and c is n.
       const int64_t n = p.transpose ? r : c;
       const int64_t k = p.transpose ? c : r;
-      w_nk[n * p.K + k] = value;
-    }
-  }
-}
-
-// dequantize_matrix for the fp modes: scales are uint8 codes, one per group.
-void dequantize_fp_matrix(const detail::GatherQmmProblem& p, const uint32_t* w, const uint8_t* scales, int64_t e,
-                          std::vector<float>& w_nk) {
-  const int64_t rows = p.transpose ? p.N : p.K;
-  const int64_t row_values = p.transpose ? p.K : p.N;
-  const int64_t row_words = p.w_row_words();
-  const int64_t groups = p.groups_per_row();
-  w_nk.assign(static_cast<size_t>(p.N * p.K), 0.f);
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint32_t* words = w + (e * rows + r) * row_words;
-    const uint8_t* s = scales + (e * rows + r) * groups;
-    for (int64_t c = 0; c < row_values; ++c) {
-      const float value = fp_weight(p.mode, words, c, s[c / p.group_size]);
-      const int64_t n = p.transpose ? r : c;
-      const int64_t k = p.transpose ? c : r;
-      w_nk[n * p.K + k] = value;
+      w_nk[n * p.K + k] = value(words, c, group0 + c / p.group_size);
     }
   }
 }
@@ -81,17 +60,19 @@ void dequantize_fp_matrix(const detail::GatherQmmProblem& p, const uint32_t* w, 
 
 Tensor gather_qmm(const detail::GatherQmmProblem& p) {
   const uint32_t* w = p.w.data_as<const uint32_t>();
-  if (p.mode != QuantMode::affine) {
+  if (p.mode != QuantMode::affine) {  // scales are uint8 codes, one per group; no biases
     const uint8_t* scales = p.scales.data_as<const uint8_t>();
-    return gathered_matmul(p, [&](int64_t e, std::vector<float>& w_nk) {
-      dequantize_fp_matrix(p, w, scales, e, w_nk);
-    });
+    const auto fp_value = [&](const uint32_t* words, int64_t c, int64_t g) {
+      return fp_weight(p.mode, words, c, scales[g]);
+    };
+    return gathered_matmul(p, [&](int64_t e, std::vector<float>& w_nk) { dequantize_matrix(p, w, e, fp_value, w_nk); });
   }
   const std::vector<float> scales = to_f32(p.scales);
   const std::vector<float> biases = to_f32(p.biases);
-  return gathered_matmul(p, [&](int64_t e, std::vector<float>& w_nk) {
-    dequantize_matrix(p, w, scales.data(), biases.data(), e, w_nk);
-  });
+  const auto affine_value = [&](const uint32_t* words, int64_t c, int64_t g) {
+    return scales[g] * static_cast<float>(unpack_code(words, c, p.bits)) + biases[g];
+  };
+  return gathered_matmul(p, [&](int64_t e, std::vector<float>& w_nk) { dequantize_matrix(p, w, e, affine_value, w_nk); });
 }
 
 }  // namespace expertqmm::cpu
