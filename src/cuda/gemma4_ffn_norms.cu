@@ -17,6 +17,7 @@
 
 #include <initializer_list>
 
+#include "cuda/device/reduce.cuh"
 #include "cuda/device/staging.cuh"
 
 namespace expertqmm::cuda {
@@ -27,24 +28,8 @@ constexpr int kUnits = 2;         // 8-value units per thread
 constexpr int kMaxThreads = 1024;
 constexpr int64_t kMaxHidden = int64_t{8} * kUnits * kMaxThreads;
 
-// sum over the CTA of every thread's v (warp shuffles, then thread 0 adds the warps in order); every
-// thread gets the result. warp_sums: one float per warp.
-__device__ __forceinline__ float cta_sum(float v, float* warp_sums, float* result) {
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = v;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float total = 0.f;
-    for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) total += warp_sums[w];
-    *result = total;
-  }
-  __syncthreads();
-  return *result;
-}
-
-__device__ __forceinline__ float inv_rms(float sum_sq, int64_t dim, float eps) {
-  return 1.f / sqrtf(sum_sq / static_cast<float>(dim) + eps);
-}
+using device::cta_sum;
+using device::inv_rms;
 
 // Unit u (values 8u .. 8u+7, those < H) of an activation row in D, as floats: one 16-byte load when
 // `vec` (16-bit D, H % 8 == 0 and 16-byte aligned rows), else element by element; missing values are 0.

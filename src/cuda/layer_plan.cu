@@ -55,31 +55,25 @@ void gemm_params(const QuantizedWeight& q, bool cast, DType dtype, void* base, s
   biases = view(at(base, b_off), q.biases.shape(), dtype);
 }
 
-// The gather_qmm problem over the n (token, slot) rows with M = 1: row b multiplies x row lhs[b]
-// (lhs null: row b) by expert rhs[b]'s weight. x holds x_rows rows of K values, x_row_stride apart.
-detail::GatherQmmProblem quantized_problem(const QuantizedWeight& q, const Tensor& scales, const Tensor& biases,
-                                        DType dtype, void* x, int64_t x_rows, int64_t x_row_stride, int64_t K, int64_t N,
-                                        int64_t n, int32_t* lhs, int32_t* rhs, bool sorted, const void* plan) {
-  detail::GatherQmmProblem p;
+// The fields gather_qmm's and gather_mm's problems share for the n (token, slot) rows with M = 1:
+// row b multiplies x row lhs[b] (lhs null: row b) by expert rhs[b]'s weight, one of w_batch. x holds
+// x_rows rows of K values, x_row_stride apart.
+template <class Problem>
+Problem gathered_rows_problem(DType dtype, void* x, int64_t x_rows, int64_t x_row_stride, int64_t K, int64_t N,
+                              int64_t n, int32_t* lhs, int32_t* rhs, bool sorted, const void* plan, int64_t w_batch) {
+  Problem p;
   p.M = 1;
   p.N = N;
   p.K = K;
-  p.bits = q.bits;
-  p.group_size = q.group_size;
-  p.mode = q.mode;
-  p.transpose = true;
   p.sorted_indices = sorted;
   p.batch = {n};
   p.B = n;
   p.x_batch = x_rows;
-  p.w_batch = q.w.size(0);
+  p.w_batch = w_batch;
   p.dtype = dtype;
   p.device = Device::cuda;
   p.x = view(x, {x_rows, 1, K}, dtype, {x_row_stride, K, 1});
   p.x_batch_stride = x_row_stride;
-  p.w = q.w.contiguous();
-  p.scales = scales;
-  p.biases = biases;
   p.lhs_is_identity = lhs == nullptr;
   if (lhs) p.lhs = view(lhs, {n}, DType::i32);
   p.rhs_is_identity = false;
@@ -88,33 +82,33 @@ detail::GatherQmmProblem quantized_problem(const QuantizedWeight& q, const Tenso
   return p;
 }
 
+// The gather_qmm problem of those rows for the quantized weight q (scales/biases as the GEMM reads them).
+detail::GatherQmmProblem quantized_problem(const QuantizedWeight& q, const Tensor& scales, const Tensor& biases,
+                                        DType dtype, void* x, int64_t x_rows, int64_t x_row_stride, int64_t K, int64_t N,
+                                        int64_t n, int32_t* lhs, int32_t* rhs, bool sorted, const void* plan) {
+  auto p = gathered_rows_problem<detail::GatherQmmProblem>(dtype, x, x_rows, x_row_stride, K, N, n, lhs, rhs, sorted,
+                                                           plan, q.w.size(0));
+  p.bits = q.bits;
+  p.group_size = q.group_size;
+  p.mode = q.mode;
+  p.transpose = true;
+  p.w = q.w.contiguous();
+  p.scales = scales;
+  p.biases = biases;
+  return p;
+}
+
 // The gather_mm problem of the same rows for a 16-bit weight w [E, N, K] (mlx-lm's layout, read
 // through its strides as w.swapaxes(-1, -2), as the CPU's switch_linear passes it).
 detail::GatherMmProblem dense_problem(const Tensor& w, DType dtype, void* x, int64_t x_rows, int64_t x_row_stride,
                                       int64_t K, int64_t N, int64_t n, int32_t* lhs, int32_t* rhs, bool sorted,
                                       const void* plan) {
-  detail::GatherMmProblem p;
-  p.M = 1;
-  p.N = N;
-  p.K = K;
-  p.sorted_indices = sorted;
-  p.batch = {n};
-  p.B = n;
-  p.x_batch = x_rows;
-  p.w_batch = w.size(0);
-  p.dtype = dtype;
-  p.device = Device::cuda;
-  p.x = view(x, {x_rows, 1, K}, dtype, {x_row_stride, K, 1});
-  p.x_batch_stride = x_row_stride;
+  auto p = gathered_rows_problem<detail::GatherMmProblem>(dtype, x, x_rows, x_row_stride, K, N, n, lhs, rhs, sorted,
+                                                          plan, w.size(0));
   p.w = w.swapaxes(-1, -2);
   p.w_batch_stride = w.stride(0);
   p.w_stride_k = w.stride(2);
   p.w_stride_n = w.stride(1);
-  p.lhs_is_identity = lhs == nullptr;
-  if (lhs) p.lhs = view(lhs, {n}, DType::i32);
-  p.rhs_is_identity = false;
-  p.rhs = view(rhs, {n}, DType::i32);
-  p.tile_plan = plan;
   return p;
 }
 

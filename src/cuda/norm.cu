@@ -2,6 +2,7 @@
 // fp32 math on the widened inputs, one rounding to the output dtype per MLX op, as src/cpu/norm.cpp.
 #include "cuda/norm.h"
 #include "cuda/moe_internal.h"
+#include "cuda/device/reduce.cuh"
 
 namespace expertqmm::cuda {
 
@@ -15,10 +16,8 @@ unsigned grid_for(int64_t items) {
   return static_cast<unsigned>(blocks < 1 ? 1 : (blocks > 1048576 ? 1048576 : blocks));
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
+using device::cta_sum;
+using device::warp_sum;
 
 // x, out: (rows, D) row-major in D; weight: (D,) in W.
 // Work split: one CTA of 256 threads per row. Threads stride over the row (coalesced), sum x^2 in
@@ -29,7 +28,7 @@ __global__ void rms_norm_kernel(const typename Elem<D>::storage* __restrict__ x,
                                 const typename Elem<W>::storage* __restrict__ weight, float eps, int64_t dim,
                                 typename Elem<D>::storage* __restrict__ out) {
   __shared__ float warp_sums[kWarps];
-  __shared__ float inv_rms;
+  __shared__ float total;
   const int64_t row = blockIdx.x;
   const typename Elem<D>::storage* xr = x + row * dim;
   float sum_sq = 0.f;
@@ -37,16 +36,7 @@ __global__ void rms_norm_kernel(const typename Elem<D>::storage* __restrict__ x,
     const float v = Elem<D>::load(xr[i]);
     sum_sq += v * v;
   }
-  sum_sq = warp_sum(sum_sq);
-  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = sum_sq;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float total = 0.f;
-    for (int w = 0; w < kWarps; ++w) total += warp_sums[w];
-    inv_rms = 1.f / sqrtf(total / static_cast<float>(dim) + eps);
-  }
-  __syncthreads();
-  const float inv = inv_rms;
+  const float inv = device::inv_rms(cta_sum(sum_sq, warp_sums, &total), dim, eps);
   for (int64_t i = threadIdx.x; i < dim; i += blockDim.x)
     out[row * dim + i] = Elem<D>::store(Elem<D>::load(xr[i]) * inv * Elem<W>::load(weight[i]));
 }
