@@ -1,0 +1,58 @@
+// mx.gather_qmm (affine, transpose=True) as an MLX primitive over expertqmm::gather_qmm.
+#include "eval.h"
+#include "expertqmm/error.h"
+#include "expertqmm/ops.h"
+
+namespace expertqmm::mlx_ext {
+
+namespace {
+// The tasks capture the parameters, not the primitive: MLX may release it before a CPU task runs.
+struct Params {
+  int group_size, bits;
+  bool sorted;
+  Tensor run(const std::vector<Tensor>& in) const {
+    return expertqmm::gather_qmm(in[0], in[1], in[2], in[3], in[4], in[5], /*transpose=*/true, group_size, bits,
+                                 sorted, QuantMode::affine);
+  }
+};
+}  // namespace
+
+void GatherQmm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  eval_on_cpu(stream(), inputs, out, [p = Params{group_size_, bits_, sorted_}](const std::vector<Tensor>& in, Tensor& o, Workspace*) {
+    copy_result(o, p.run(in));
+  });
+}
+
+void GatherQmm::eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  // The library's gather_qmm returns its own tensor (its device pool): one device copy into MLX's
+  // output, inside the same captured graph. The layer primitives write into MLX's output directly.
+  eval_on_cuda(stream(), inputs, out, [p = Params{group_size_, bits_, sorted_}](const std::vector<Tensor>& in, Tensor& o, Workspace*) {
+    copy_result(o, p.run(in));
+  });
+}
+
+bool GatherQmm::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const GatherQmm&>(other);
+  return group_size_ == o.group_size_ && bits_ == o.bits_ && sorted_ == o.sorted_;
+}
+
+mx::array gather_qmm(const mx::array& x, const mx::array& w, const mx::array& scales, const mx::array& biases,
+                     const mx::array& lhs_indices, const mx::array& rhs_indices, int group_size, int bits,
+                     bool sorted_indices, mx::StreamOrDevice s) {
+  const char* op = "expertqmm.mlx.gather_qmm";
+  EXPERTQMM_CHECK(x.ndim() >= 2 && w.ndim() >= 3, op, "x must be [..., M, K] and w [E, N, K*bits/32]");
+  const mx::Stream stream = mx::to_stream(s);
+  const mx::Shape batch = mx::broadcast_shapes(lhs_indices.shape(), rhs_indices.shape());
+  mx::Shape out_shape = batch;
+  out_shape.push_back(x.shape(-2));
+  out_shape.push_back(w.shape(-2));
+  const DType out_dtype = promote_floating(expertqmm_dtype(x.dtype(), op), expertqmm_dtype(scales.dtype(), op));
+  auto contiguous = [&](const mx::array& a) { return mx::contiguous(a, false, stream); };
+  std::vector<mx::array> inputs = {contiguous(x), contiguous(w), contiguous(scales), contiguous(biases),
+                                   contiguous(mx::broadcast_to(lhs_indices, batch, stream)),
+                                   contiguous(mx::broadcast_to(rhs_indices, batch, stream))};
+  return mx::array(out_shape, mlx_dtype(out_dtype), std::make_shared<GatherQmm>(stream, group_size, bits, sorted_indices),
+                   std::move(inputs));
+}
+
+}  // namespace expertqmm::mlx_ext
