@@ -1,7 +1,12 @@
 # Included by python/CMakeLists.txt: the expertqmm._mlx module (MLX custom primitives).
-execute_process(COMMAND "${Python_EXECUTABLE}" -c "import mlx, os; print(os.path.abspath(list(mlx.__path__)[0]))"
-                OUTPUT_VARIABLE EXPERTQMM_MLX_DIR OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE mlx_missing
-                ERROR_QUIET)
+# EXPERTQMM_MLX_DIR (an mlx package directory: include/, lib/libmlx.so) overrides the one Python imports.
+set(EXPERTQMM_MLX_DIR "" CACHE PATH "The mlx package directory to build against (empty: the one Python imports)")
+set(mlx_missing 0)
+if(NOT EXPERTQMM_MLX_DIR)
+  execute_process(COMMAND "${Python_EXECUTABLE}" -c "import mlx, os; print(os.path.abspath(list(mlx.__path__)[0]))"
+                  OUTPUT_VARIABLE EXPERTQMM_MLX_DIR OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE mlx_missing
+                  ERROR_QUIET)
+endif()
 set(MLX_LIBRARY "${EXPERTQMM_MLX_DIR}/lib/libmlx.so")
 if(mlx_missing OR NOT EXISTS "${MLX_LIBRARY}" OR NOT EXISTS "${EXPERTQMM_MLX_DIR}/include/mlx/primitives.h")
   if(EXPERTQMM_PYTHON_MLX STREQUAL "ON")
@@ -15,7 +20,8 @@ endif()
 # demands cuDNN's CMake package, which the primitives do not use.
 add_library(expertqmm_libmlx SHARED IMPORTED)
 set_target_properties(expertqmm_libmlx PROPERTIES IMPORTED_LOCATION "${MLX_LIBRARY}")
-target_include_directories(expertqmm_libmlx INTERFACE "${EXPERTQMM_MLX_DIR}/include")
+# SYSTEM: MLX's headers are not held to our warning flags.
+target_include_directories(expertqmm_libmlx SYSTEM INTERFACE "${EXPERTQMM_MLX_DIR}/include")
 
 # MLX's CUDA backend is in libmlx.so when it exports the stream's command encoder; only then (and
 # with our CUDA backend) do the primitives get an eval_gpu that runs our kernels.
@@ -42,7 +48,13 @@ target_include_directories(_mlx PRIVATE ${CMAKE_CURRENT_LIST_DIR})
 target_link_libraries(_mlx PRIVATE ${EXPERTQMM_PYTHON_LIBRARY} expertqmm_libmlx)
 if(EXPERTQMM_MLX_CUDA)
   target_compile_definitions(_mlx PRIVATE EXPERTQMM_MLX_CUDA=1)
-  target_link_libraries(_mlx PRIVATE CUDA::cuda_driver)
+  target_include_directories(_mlx SYSTEM PRIVATE ${CUDAToolkit_INCLUDE_DIRS})
+  # MLX's CUDA headers include <fmt/format.h>, which the wheel does not ship (cuda/fmt_shim says why
+  # a declaration is enough).
+  find_path(EXPERTQMM_FMT_INCLUDE fmt/format.h)
+  if(NOT EXPERTQMM_FMT_INCLUDE)
+    target_include_directories(_mlx SYSTEM PRIVATE ${CMAKE_CURRENT_LIST_DIR}/cuda/fmt_shim)
+  endif()
 endif()
 set_target_properties(_mlx PROPERTIES CXX_STANDARD 20 CXX_STANDARD_REQUIRED ON BUILD_WITH_INSTALL_RPATH ON
                       INSTALL_RPATH "$ORIGIN/../mlx/lib;${EXPERTQMM_MLX_DIR}/lib")

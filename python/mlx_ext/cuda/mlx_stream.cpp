@@ -91,7 +91,8 @@ class LibraryStream {
 void eval_on_cuda(const mx::Stream& s, const std::vector<mx::array>& inputs, mx::array& out, Body body) {
   auto& encoder = mx::cu::get_command_encoder(s);
   StreamState& state = stream_state(s);
-  out.set_data(mx::cu::malloc_async(out.nbytes(), encoder));
+  // MLX's allocator (cu::malloc_async, the stream-ordered one, is not exported by libmlx.so).
+  out.set_data(mx::allocator::malloc(out.nbytes()));
   for (const mx::array& a : inputs) encoder.set_input_array(a);
   encoder.set_input_array(state.order);
   encoder.set_output_array(out);
