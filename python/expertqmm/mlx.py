@@ -32,7 +32,8 @@ except ImportError as e:  # built without mlx importable: say how to get it
         "expertqmm was built without its MLX extension (expertqmm._mlx): install mlx, then reinstall expertqmm "
         "with `pip install --no-build-isolation .` so the build sees it") from e
 
-__all__ = ["gather_qmm", "switch_glu", "moe_block", "patch", "unpatch", "patched_modules", "supports_gather_qmm"]
+__all__ = ["gather_qmm", "switch_glu", "moe_block", "patch", "unpatch", "patched_modules", "supports_gather_qmm",
+           "import_mlx_lm_models"]
 
 _FLOAT_TYPES = (mx.bfloat16, mx.float16, mx.float32)
 
@@ -59,6 +60,29 @@ def gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: Optional[mx.a
         batch = w.shape[:-2]
         rhs_indices = mx.arange(math.prod(batch), dtype=mx.uint32).reshape(batch)
     return _mlx.gather_qmm(x, w, scales, biases, lhs_indices, rhs_indices, group_size, bits, sorted_indices)
+
+
+def import_mlx_lm_models() -> None:
+    """Makes ``mlx_lm.models.*`` importable where ``import mlx_lm`` fails for want of transformers.
+
+    mlx-lm's package ``__init__`` imports its loader and generator, which import transformers; its
+    model files need only mlx. Where transformers is missing (a machine with no package registry),
+    ``mlx_lm`` is registered as a bare namespace over its directory, so the model files still import.
+    """
+    import importlib.util
+    import sys
+    import types
+
+    try:
+        import mlx_lm  # noqa: F401
+        return
+    except ImportError:
+        spec = importlib.util.find_spec("mlx_lm")
+        if spec is None or not spec.submodule_search_locations:
+            raise
+    package = types.ModuleType("mlx_lm")
+    package.__path__ = list(spec.submodule_search_locations)
+    sys.modules["mlx_lm"] = package
 
 
 # --- mlx-lm modules -> the primitives' (arrays, spec) -------------------------------------------------

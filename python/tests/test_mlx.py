@@ -10,8 +10,10 @@ import pytest
 
 mx = pytest.importorskip("mlx.core", reason="mlx is not installed")
 nn = pytest.importorskip("mlx.nn")
-pytest.importorskip("mlx_lm", reason="mlx-lm is not installed")
 eqmlx = pytest.importorskip("expertqmm.mlx", reason="expertqmm was built without its MLX extension")
+if __import__("importlib.util").util.find_spec("mlx_lm") is None:
+    pytest.skip("mlx-lm is not installed", allow_module_level=True)
+eqmlx.import_mlx_lm_models()  # the model files, also where transformers (mlx-lm's loader) is missing
 
 from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.models import gemma4_text, qwen3_moe, switch_layers  # noqa: E402
