@@ -69,6 +69,11 @@ void eval_on_cpu(const mx::Stream& s, const std::vector<mx::array>& inputs, mx::
   });
 }
 
+mx::array row_contiguous(const mx::array& a, const mx::Stream& s) {
+  if (a.is_available() && a.flags().row_contiguous) return a;
+  return mx::contiguous(a, false, s);
+}
+
 void copy_result(Tensor& out, const Tensor& result) {
   EXPERTQMM_CHECK(out.shape() == result.shape() && out.dtype() == result.dtype(), "mlx",
                   "the result ", result.describe(), " does not match the output array ", out.describe());

@@ -21,6 +21,10 @@ void eval_on_cpu(const mx::Stream& s, const std::vector<mx::array>& inputs, mx::
 // MLX's CUDA backend it raises.
 void eval_on_cuda(const mx::Stream& s, const std::vector<mx::array>& inputs, mx::array& out, Body body);
 
+// `a` itself when it is already computed and row-contiguous (weights), else mx::contiguous(a) on
+// `s` (a graph node that copies only when it has to): the primitives view their inputs row-major.
+mx::array row_contiguous(const mx::array& a, const mx::Stream& s);
+
 // Copies a computed result into the output view (same shape and dtype), on the result's device
 // (on CUDA: asynchronously on the library's stream).
 void copy_result(Tensor& out, const Tensor& result);

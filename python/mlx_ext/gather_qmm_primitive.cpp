@@ -47,7 +47,7 @@ mx::array gather_qmm(const mx::array& x, const mx::array& w, const mx::array& sc
   out_shape.push_back(x.shape(-2));
   out_shape.push_back(w.shape(-2));
   const DType out_dtype = promote_floating(expertqmm_dtype(x.dtype(), op), expertqmm_dtype(scales.dtype(), op));
-  auto contiguous = [&](const mx::array& a) { return mx::contiguous(a, false, stream); };
+  auto contiguous = [&](const mx::array& a) { return row_contiguous(a, stream); };
   std::vector<mx::array> inputs = {contiguous(x), contiguous(w), contiguous(scales), contiguous(biases),
                                    contiguous(mx::broadcast_to(lhs_indices, batch, stream)),
                                    contiguous(mx::broadcast_to(rhs_indices, batch, stream))};

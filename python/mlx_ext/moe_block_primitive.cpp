@@ -51,9 +51,9 @@ mx::array moe_block(const mx::array& h, const mx::array& x, const std::vector<mx
   const size_t want = experts_spec.gate.arrays() + experts_spec.up.arrays() + experts_spec.down.arrays();
   EXPERTQMM_CHECK(experts.size() == want, op, "the experts' spec reads ", want, " arrays, got ", experts.size());
   const mx::Stream stream = mx::to_stream(s);
-  std::vector<mx::array> inputs = {mx::contiguous(h, false, stream), mx::contiguous(x, false, stream)};
-  for (const mx::array& a : router) inputs.push_back(mx::contiguous(a, false, stream));
-  for (const mx::array& a : experts) inputs.push_back(mx::contiguous(a, false, stream));
+  std::vector<mx::array> inputs = {row_contiguous(h, stream), row_contiguous(x, stream)};
+  for (const mx::array& a : router) inputs.push_back(row_contiguous(a, stream));
+  for (const mx::array& a : experts) inputs.push_back(row_contiguous(a, stream));
   const DType out_dtype = experts_output_dtype(expertqmm_dtype(x.dtype(), op), experts, experts_spec);
   return mx::array(h.shape(), mlx_dtype(out_dtype), std::make_shared<MoeBlock>(stream, router_spec, experts_spec),
                    std::move(inputs));

@@ -37,8 +37,8 @@ mx::array switch_glu(const mx::array& x, const mx::array& indices, const std::ve
   const size_t want = spec.gate.arrays() + spec.up.arrays() + spec.down.arrays();
   EXPERTQMM_CHECK(experts.size() == want, op, "the experts' spec reads ", want, " arrays, got ", experts.size());
   const mx::Stream stream = mx::to_stream(s);
-  std::vector<mx::array> inputs = {mx::contiguous(x, false, stream), mx::contiguous(indices, false, stream)};
-  for (const mx::array& a : experts) inputs.push_back(mx::contiguous(a, false, stream));
+  std::vector<mx::array> inputs = {row_contiguous(x, stream), row_contiguous(indices, stream)};
+  for (const mx::array& a : experts) inputs.push_back(row_contiguous(a, stream));
   const DType out_dtype = experts_output_dtype(expertqmm_dtype(x.dtype(), op), experts, spec);
   return mx::array({x.shape(0), indices.shape(1), x.shape(1)}, mlx_dtype(out_dtype),
                    std::make_shared<SwitchGlu>(stream, spec), std::move(inputs));

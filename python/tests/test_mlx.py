@@ -21,6 +21,12 @@ from mlx_lm.models import gemma4_text, qwen3_moe, switch_layers  # noqa: E402
 BOUND = {mx.float32: 1e-4, mx.bfloat16: 5e-2}
 
 
+def bound(dtype, device):
+    """docs/numerics.md: float32 1e-4 from the reference; on the GPU both MLX and we are each within
+    that of it (fp32 sums in other orders), so 2e-4 between the two; bf16 vs MLX's own bf16 5e-2."""
+    return BOUND[dtype] * (2 if device == "gpu" and dtype == mx.float32 else 1)
+
+
 def _gpu_available() -> bool:
     return bool(getattr(mx, "cuda", None)) and mx.cuda.is_available()
 
@@ -77,7 +83,7 @@ def test_gather_qmm_matches_mlx(device, bits, dtype, case):
     out = eqmlx.gather_qmm(x, wq, scales, biases, lhs_indices=lhs, rhs_indices=rhs, transpose=True, group_size=64,
                            bits=bits, sorted_indices=sorted_indices)
     assert out.dtype == ref.dtype
-    assert rel_err(out, ref) <= BOUND[dtype]
+    assert rel_err(out, ref) <= bound(dtype, device)
 
 
 def test_gather_qmm_runs_as_expertqmm_primitive(device):
@@ -120,7 +126,7 @@ def test_switch_glu_matches_mlx_lm(device, activation, bits, T):
     idx = mx.random.randint(0, 8, (T, 2), key=mx.random.key(T + 1)).astype(mx.uint32)
     ref = glu(x, idx)
     out = eqmlx.switch_glu(x, idx, glu)
-    assert rel_err(out, ref) <= BOUND[mx.float32]
+    assert rel_err(out, ref) <= bound(mx.float32, device)
 
 
 def tiny_gemma4_args(**kw):
@@ -153,7 +159,7 @@ def test_gemma4_moe_block_matches_mlx_lm(device, bits, T):
     assert swapped == ["gemma4 moe block"]
     out = layer.experts(x, *layer.router(h))
     assert "ExpertqmmMoeBlock" in _primitive_name(out)
-    assert rel_err(out, ref) <= BOUND[mx.float32]
+    assert rel_err(out, ref) <= bound(mx.float32, device)
     assert eqmlx.unpatch(layer) == 2
     assert rel_err(layer.experts(x, *layer.router(h)), ref) == 0.0
 
@@ -174,7 +180,7 @@ def test_qwen3_moe_block_matches_mlx_lm(device, norm_topk_prob, T):
     assert eqmlx.patch(block) == [": qwen3_moe block"]
     out = block(x)
     assert "ExpertqmmMoeBlock" in _primitive_name(out)
-    assert rel_err(out, ref) <= BOUND[mx.float32]
+    assert rel_err(out, ref) <= bound(mx.float32, device)
     eqmlx.unpatch(block)
 
 
@@ -213,8 +219,8 @@ def test_tiny_gemma4_generates_the_same_tokens(device):
     prompt = [3, 17, 42, 99, 7, 128, 5, 64]
     ref_logits = model(mx.array([prompt]))
     ref = greedy(model, prompt, 12)
-    eqmlx.patch(model)
+    assert eqmlx.patch(model) == ["gemma4 moe block"] * 2
     logits = model(mx.array([prompt]))
-    assert rel_err(logits, ref_logits) <= 1e-4
+    assert rel_err(logits, ref_logits) <= bound(mx.float32, device)
     assert greedy(model, prompt, 12) == ref
     eqmlx.unpatch(model)
