@@ -1,4 +1,5 @@
-// mx.gather_qmm (affine, transpose=True) as an MLX primitive over expertqmm::gather_qmm.
+// mx.gather_qmm (affine, transpose=True) as an MLX primitive over expertqmm::gather_qmm_into: the
+// result lands in MLX's output array (no copy).
 #include "eval.h"
 #include "expertqmm/error.h"
 #include "expertqmm/ops.h"
@@ -6,29 +7,22 @@
 namespace expertqmm::mlx_ext {
 
 namespace {
-// The tasks capture the parameters, not the primitive: MLX may release it before a CPU task runs.
-struct Params {
-  int group_size, bits;
-  bool sorted;
-  Tensor run(const std::vector<Tensor>& in) const {
-    return expertqmm::gather_qmm(in[0], in[1], in[2], in[3], in[4], in[5], /*transpose=*/true, group_size, bits,
-                                 sorted, QuantMode::affine);
-  }
-};
+// The task holds the parameters, not the primitive (MLX may release it before a CPU task runs). It
+// writes MLX's output array directly; on CUDA with the stream's workspace.
+Body gather_qmm_body(int group_size, int bits, bool sorted) {
+  return [=](const std::vector<Tensor>& in, Tensor& out, Workspace* ws) {
+    expertqmm::gather_qmm_into(out, in[0], in[1], in[2], in[3], in[4], in[5], /*transpose=*/true, group_size, bits,
+                               sorted, QuantMode::affine, ws);
+  };
+}
 }  // namespace
 
 void GatherQmm::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  eval_on_cpu(stream(), inputs, out, [p = Params{group_size_, bits_, sorted_}](const std::vector<Tensor>& in, Tensor& o, Workspace*) {
-    copy_result(o, p.run(in));
-  });
+  eval_on_cpu(stream(), inputs, out, gather_qmm_body(group_size_, bits_, sorted_));
 }
 
 void GatherQmm::eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  // The library's gather_qmm returns its own tensor (its device pool): one device copy into MLX's
-  // output, inside the same captured graph. The layer primitives write into MLX's output directly.
-  eval_on_cuda(stream(), inputs, out, [p = Params{group_size_, bits_, sorted_}](const std::vector<Tensor>& in, Tensor& o, Workspace*) {
-    copy_result(o, p.run(in));
-  });
+  eval_on_cuda(stream(), inputs, out, gather_qmm_body(group_size_, bits_, sorted_));
 }
 
 bool GatherQmm::is_equivalent(const mx::Primitive& other) const {

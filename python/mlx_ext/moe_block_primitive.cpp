@@ -8,32 +8,25 @@
 namespace expertqmm::mlx_ext {
 
 namespace {
-// Takes the specs by value: the tasks must not hold the primitive (MLX may release it first).
-void run_moe_block(const std::vector<Tensor>& in, Tensor& out, Workspace* ws, const RouterSpec& router,
-                   const ExpertsSpec& experts) {
-  ViewCursor cursor{in, 2};
-  MoeWeights weights;
-  weights.router = router_weights(cursor, router);
-  weights.experts = experts_weights(cursor, experts);
-  if (ws) {
-    moe_layer_into(out, in[0], in[1], weights, *ws);
-  } else {
+// The task holds the specs, not the primitive (MLX may release it before a CPU task runs).
+Body moe_block_body(const RouterSpec& router, const ExpertsSpec& experts) {
+  return [router, experts](const std::vector<Tensor>& in, Tensor& out, Workspace* ws) {
+    ViewCursor cursor{in, 2};
+    MoeWeights weights;
+    weights.router = router_weights(cursor, router);
+    weights.experts = experts_weights(cursor, experts);
     Workspace local;  // the CPU path composes the ops and holds no device scratch
-    moe_layer_into(out, in[0], in[1], weights, local);
-  }
+    moe_layer_into(out, in[0], in[1], weights, ws ? *ws : local);
+  };
 }
 }  // namespace
 
 void MoeBlock::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  eval_on_cpu(stream(), inputs, out, [r = router_, e = experts_](const std::vector<Tensor>& in, Tensor& o, Workspace* ws) {
-    run_moe_block(in, o, ws, r, e);
-  });
+  eval_on_cpu(stream(), inputs, out, moe_block_body(router_, experts_));
 }
 
 void MoeBlock::eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  eval_on_cuda(stream(), inputs, out, [r = router_, e = experts_](const std::vector<Tensor>& in, Tensor& o, Workspace* ws) {
-    run_moe_block(in, o, ws, r, e);
-  });
+  eval_on_cuda(stream(), inputs, out, moe_block_body(router_, experts_));
 }
 
 bool MoeBlock::is_equivalent(const mx::Primitive& other) const {

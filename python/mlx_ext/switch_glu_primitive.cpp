@@ -6,23 +6,22 @@
 namespace expertqmm::mlx_ext {
 
 namespace {
-Tensor run_switch_glu(const std::vector<Tensor>& in, const ExpertsSpec& spec) {
-  ViewCursor cursor{in, 2};
-  return expertqmm::switch_glu(in[0], in[1], experts_weights(cursor, spec));
+// switch_glu returns the library's tensor: one copy into MLX's output (on CUDA a device copy inside
+// the same captured graph). The task holds the spec, not the primitive.
+Body switch_glu_body(const ExpertsSpec& spec) {
+  return [spec](const std::vector<Tensor>& in, Tensor& out, Workspace*) {
+    ViewCursor cursor{in, 2};
+    copy_result(out, expertqmm::switch_glu(in[0], in[1], experts_weights(cursor, spec)));
+  };
 }
 }  // namespace
 
 void SwitchGlu::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  eval_on_cpu(stream(), inputs, out, [spec = spec_](const std::vector<Tensor>& in, Tensor& o, Workspace*) {
-    copy_result(o, run_switch_glu(in, spec));
-  });
+  eval_on_cpu(stream(), inputs, out, switch_glu_body(spec_));
 }
 
 void SwitchGlu::eval_gpu(const std::vector<mx::array>& inputs, mx::array& out) {
-  // switch_glu returns the library's tensor: one device copy into MLX's output (see GatherQmm).
-  eval_on_cuda(stream(), inputs, out, [spec = spec_](const std::vector<Tensor>& in, Tensor& o, Workspace*) {
-    copy_result(o, run_switch_glu(in, spec));
-  });
+  eval_on_cuda(stream(), inputs, out, switch_glu_body(spec_));
 }
 
 bool SwitchGlu::is_equivalent(const mx::Primitive& other) const {
