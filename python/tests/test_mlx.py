@@ -56,7 +56,7 @@ def quantized_experts(E, N, K, bits, dtype, key):
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("case", ["rhs_only", "sorted", "lhs_and_rhs", "batched_x"])
 def test_gather_qmm_matches_mlx(device, bits, dtype, case):
     E, N, K = 6, 96, 128
