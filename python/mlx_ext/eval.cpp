@@ -2,7 +2,7 @@
 
 #include <mlx/backend/cpu/encoder.h>
 
-#include <cstring>
+#include <sstream>
 
 #include "expertqmm/error.h"
 
@@ -72,17 +72,6 @@ void eval_on_cpu(const mx::Stream& s, const std::vector<mx::array>& inputs, mx::
 mx::array row_contiguous(const mx::array& a, const mx::Stream& s) {
   if (a.is_available() && a.flags().row_contiguous) return a;
   return mx::contiguous(a, false, s);
-}
-
-void copy_result(Tensor& out, const Tensor& result) {
-  EXPERTQMM_CHECK(out.shape() == result.shape() && out.dtype() == result.dtype(), "mlx",
-                  "the result ", result.describe(), " does not match the output array ", out.describe());
-  if (result.device() == Device::cpu) {
-    const Tensor r = result.contiguous();
-    std::memcpy(out.data(), r.data(), r.nbytes());
-  } else {
-    copy_result_on_cuda(out, result.contiguous());
-  }
 }
 
 }  // namespace expertqmm::mlx_ext

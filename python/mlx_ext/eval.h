@@ -25,9 +25,5 @@ void eval_on_cuda(const mx::Stream& s, const std::vector<mx::array>& inputs, mx:
 // `s` (a graph node that copies only when it has to): the primitives view their inputs row-major.
 mx::array row_contiguous(const mx::array& a, const mx::Stream& s);
 
-// Copies a computed result into the output view (same shape and dtype), on the result's device
-// (on CUDA: asynchronously on the library's stream).
-void copy_result(Tensor& out, const Tensor& result);
-void copy_result_on_cuda(Tensor& out, const Tensor& contiguous_result);  // cuda/mlx_stream.cpp
 
 }  // namespace expertqmm::mlx_ext

@@ -1,4 +1,4 @@
-// mlx-lm's SwitchGLU as an MLX primitive over expertqmm::switch_glu.
+// mlx-lm's SwitchGLU as an MLX primitive over expertqmm::switch_glu_into (no copy of the result).
 #include "eval.h"
 #include "expertqmm/error.h"
 #include "weights.h"
@@ -6,12 +6,13 @@
 namespace expertqmm::mlx_ext {
 
 namespace {
-// switch_glu returns the library's tensor: one copy into MLX's output (on CUDA a device copy inside
-// the same captured graph). The task holds the spec, not the primitive.
+// Into MLX's output array directly (on CUDA with the stream's workspace). The task holds the spec,
+// not the primitive (MLX may release it before a CPU task runs).
 Body switch_glu_body(const ExpertsSpec& spec) {
-  return [spec](const std::vector<Tensor>& in, Tensor& out, Workspace*) {
+  return [spec](const std::vector<Tensor>& in, Tensor& out, Workspace* ws) {
     ViewCursor cursor{in, 2};
-    copy_result(out, expertqmm::switch_glu(in[0], in[1], experts_weights(cursor, spec)));
+    Workspace local;  // the CPU path composes the ops and holds no device scratch
+    switch_glu_into(out, in[0], in[1], experts_weights(cursor, spec), ws ? *ws : local);
   };
 }
 }  // namespace

@@ -114,10 +114,4 @@ void eval_on_cuda(const mx::Stream& s, const std::vector<mx::array>& inputs, mx:
   }
 }
 
-void copy_result_on_cuda(Tensor& out, const Tensor& contiguous_result) {
-  const cudaError_t e = cudaMemcpyAsync(out.data(), contiguous_result.data(), contiguous_result.nbytes(),
-                                        cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(cuda_stream()));
-  EXPERTQMM_CHECK(e == cudaSuccess, kOp, "cudaMemcpyAsync of the result: ", cudaGetErrorString(e));
-}
-
 }  // namespace expertqmm::mlx_ext

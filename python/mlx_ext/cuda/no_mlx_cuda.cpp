@@ -14,6 +14,4 @@ namespace {
 
 void eval_on_cuda(const mx::Stream&, const std::vector<mx::array>&, mx::array&, Body) { no_cuda("mlx eval_gpu"); }
 
-void copy_result_on_cuda(Tensor&, const Tensor&) { no_cuda("mlx copy_result"); }
-
 }  // namespace expertqmm::mlx_ext
