@@ -142,7 +142,7 @@ Tensor switch_glu(const Tensor& x, const Tensor& indices, const SwitchGLUWeights
   const ExpertShape shape = expert_shape(x, indices.size(1), weights);
   Tensor out = Tensor::empty({shape.T, shape.k, shape.D}, shape.out_dtype, Device::cuda);
   Workspace ws;  // the allocating public path: scratch for this call only
-  switch_glu_into(out, x, indices, weights, ws);
+  cuda::switch_glu_into(out, x, indices, weights, ws);  // qualified: the public op has the same signature
   return out;
 }
 
