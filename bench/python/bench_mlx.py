@@ -12,11 +12,12 @@ convert does (nn.quantize). The default preset is Gemma 4 26B-A4B's geometry wit
 (shared/spec/gemma4-moe.md); --tiny is a small one that runs on a CPU in seconds.
 Protocol: per (case, T, peer): 2 warm-up calls, then --reps calls each timed by the host wall
 clock around the call, mx.eval of its output and mx.synchronize(); median / p10 / p90.
-Check (moe_layer rows): the patched layer against the unpatched one on the same inputs widened to
-float32 (so neither router's bf16 rounding decides the top-k), relative Frobenius error <= 1e-4
-(docs/numerics.md: the f32-widened layer). The bf16 error of every row is recorded
-too (rel_err_vs_mlx, and the share of tokens within 5e-2): in bf16 a token whose k-th and (k+1)-th
-router logits sit within MLX's rounding of each other may pick another expert on either side.
+Check (moe_layer rows), in bf16 as timed: (1) the experts on MLX's own routing, ours against MLX's,
+relative Frobenius error <= 5e-2 (docs/numerics.md: anything vs MLX's own bf16 output); (2) the
+fused block: at most max(1, T/10) tokens off MLX's output by more than 5e-2 each. A token whose k-th
+and (k+1)-th router logits sit within rounding of each other may pick another expert on either side
+(2.5% of tokens at the real geometry, docs/numerics.md), so (2) counts tokens instead of bounding
+the whole output. Every row records its error and the share of tokens within 5e-2.
 
   python3 bench/python/bench_mlx.py --json out/bench-mlx.json            # the GPU (MLX's default device)
   python3 bench/python/bench_mlx.py --tiny --device cpu --json out.json   # small, anywhere
@@ -52,8 +53,7 @@ PRESETS = {
                  top_k_experts=4, moe_intermediate_size=128),
 }
 PEERS = ("mlx", "mlx+expertqmm")
-CHECK_BOUND = 1e-4  # the float32-widened layer check (docs/numerics.md)
-TOKEN_BOUND = 5e-2  # a token "agrees" with MLX's bf16 output
+BOUND = 5e-2  # vs MLX's own bf16 output (docs/numerics.md); also what a token "agrees" within
 
 
 def build_model(preset, bits, group_size, seed):
@@ -122,19 +122,20 @@ def run_case(case, model, T, reps, seed):
         rows.append({"case": case, "tokens": T, "peer": peer, "us_median": med, "us_p10": p10, "us_p90": p90,
                      "tokens_per_s": T / (med * 1e-6)})
     ours, ref = outs["mlx+expertqmm"].reshape(T, H), outs["mlx"].reshape(T, H)
-    agree = sum(rel_err(ours[t], ref[t]) <= TOKEN_BOUND for t in range(T)) / T
+    agreeing = sum(rel_err(ours[t], ref[t]) <= BOUND for t in range(T))
     rows[1].update({"speedup": rows[0]["us_median"] / rows[1]["us_median"], "rel_err_vs_mlx": rel_err(ours, ref),
-                    "tokens_within_5e-2": agree})
+                    "tokens_within_5e-2": agreeing / T})
     if case == "moe_layer":
-        h32, x32 = h.astype(mx.float32), x.astype(mx.float32)
-        ref32 = layer.experts(x32, *layer.router(h32))
+        idx, w = layer.router(h)  # MLX's routing, for both
+        ref_experts = layer.experts(x, idx, w)
         eqmlx.patch(layer)
         try:
-            ours32 = layer.experts(x32, *layer.router(h32))
+            ours_experts = layer.experts(x, idx, w)  # the patched experts given a routing: SwitchGLU primitive
         finally:
             eqmlx.unpatch(layer)
-        err32 = rel_err(ours32, ref32)
-        rows[1].update({"rel_err_f32": err32, "check": "PASS" if err32 <= CHECK_BOUND else "FAIL"})
+        err = rel_err(ours_experts, ref_experts)
+        ok = err <= BOUND and T - agreeing <= max(1, T // 10)
+        rows[1].update({"rel_err_same_routing": err, "check": "PASS" if ok else "FAIL"})
     return rows
 
 
@@ -192,7 +193,7 @@ def main():
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     if any(r.get("check") == "FAIL" for r in rows):
-        sys.exit("bench_mlx.py: a patched MoE layer is off MLX's (float32-widened) by more than 1e-4 (FAIL above)")
+        sys.exit("bench_mlx.py: a patched MoE layer is off MLX's output (check FAIL above)")
 
 
 if __name__ == "__main__":

@@ -38,17 +38,20 @@ __all__ = ["gather_qmm", "switch_glu", "moe_block", "patch", "unpatch", "patched
 _FLOAT_TYPES = (mx.bfloat16, mx.float16, mx.float32)
 
 
-def supports_gather_qmm(x: mx.array, biases: Optional[mx.array], transpose: bool, bits: int, mode: str) -> bool:
-    """Whether ``gather_qmm`` runs on expertqmm: affine 4/8-bit with biases, transpose=True, float x."""
+def supports_gather_qmm(x: mx.array, scales: mx.array, biases: Optional[mx.array], transpose: bool, bits: int,
+                        mode: str) -> bool:
+    """Whether ``gather_qmm`` runs on expertqmm: affine 4/8-bit with biases, transpose=True, x a float array
+    of the scales' dtype (a mixed pair widens x first, which expertqmm does on the host: MLX's own op
+    takes it, so the device path never syncs)."""
     return (mode == "affine" and transpose and bits in (4, 8) and biases is not None and x.dtype in _FLOAT_TYPES
-            and x.ndim >= 2)
+            and x.dtype == scales.dtype and x.ndim >= 2)
 
 
 def gather_qmm(x: mx.array, w: mx.array, scales: mx.array, biases: Optional[mx.array] = None,
                lhs_indices: Optional[mx.array] = None, rhs_indices: Optional[mx.array] = None, transpose: bool = True,
                group_size: int = 64, bits: int = 4, mode: str = "affine", sorted_indices: bool = False) -> mx.array:
     """``mx.gather_qmm`` with MLX's semantics; affine 4/8-bit transposed cases run on expertqmm."""
-    if not supports_gather_qmm(x, biases, transpose, bits, mode):
+    if not supports_gather_qmm(x, scales, biases, transpose, bits, mode):
         return mx.gather_qmm(x, w, scales, biases, lhs_indices=lhs_indices, rhs_indices=rhs_indices,
                              transpose=transpose, group_size=group_size, bits=bits, mode=mode,
                              sorted_indices=sorted_indices)
@@ -125,6 +128,15 @@ class _Experts:
     projections: List[Projection]
     activation: str
 
+    def takes(self, x: mx.array) -> bool:
+        """Whether x is in every projection's float dtype (scales', or a 16-bit weight's). A mixed call
+        widens x first, which expertqmm does on the host: it stays with mlx-lm's own code instead."""
+        at, dtypes = 0, set()
+        for quantized, _, _ in self.projections:
+            dtypes.add(self.arrays[at + (1 if quantized else 0)].dtype)
+            at += 3 if quantized else 1
+        return dtypes == {x.dtype}
+
 
 def _experts(switch_glu_module: Any) -> Optional[_Experts]:
     act = _activation(switch_glu_module)
@@ -174,7 +186,14 @@ def _swap(module: Any, call: Any) -> None:
     module.__class__ = _patched_class(cls, call)
 
 
+def _original_call(module: Any, *args: Any) -> Any:
+    """The module's own (mlx-lm) __call__, for calls the primitives do not take."""
+    return getattr(module, _ORIGINAL).__call__(module, *args)
+
+
 def _switch_glu_call(self: Any, x: mx.array, indices: mx.array) -> mx.array:
+    if not _experts(self).takes(x):
+        return _original_call(self, x, indices)
     return switch_glu(x, indices, self)
 
 
@@ -191,16 +210,23 @@ def _gemma4_router_call(self: Any, x: mx.array) -> Tuple[_DeferredRoute, None]:
 
 
 def _gemma4_experts_call(self: Any, x: mx.array, top_k_indices: Any, top_k_weights: Any) -> mx.array:
+    experts = _experts(self.switch_glu)
     if not isinstance(top_k_indices, _DeferredRoute):  # called with a real routing: the experts alone
+        if not experts.takes(x):
+            return _original_call(self, x, top_k_indices, top_k_weights)
         y = switch_glu(x, top_k_indices, self.switch_glu)
         return (mx.expand_dims(top_k_weights, -1) * y).sum(-2)
-    router = top_k_indices.router
+    router, h = top_k_indices.router, top_k_indices.h
     proj_arrays, proj_spec = _linear(router.proj)
-    return moe_block(top_k_indices.h, x, proj_arrays + [router["scale"], router["per_expert_scale"]], "gemma4",
-                     proj_spec, router.config.top_k_experts, _experts(self.switch_glu), eps=router.eps)
+    if not experts.takes(x) or h.dtype != x.dtype:  # mlx-lm's own router and experts
+        return _original_call(self, x, *_original_call(router, h))
+    return moe_block(h, x, proj_arrays + [router["scale"], router["per_expert_scale"]], "gemma4", proj_spec,
+                     router.config.top_k_experts, experts, eps=router.eps)
 
 
 def _qwen3_moe_call(self: Any, x: mx.array) -> mx.array:
+    if not _experts(self.switch_mlp).takes(x):
+        return _original_call(self, x)
     proj_arrays, proj_spec = _linear(self.gate)
     return moe_block(x, x, proj_arrays, "softmax_topk", proj_spec, self.top_k, _experts(self.switch_mlp),
                      norm_topk_prob=self.norm_topk_prob)

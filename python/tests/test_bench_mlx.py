@@ -1,5 +1,5 @@
 """bench/python/bench_mlx.py --tiny on MLX's CPU: one run writes both peers' rows for both cases,
-the patched MoE layer passes its float32 check, and every row carries the protocol's numbers."""
+the patched MoE layer passes its check against MLX, and every row carries the protocol's numbers."""
 import json
 import os
 import subprocess
@@ -32,5 +32,5 @@ def test_bench_mlx_tiny_on_the_cpu(tmp_path):
     ours = [r for r in rows if r["peer"] == "mlx+expertqmm"]
     assert all(r["speedup"] > 0 and 0 <= r["tokens_within_5e-2"] <= 1 for r in ours)
     layer = [r for r in ours if r["case"] == "moe_layer"]
-    assert all(r["check"] == "PASS" and r["rel_err_f32"] <= 1e-4 for r in layer)
+    assert all(r["check"] == "PASS" and r["rel_err_same_routing"] <= 5e-2 for r in layer)
     assert "moe_layer" in run.stdout and "model_forward" in run.stdout  # the table

@@ -224,3 +224,24 @@ def test_tiny_gemma4_generates_the_same_tokens(device):
     assert rel_err(logits, ref_logits) <= bound(mx.float32, device)
     assert greedy(model, prompt, 12) == ref
     eqmlx.unpatch(model)
+
+
+def test_other_dtypes_stay_with_mlx(device):
+    """Activations in another dtype than the weights' scales (which expertqmm would widen on the host)
+    run mlx-lm's own code, patched or not; gather_qmm hands them to mx.gather_qmm."""
+    layer = gemma4_text.DecoderLayer(tiny_gemma4_args(), 0)
+    nn.quantize(layer, group_size=64, bits=4)  # float32 scales
+    mx.eval(layer.parameters())
+    h = mx.random.normal((1, 8, 128), key=mx.random.key(6)).astype(mx.bfloat16)
+    ref = layer.experts(h, *layer.router(h))
+    eqmlx.patch(layer)
+    out = layer.experts(h, *layer.router(h))
+    assert "Expertqmm" not in _primitive_name(out)
+    assert rel_err(out, ref) == 0.0
+    out32 = layer.experts(h.astype(mx.float32), *layer.router(h.astype(mx.float32)))
+    assert "ExpertqmmMoeBlock" in _primitive_name(out32)  # the same layer in its own dtype: ours
+    eqmlx.unpatch(layer)
+    wq, s, b = quantized_experts(3, 32, 64, 4, mx.float32, mx.random.key(7))
+    x = mx.random.normal((2, 1, 1, 64)).astype(mx.bfloat16)
+    idx = mx.array([[0], [2]], dtype=mx.uint32)
+    assert "Expertqmm" not in _primitive_name(eqmlx.gather_qmm(x, wq, s, b, rhs_indices=idx))
