@@ -164,6 +164,30 @@ def test_gemma4_moe_block_matches_mlx_lm(device, bits, T):
     assert rel_err(layer.experts(x, *layer.router(h)), ref) == 0.0
 
 
+@pytest.mark.parametrize("T", [1, 8, 40])
+def test_gemma4_moe_block_bf16_matches_mlx_lm(device, T):
+    """The model dtype mlx-lm runs: the experts on MLX's own routing within 5e-2 of MLX's bf16 output;
+    the fused block with at most max(1, T/10) tokens off by more than that (a token whose k-th and
+    (k+1)-th bf16 router logits sit within rounding may pick another expert on either side)."""
+    layer = gemma4_text.DecoderLayer(tiny_gemma4_args(), 0)
+    random_router_scales(layer.router)
+    layer.set_dtype(mx.bfloat16)
+    nn.quantize(layer, group_size=64, bits=4)
+    mx.eval(layer.parameters())
+    h = mx.random.normal((1, T, 128), key=mx.random.key(8)).astype(mx.bfloat16)
+    x = mx.random.normal((1, T, 128), key=mx.random.key(9)).astype(mx.bfloat16)
+    idx, w = layer.router(h)
+    ref_experts, ref = layer.experts(x, idx, w), layer.experts(x, *layer.router(h))
+    eqmlx.patch(layer)
+    experts, out = layer.experts(x, idx, w), layer.experts(x, *layer.router(h))
+    eqmlx.unpatch(layer)
+    assert "ExpertqmmSwitchGLU" in _primitive_name(experts) and "ExpertqmmMoeBlock" in _primitive_name(out)
+    assert out.dtype == ref.dtype == mx.bfloat16
+    assert rel_err(experts, ref_experts) <= BOUND[mx.bfloat16]
+    off = sum(rel_err(out[0, t], ref[0, t]) > BOUND[mx.bfloat16] for t in range(T))
+    assert off <= max(1, T // 10), f"{off} of {T} tokens differ"
+
+
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
 @pytest.mark.parametrize("T", [1, 40])
 def test_qwen3_moe_block_matches_mlx_lm(device, norm_topk_prob, T):
