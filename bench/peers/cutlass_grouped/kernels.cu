@@ -14,6 +14,12 @@ namespace {
 __device__ float bf16_to_float(uint16_t bits) { return __bfloat162float(__ushort_as_bfloat16(bits)); }
 __device__ uint16_t float_to_bf16(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
 
+// The row-per-block kernels put the row in blockIdx.y.
+void check_rows(int rows, const char* kernel) {
+  EXPERTQMM_CHECK(rows >= 1 && rows <= 65535, "cutlass peer", kernel, ": ", rows,
+                  " rows; one block row per row allows 1 to 65535 (at most 8191 tokens at top-8)");
+}
+
 unsigned blocks_for(size_t count, unsigned threads) {
   const size_t b = (count + threads - 1) / threads;
   return unsigned(b < 65535u * 16u ? b : 65535u * 16u);  // grid-stride loops cover the rest
@@ -144,6 +150,7 @@ void group_sums(const uint16_t* x, int rows, int k, int group_size, float* sums,
 
 void bias_term(const float* sums, const int32_t* expert_of_row, const uint16_t* biases_t, int rows, int n,
                int groups, uint16_t* c, cudaStream_t stream) {
+  check_rows(rows, "bias_term");
   bias_term_kernel<<<dim3(unsigned((n + 127) / 128), unsigned(rows)), 128, 0, stream>>>(sums, expert_of_row, biases_t,
                                                                                        n, groups, c);
   EXPERTQMM_CUDA_CHECK_LAUNCH("bias_term");
@@ -152,6 +159,7 @@ void bias_term(const float* sums, const int32_t* expert_of_row, const uint16_t* 
 void reference_gemm(const uint16_t* x, const int32_t* expert_of_row, int rows, const uint32_t* codes,
                     const uint16_t* scales, const uint16_t* biases, int n, int k, int group_size, QuantForm form,
                     float* out, cudaStream_t stream) {
+  check_rows(rows, "reference_gemm");
   reference_gemm_kernel<<<dim3(unsigned((n + 127) / 128), unsigned(rows)), 128, size_t(k) * sizeof(float), stream>>>(
       x, expert_of_row, codes, scales, biases, n, k, group_size, form == QuantForm::affine, out);
   EXPERTQMM_CUDA_CHECK_LAUNCH("reference_gemm");
