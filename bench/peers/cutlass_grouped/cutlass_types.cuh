@@ -15,6 +15,11 @@
 #include "cutlass/util/mixed_dtype_utils.hpp"
 #include "cutlass/util/packed_stride.hpp"
 
+// The grouped kernel rewrites its TMA descriptors per group on the device (tensormap.replace).
+#if !defined(CUTLASS_ARCH_MMA_MODIFIABLE_TMA_SM90_SUPPORTED)
+#error "the CUTLASS peer needs nvcc 12.3 or newer (CUTLASS's grouped Hopper kernels modify TMA descriptors)"
+#endif
+
 namespace expertqmm::peer::cutlass_types {
 
 using namespace cute;
