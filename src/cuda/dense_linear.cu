@@ -34,6 +34,8 @@ namespace expertqmm::cuda {
 namespace {
 
 constexpr const char* kOp = "linear";
+// Tile-route CTAs per SM below which a smaller row group is taken (gemv's rule for an idle GPU).
+constexpr int64_t kCtasPerSm = 2;
 
 size_t bytes_of(int64_t count, DType t) { return static_cast<size_t>(count) * dtype_size(t); }
 int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -46,7 +48,7 @@ DType compute_dtype(DType x, DType w, DType out) {
 int64_t row_group(int64_t T, int64_t N) {
   if (T <= kGemvMaxRows) return T;
   const int64_t col_blocks = ceil_div64(N, kMmTileCols);
-  const int64_t wanted_ctas = 2 * static_cast<int64_t>(device_sm_count());
+  const int64_t wanted_ctas = kCtasPerSm * device_sm_count();
   int64_t group = detail::tile_class(0).max_rows;
   for (int c = detail::kTileClassCount - 1; c >= 0; --c) {
     const int64_t rows = detail::tile_class(c).max_rows;
