@@ -192,40 +192,53 @@ TEST(GpuGatherMm, UnsortedRowsUnderTheSortedPromiseAreStillCorrectAndCounted) {
 // 4's N = 128 and K = 2816, and a dense MLP width) against the CPU's, each call counted once under
 // gather_mm: bf16 and f16 hit the tile route above 64 rows; at and below, the tile route's miss is
 // `shape`, which leaves operands gemv takes (gemv's rule is the tile route's operands and <= 64
-// rows); f32 misses on `dtype` and runs on simt.
+// rows). simt takes the rest: f32 (miss `dtype`), bf16 x with an f32 weight (x widened to the f32
+// output; `dtype`), and a weight whose K is strided (a transposed [K, N] tensor; `topology`).
 TEST(GpuGatherMm, DenseLinearMatchesTheCpuOnTheRouteForItsSize) {
   EXPERTQMM_REQUIRE_GPU();
   const bool tiles_on = expert_tiles_setting() != RouteSwitch::off;
   const int64_t K = 2816;
   struct Case {
-    DType dt;
+    DType x, w;
     int64_t T, N;
+    bool k_strided = false;
   };
   std::vector<Case> cases;
   for (DType dt : {DType::bf16, DType::f16})
     for (int64_t T : {1, 8, 64, 65, 300, 2048})
       for (int64_t N : {128, 704})
-        if (T < 2048 || N == 128) cases.push_back({dt, T, N});  // (a 2048 x 704 CPU reference takes seconds)
-  for (int64_t T : {8, 300}) cases.push_back({DType::f32, T, 128});
+        if (T < 2048 || N == 128) cases.push_back({dt, dt, T, N});  // (a 2048 x 704 CPU reference takes seconds)
+  for (int64_t T : {8, 300}) cases.push_back({DType::f32, DType::f32, T, 128});
+  cases.push_back({DType::bf16, DType::f32, 65, 128});
+  cases.push_back({DType::bf16, DType::bf16, 300, 128, true});
   for (const Case& c : cases) {
-    const std::string what = detail::cat(dtype_name(c.dt), " T=", c.T, " N=", c.N, " K=", K);
+    const std::string what = detail::cat(dtype_name(c.x), " x, ", dtype_name(c.w), c.k_strided ? " K-strided" : "",
+                                         " weight, T=", c.T, " N=", c.N, " K=", K);
     Linear w, wd;
-    w.dense = test::random_tensor({c.N, K}, c.dt, 0.05f);
-    wd.dense = w.dense.to(Device::cuda);
-    const Tensor x = test::random_tensor({c.T, K}, c.dt);
+    if (c.k_strided) {
+      const Tensor kn = test::random_tensor({K, c.N}, c.w, 0.05f);
+      w.dense = kn.swapaxes(0, 1);
+      wd.dense = kn.to(Device::cuda).swapaxes(0, 1);
+    } else {
+      w.dense = test::random_tensor({c.N, K}, c.w, 0.05f);
+      wd.dense = w.dense.to(Device::cuda);
+    }
+    const Tensor x = test::random_tensor({c.T, K}, c.x);
     const Tensor expected = linear(x, w);
     diagnostics::reset();
     const Tensor got = linear(x.to(Device::cuda), wd);
     cuda_check();
     ASSERT_EQ(got.shape(), expected.shape()) << what;
+    ASSERT_EQ(got.dtype(), expected.dtype()) << what;
     EXPECT_LE(test::rel_error(test::to_float(got), test::to_float(expected)), kTolerance) << what;
     const RouteCounters mm = gather_mm_counters();
     EXPECT_EQ(mm.attempts, 1u) << what;
-    const bool half = c.dt != DType::f32;
-    EXPECT_EQ(mm.hits, tiles_on && half && c.T > cuda::kGemvMaxRows ? 1u : 0u) << what;
+    const bool tensor_core_operands = c.x != DType::f32 && c.w == c.x && !c.k_strided;
+    EXPECT_EQ(mm.hits, tiles_on && tensor_core_operands && c.T > cuda::kGemvMaxRows ? 1u : 0u) << what;
     if (!tiles_on) continue;
-    const Fallback miss = !half ? Fallback::dtype : Fallback::shape;
-    if (!half || c.T <= cuda::kGemvMaxRows) EXPECT_EQ(mm.fallbacks[static_cast<int>(miss)], 1u) << what;
+    const Fallback miss = c.k_strided ? Fallback::topology : !tensor_core_operands ? Fallback::dtype : Fallback::shape;
+    if (!tensor_core_operands || c.T <= cuda::kGemvMaxRows)
+      EXPECT_EQ(mm.fallbacks[static_cast<int>(miss)], 1u) << what;
   }
 }
 

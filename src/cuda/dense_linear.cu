@@ -10,12 +10,11 @@
 // (one memset) and gemv takes the problem. Whatever those refuse (f32, misaligned or strided
 // operands) goes to simt.
 //
-// dtypes: gather_mm computes in one dtype C: x and out in C, the weight in C (or any with C = f32).
-// C is out_dtype when x is already in it and the weight fits, else f32, with x widened into the
-// arena (exact) and the fp32 result rounded to out_dtype once: the same single rounding of an fp32
-// sum of widened products either way.
+// dtypes: out_dtype is promote(x, w) (every caller's rule, as MLX's), which is gather_mm's own
+// rule: x is widened to it in the arena when it differs (exact), a 16-bit output meets only its own
+// weight dtype, an f32 one any weight (simt).
 //
-// Scratch (slot kSlotDenseLinear, one arena): [x in C] [out in C] (when cast), ids [T] int32, and
+// Scratch (slot kSlotDenseLinear, one arena): [x in out_dtype] (when cast), ids [T] int32, and
 // the tile plan, sized for the smallest class so that a warm arena holds every smaller call's plan.
 #include "cuda/dense_linear.h"
 
@@ -39,10 +38,6 @@ constexpr int64_t kCtasPerSm = 2;
 
 size_t bytes_of(int64_t count, DType t) { return static_cast<size_t>(count) * dtype_size(t); }
 int64_t ceil_div64(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-DType compute_dtype(DType x, DType w, DType out) {
-  return x == out && (w == out || out == DType::f32) ? out : DType::f32;
-}
 
 // Rows per expert id (see the file comment).
 int64_t row_group(int64_t T, int64_t N) {
@@ -74,35 +69,36 @@ void dense_linear_into(const void* x, DType x_dtype, int64_t T, const Tensor& w,
                        Workspace& ws) {
   EXPERTQMM_CHECK(w.device() == Device::cuda && w.ndim() == 2 && is_floating(w.dtype()), kOp,
                   "the weight must be a float [N, K] device tensor, got ", w.describe());
-  EXPERTQMM_CHECK(is_floating(x_dtype) && is_floating(out_dtype) && T >= 0 && T <= INT32_MAX, kOp,
-                  "x [T=", T, ", K=", w.size(1), "] in ", dtype_name(x_dtype), " to ", dtype_name(out_dtype),
-                  ": float dtypes and T in [0, 2^31) expected");
+  EXPERTQMM_CHECK(is_floating(x_dtype) && T >= 0 && T <= INT32_MAX &&
+                      out_dtype == promote_floating(x_dtype, w.dtype()),
+                  kOp, "x [T=", T, ", K=", w.size(1), "] in ", dtype_name(x_dtype), " times a ",
+                  dtype_name(w.dtype()), " weight into ", dtype_name(out_dtype),
+                  ": float dtypes, out in promote(x, w) and T in [0, 2^31) expected");
   const int64_t N = w.size(0), K = w.size(1);
   if (T == 0 || N == 0) return;
-  const DType C = compute_dtype(x_dtype, w.dtype(), out_dtype);
-  const bool cast_x = x_dtype != C, cast_out = out_dtype != C;
+  const bool cast_x = x_dtype != out_dtype;
   const int64_t group = row_group(T, N), E = ceil_div64(T, group);
 
   ArenaLayout layout;
-  const size_t x_off = cast_x ? layout.reserve(bytes_of(T * K, C)) : 0;
-  const size_t out_off = cast_out ? layout.reserve(bytes_of(T * N, C)) : 0;
+  const size_t x_off = cast_x ? layout.reserve(bytes_of(T * K, out_dtype)) : 0;
   const size_t ids_off = layout.reserve(bytes_of(T, DType::i32));
   const size_t plan_bytes = plan_bytes_bound(T);
   const size_t plan_off = plan_bytes ? layout.reserve(plan_bytes) : 0;
   void* base = ws.get(detail::kSlotDenseLinear, layout.bytes());
   cudaStream_t stream = current_stream();
 
-  void* x_c = const_cast<void*>(x);
+  void* x_out_dtype = const_cast<void*>(x);
   if (cast_x) {
-    x_c = arena_at(base, x_off);
-    launch_cast(x_dtype, x, C, x_c, T * K, stream);
+    x_out_dtype = arena_at(base, x_off);
+    launch_cast(x_dtype, x, out_dtype, x_out_dtype, T * K, stream);
   }
   int32_t* ids = static_cast<int32_t*>(arena_at(base, ids_off));
   if (E == 1) EXPERTQMM_CUDA_CHECK(cudaMemsetAsync(ids, 0, bytes_of(T, DType::i32), stream));
   else launch_token_of_row(ids, T, static_cast<int>(group), stream);
 
   const Tensor w_experts = Tensor::view(w.data(), {E, N, K}, w.dtype(), Device::cuda, {0, w.stride(0), w.stride(1)});
-  detail::GatherMmProblem p = dense_problem(w_experts, C, x_c, T, K, K, N, T, nullptr, ids, /*sorted=*/true, nullptr);
+  detail::GatherMmProblem p =
+      dense_problem(w_experts, out_dtype, x_out_dtype, T, K, K, N, T, nullptr, ids, /*sorted=*/true, nullptr);
   const GatherMmRoute& route = select_gather_mm_route(p);
   if (is_mm_tiles(route)) {
     EXPERTQMM_CHECK(plan_bytes >= tile_plan_bytes(T, static_cast<int>(E)), kOp, "no room for the tile plan of ",
@@ -111,9 +107,7 @@ void dense_linear_into(const void* x, DType x_dtype, int64_t T, const Tensor& w,
     launch_build_tile_plan_at(ids, T, static_cast<int>(E), plan, stream);
     p.tile_plan = plan;
   }
-  void* out_c = cast_out ? arena_at(base, out_off) : out;
-  run_gather_mm_route(route, p, out_c, &ws);
-  if (cast_out) launch_cast(C, out_c, out_dtype, out, T * N, stream);
+  run_gather_mm_route(route, p, out, &ws);
 }
 
 Tensor dense_linear(const Tensor& x, const Tensor& w, DType out_dtype) {

@@ -10,9 +10,9 @@
 
 namespace expertqmm::cuda {
 
-// out [T, N] (out_dtype) = x [T, K] (x_dtype, rows K apart) @ w^T, w [N, K] on the device in any
-// float dtype and any strides; products of the widened values summed in fp32, each output rounded
-// once to out_dtype. On the current stream; scratch from ws's slot kSlotDenseLinear (no allocation
+// out [T, N] = x [T, K] (x_dtype, rows K apart) @ w^T, w [N, K] on the device in any float dtype
+// and any strides, out in out_dtype = promote(x, w) (an Error otherwise); products of the widened
+// values summed in fp32, each output rounded once to out_dtype. On the current stream; scratch from ws's slot kSlotDenseLinear (no allocation
 // once warm, no host sync: graph-capturable).
 void dense_linear_into(const void* x, DType x_dtype, int64_t T, const Tensor& w, DType out_dtype, void* out,
                        Workspace& ws);
