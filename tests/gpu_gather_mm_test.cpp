@@ -242,6 +242,23 @@ TEST(GpuGatherMm, DenseLinearMatchesTheCpuOnTheRouteForItsSize) {
   }
 }
 
+// The dense linear at sanitizer sizes, N and K off the tile multiples: gemv (5 rows), and the tile
+// route over row groups whose last group is short (100 and 300 rows of 16-row groups), bf16 and f32.
+TEST(SanitizeGpuGatherMm, DenseLinearOffTheTileMultiples) {
+  EXPERTQMM_REQUIRE_GPU();
+  for (DType dt : {DType::bf16, DType::f32})
+    for (int64_t T : {5, 100, 300}) {
+      Linear w, wd;
+      w.dense = test::random_tensor({40, 72}, dt, 0.1f);
+      wd.dense = w.dense.to(Device::cuda);
+      const Tensor x = test::random_tensor({T, 72}, dt);
+      const Tensor got = linear(x.to(Device::cuda), wd);
+      cuda_check();
+      EXPECT_LE(test::rel_error(test::to_float(got), test::to_float(linear(x, w))), kTolerance)
+          << dtype_name(dt) << " T=" << T;
+    }
+}
+
 TEST(SanitizeGpuGatherMm, OutOfRangeIdsAreReported) {
   EXPERTQMM_REQUIRE_GPU();
   const int64_t E = 4;
