@@ -553,6 +553,8 @@ void route_rows(Table& t) {
   add(t, large, RouteCase{128, 256, 8, DType::f32, 8, 64, 37, true});
   add(t, large, RouteCase{128, 512, 8, DType::bf16, 8, 64, 64, false});
   add(t, large, RouteCase{64, 256, 2, DType::bf16, 0, 64, 33, false});
+  // Gemma 4's router with a bf16 projection at prefill (the dense linear's tile route) and decode.
+  for (int64_t T : {512, 3}) add(t, large, RouteCase{128, 2816, 8, DType::bf16, 0, 64, T, false});
   add(t, large, RouteCase{1024, 64, 8, DType::f32, 0, 64, 5, true});  // wide expert counts
   add(t, large, RouteCase{8, 64, 8, DType::f32, 0, 64, 3, true});     // top-k = E
   // Quantized projections of every width and group size, both half dtypes, off the tile grids.
