@@ -200,11 +200,13 @@ void run_rhs_tiles(const detail::GatherQmmProblem& p, void* out, int bm, Workspa
 }  // namespace
 
 RouteSupport supports_tile_operands(const detail::GatherQmmProblem& p) {
-  // The tile kernels dequantize s * q + b: an fp mode's E2M1 / E4M3 codes go to simt.
-  if (p.mode != QuantMode::affine) return route_miss(Fallback::quantization);
   if (p.dtype != DType::bf16 && p.dtype != DType::f16) return route_miss(Fallback::dtype);
+  // fp modes (each with its one bits and group size): tile_gemm's kFp decodes E2M1 / E4M3 to bf16
+  // only (MLX's fp checkpoints are bf16; f16 would also under/overflow decoded scales far sooner).
+  if (p.mode != QuantMode::affine && p.dtype != DType::bf16) return route_miss(Fallback::dtype);
   if (p.bits != 4 && p.bits != 8) return route_miss(Fallback::quantization);
-  if (p.group_size != 32 && p.group_size != 64 && p.group_size != 128) return route_miss(Fallback::quantization);
+  if (p.mode == QuantMode::affine && p.group_size != 32 && p.group_size != 64 && p.group_size != 128)
+    return route_miss(Fallback::quantization);
   if (!p.transpose) return route_miss(Fallback::quantization);  // codes run along N, not K
   if (p.K <= 0 || p.N <= 0) return route_miss(Fallback::shape);
   if (!fits_int32(p.N) || !fits_int32(p.K) || !fits_int32(p.M) || !fits_int32(p.B) || !fits_int32(p.w_batch))
@@ -221,6 +223,13 @@ TileArgs make_tile_args(const detail::GatherQmmProblem& p, void* out) {
   TileArgs a{};
   a.x = p.x.data();
   a.q = quant_view(p);
+  if (p.mode != QuantMode::affine) {
+    // tile_gemm's kFp staging: the uint8 scale codes as uint16 pairs of consecutive groups (K % 64
+    // == 0 gives every row an even group count), so a pair covers twice the group size.
+    a.q.scales = reinterpret_cast<const uint16_t*>(a.q.fp_scales);
+    a.q.groups_per_row /= 2;
+    a.q.group_shift += 1;
+  }
   a.lhs = p.lhs_is_identity ? nullptr : static_cast<const int32_t*>(p.lhs.data());
   a.rhs = p.rhs_is_identity ? nullptr : static_cast<const int32_t*>(p.rhs.data());
   a.out = out;
@@ -236,7 +245,11 @@ TileArgs make_tile_args(const detail::GatherQmmProblem& p, void* out) {
   return a;
 }
 
-RouteSupport supports_rhs_tiles(const detail::GatherQmmProblem& p) { return supports_tile_operands(p); }
+RouteSupport supports_rhs_tiles(const detail::GatherQmmProblem& p) {
+  // Its kernels are built for affine codes only (the fp modes' tiles: expert_tiles' kFp kernels).
+  if (p.mode != QuantMode::affine) return route_miss(Fallback::quantization);
+  return supports_tile_operands(p);
+}
 
 void call_rhs_tiles(const detail::GatherQmmProblem& p, void* out, Workspace* ws) { run_rhs_tiles(p, out, 0, ws); }
 void call_rhs_tiles_bm16(const detail::GatherQmmProblem& p, void* out, Workspace* ws) { run_rhs_tiles(p, out, 16, ws); }
