@@ -23,7 +23,8 @@
 // supports_decode_layer takes: T <= 8, k <= 8, T*k <= 64; bf16 or f16 activations with the same
 // dtype for h, x, out and every scale/bias; 4- or 8-bit experts with group 32/64/128 (separate or
 // fused gate_up), or mxfp4 / nvfp4 experts under bf16 (the tensor-core kernels' kFp form; mxfp8
-// has no decode kernel); a router that is affine 4/8-bit with group 32/64/128 or dense, in the activation dtype;
+// has no decode kernel); a router that is affine 4/8-bit with group 32/64/128, in any fp mode
+// under bf16, or dense, in the activation dtype;
 // 16-byte aligned rows. Everything else goes to the general path (one Fallback class per miss,
 #pragma once
 #include <cuda_bf16.h>
@@ -305,9 +306,10 @@ constexpr uint32_t kTcOnePair = D == DType::bf16 ? 0x3F803F80u : 0x3C003C00u;
 // The kernels' launches (grid and shared memory from the arguments; on `stream`) and the dynamic
 // shared memory each needs (the layer checks these against kDecodeMaxSmem before it picks the path).
 
-// Kernel 1 (moe_decode_router.cu); proj_bits 0: a dense projection in D, else 4 or 8.
+// Kernel 1 (moe_decode_router.cu); proj_bits 0: a dense projection in D, else 4 or 8; fp: an fp
+// mode's projection (mxfp4 / nvfp4 4-bit, mxfp8 8-bit; bf16).
 size_t router_smem(int64_t T, int64_t H);
-void launch_router(DType dtype, int proj_bits, const RouterArgs& a, size_t smem, cudaStream_t stream);
+void launch_router(DType dtype, int proj_bits, const RouterArgs& a, size_t smem, cudaStream_t stream, bool fp = false);
 // Kernel 2 on tensor cores, 4-bit experts, group G in {32, 64, 128} (moe_decode_gate_up.cu); n = T*k.
 // fp: an fp4 mode's codes (mxfp4 / nvfp4, bf16; G is then the mode's group: 32 or 16).
 size_t gate_up_mma_smem(int64_t H, int G, bool fp = false);

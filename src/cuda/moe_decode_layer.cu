@@ -31,15 +31,20 @@ bool rows_aligned(const Tensor& t) {
   return is_aligned(t.data(), 16) && (t.size(0) <= 1 || t.stride(0) % 8 == 0);
 }
 
+// Which fp modes a decode kernel reads: none (the dense GLU), 4-bit ones (the experts' tensor-core
+// kernels; mxfp8 experts would need the scalar 8-bit kernels, which are affine) or all (the router).
+enum class FpCodes { none, fp4, any };
+
 // A quantized weight [E, N, K*bits/32] that the decode kernels can read: 4/8-bit, group 32/64/128,
-// scales and biases in `dtype`, contiguous, 16-byte aligned rows. fp4_ok (the experts): also mxfp4 /
-// nvfp4 (uint8 scales, no biases, no global scale) under bf16, which the tensor-core kernels' kFp
-// form reads; mxfp8 has no decode kernel (the scalar 8-bit ones are affine), nor has the router.
-RouteSupport check_weight(const QuantizedWeight& q, int64_t E, int64_t N, int64_t K, DType dtype, bool fp4_ok = false) {
+// scales and biases in `dtype`, contiguous, 16-byte aligned rows; or, as `fp` allows, an fp mode
+// (uint8 scales, no biases, no global scale) under bf16.
+RouteSupport check_weight(const QuantizedWeight& q, int64_t E, int64_t N, int64_t K, DType dtype,
+                          FpCodes fp_ok = FpCodes::none) {
   if (!q.defined() || !q.scales.defined()) return route_miss(Fallback::quantization);
   const bool fp = q.mode != QuantMode::affine;
   if (fp) {
-    if (!fp4_ok || q.bits != 4 || q.global_scale.defined()) return route_miss(Fallback::quantization);
+    if (fp_ok == FpCodes::none || (fp_ok == FpCodes::fp4 && q.bits != 4) || q.global_scale.defined())
+      return route_miss(Fallback::quantization);
     if (dtype != DType::bf16) return route_miss(Fallback::dtype);
     if (q.scales.dtype() != DType::u8 || q.biases.defined()) return route_miss(Fallback::quantization);
   } else {
@@ -91,14 +96,14 @@ RouteSupport supports_decode_layer(const Tensor& out, const Tensor& h, const Ten
   RouteSupport s;
   if (ex.fused()) {
     if (first.w.size(1) != 2 * I) return route_miss(Fallback::topology);
-    if (!(s = check_weight(ex.gate_up, E, 2 * I, H, D, true)).ok) return s;
+    if (!(s = check_weight(ex.gate_up, E, 2 * I, H, D, FpCodes::fp4)).ok) return s;
   } else {
-    if (!(s = check_weight(ex.gate, E, I, H, D, true)).ok) return s;
-    if (!(s = check_weight(ex.up, E, I, H, D, true)).ok) return s;
+    if (!(s = check_weight(ex.gate, E, I, H, D, FpCodes::fp4)).ok) return s;
+    if (!(s = check_weight(ex.up, E, I, H, D, FpCodes::fp4)).ok) return s;
     if (ex.gate.bits != ex.up.bits || ex.gate.group_size != ex.up.group_size || ex.gate.mode != ex.up.mode)
       return route_miss(Fallback::quantization);
   }
-  if (!(s = check_weight(ex.down, E, H, I, D, true)).ok) return s;
+  if (!(s = check_weight(ex.down, E, H, I, D, FpCodes::fp4)).ok) return s;
   // 4-bit experts run on the tensor-core kernels, which copy scale and bias spans in 16-byte units
   // (an fp mode's spans of 16 rows of uint8 codes start at row multiples of 16 times the codes per
   // row: whole 16-byte units when gate / up's I * (H / group) is; down's H % 32 == 0 makes its own).
@@ -121,7 +126,7 @@ RouteSupport supports_decode_layer(const Tensor& out, const Tensor& h, const Ten
       return route_miss(Fallback::dtype);
   }
   if (rt.proj.defined()) {
-    if (!(s = check_weight(rt.proj, 0, E, H, D)).ok) return s;
+    if (!(s = check_weight(rt.proj, 0, E, H, D, FpCodes::any)).ok) return s;
   } else {
     const Tensor& p = rt.proj_dense;
     if (!p.defined() || p.dtype() != D) return route_miss(Fallback::dtype);
@@ -274,7 +279,7 @@ void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, 
   // scalar kernels.
   const int proj_bits = quantized ? rt.proj.bits : 0;
   const bool fp_gate = gate.mode != QuantMode::affine, fp_down = ex.down.mode != QuantMode::affine;
-  launch_router(D, proj_bits, ra, router_smem(T, H), stream);
+  launch_router(D, proj_bits, ra, router_smem(T, H), stream, quantized && rt.proj.mode != QuantMode::affine);
   if (gate.bits == 4)
     launch_gate_up_mma(D, gate.group_size, ex.activation, ga, n, gate_up_mma_smem(H, gate.group_size, fp_gate), stream,
                        fp_gate);
