@@ -1,6 +1,8 @@
 // MLX's fp quantization modes on CUDA against the CPU: nvfp4 with a global scale bit for bit, and a
-// whole Gemma 4 feed-forward block whose every quantized module is in an fp mode (qmv / simt GEMMs,
-// the router on uint8 scales), allocating and _into alike, plus one layer captured in a CUDA graph.
+// whole Gemma 4 feed-forward block whose every quantized module is in an fp mode (its GEMMs on qmv,
+// the tile routes or simt, the router on uint8 scales), allocating and _into alike, plus one layer
+// captured in a CUDA graph; the fp modes on the tensor-core routes (a Gemma-4-shaped layer with its
+// routes counted, every scale code on the tile kernels).
 // The per-op rows (gather_qmm routes and refusals, quantize, switch_glu, moe_layer) are in the
 // backend table.
 #include <gtest/gtest.h>
@@ -69,7 +71,7 @@ TEST(GpuQuantModes, Gemma4FfnInFpModesMatchesTheCpu) {
 }
 
 // What `bench --quant` needs: the fp-mode layer captured in a CUDA graph (no allocation, no host
-// sync) replays the output of the direct call, at decode (qmv) and prefill (simt) sizes.
+// sync) replays the output of the direct call, at decode and prefill sizes.
 TEST(GpuQuantModes, FpModeLayerCapturedInACudaGraphReplaysTheSameOutput) {
   EXPERTQMM_REQUIRE_GPU();
 #ifdef EXPERTQMM_HAVE_CUDA
@@ -94,9 +96,9 @@ TEST(GpuQuantModes, FpModeLayerCapturedInACudaGraphReplaysTheSameOutput) {
 // quantization short) through moe_layer at T = 1, 8, 64 and 512, with the routes that served it
 // counted: the decode layer (its tensor-core kernels' kFp form) must serve T = 1 and 8 (one hit, no
 // tile-route hit), and T = 64 and 512 (512 and 4096 sorted rows) must run gate, up and down on the
-// expert tile route (at least three hits; a silent fallback to simt counts none). T <= 64 against float64 (the table's layer
-// check); T = 512 against the same layer with the tile route switched off (simt), within the
-// route-agreement bound.
+// expert tile route (at least three hits; a silent fallback counts none). T <= 64 against float64
+// (the table's layer check); T = 512 against the same layer with the expert tile route switched off
+// (its GEMMs then on rhs_tiles' 16-row tiles, without the plan), within the route-agreement bound.
 TEST(GpuQuantModes, Mxfp4Gemma4LayerTakesTheTileRouteAtPrefillSizes) {
   EXPERTQMM_REQUIRE_GPU();
   test::MoeGeometry g{2816, 704, 16, 8, 4, 32, 8, false, Activation::geglu, DType::bf16};
@@ -134,11 +136,12 @@ TEST(GpuQuantModes, Mxfp4Gemma4LayerTakesTheTileRouteAtPrefillSizes) {
                           << diagnostics::format(diagnostics::snapshot());
   const RouteSwitch saved = expert_tiles_setting();
   set_expert_tiles(RouteSwitch::off);
-  Workspace ws_simt;
-  const Tensor simt = test::run_layer(h, x, l.gpu, ws_simt);
+  Workspace ws_generic;
+  const Tensor generic = test::run_layer(h, x, l.gpu, ws_generic);
   cuda_check();
   set_expert_tiles(saved);
-  EXPECT_LE(test::rel_error(test::to_float(got), test::to_float(simt)), test::kRouteAgreement) << "T=512 vs simt";
+  EXPECT_LE(test::rel_error(test::to_float(got), test::to_float(generic)), test::kRouteAgreement)
+      << "T=512 vs the expert tile route switched off";
 }
 
 // The tile route's fp decoding over every code: random E2M1 / E4M3 words (every element code but
