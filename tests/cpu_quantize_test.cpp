@@ -251,8 +251,28 @@ TEST(Quantize, FlavoursAgreeAwayFromTheirDifferences) {
   for (int bits : kAllBits) {
     QuantizedWeight a = quantize_with(w, bits, 64, Rounding::cpu);
     QuantizedWeight b = quantize_with(w, bits, 64, Rounding::gpu);
-    EXPECT_EQ(words(a.w), words(b.w)) << "bits=" << bits << " " << test::seed_note();
     EXPECT_EQ(test::to_float(a.scales), test::to_float(b.scales)) << "bits=" << bits;
+    // The codes agree except where (w - bias) / scale is an exact tie k + 0.5 (rint: to even; round:
+    // away from zero). With 8-bit codes near 128 only 16 fraction bits are left, so random data meets
+    // such a tie in about one run in 20: those elements (computed in fp32 as code_of does; f32 scales
+    // and biases are stored unrounded) are the only ones left out.
+    const std::vector<float> ca = test::to_float(dequantize(a.w, f32(std::vector<float>(a.scales.numel(), 1.0f), a.scales.shape()),
+                                                            f32(std::vector<float>(a.scales.numel(), 0.0f), a.scales.shape()), 64, bits));
+    const std::vector<float> cb = test::to_float(dequantize(b.w, f32(std::vector<float>(b.scales.numel(), 1.0f), b.scales.shape()),
+                                                            f32(std::vector<float>(b.scales.numel(), 0.0f), b.scales.shape()), 64, bits));
+    const std::vector<float> s = test::to_float(a.scales), bias = test::to_float(a.biases);
+    int ties = 0, differ = 0;
+    for (size_t i = 0; i < v.size(); ++i) {
+      const float x = (v[i] - bias[i / 64]) / s[i / 64];
+      if (x - std::floor(x) == 0.5f) {
+        ++ties;
+        continue;
+      }
+      if (ca[i] != cb[i] && differ++ < 3)
+        ADD_FAILURE() << "bits=" << bits << " element " << i << ": cpu code " << ca[i] << ", gpu code " << cb[i] << " "
+                      << test::seed_note();
+    }
+    EXPECT_EQ(differ, 0) << "bits=" << bits << " (" << ties << " exact ties left out)";
   }
 }
 

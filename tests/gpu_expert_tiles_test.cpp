@@ -176,6 +176,27 @@ TEST(SanitizeGpuExpertTiles, MisSortedInputIsRetractedOnTheDeviceWithoutHostSync
   cudaStreamDestroy(stream);
 }
 
+// The same fail-safe for MLX's fp modes (the kernels' kFp forms): mis-sorted ids under a sorted
+// promise run the generic algorithm over 16-row tiles on each kernel that takes the mode (mma.sync:
+// all three; wgmma: the 4-bit ones on compute capability 9.0), against simt.
+TEST(SanitizeGpuExpertTiles, FpModesMisSortedInputRunsTheGenericAlgorithm) {
+  EXPERTQMM_REQUIRE_GPU();
+  CountersGuard guard;
+  for (QuantMode mode : {QuantMode::mxfp4, QuantMode::mxfp8, QuantMode::nvfp4}) {
+    const QuantizedWeight q =
+        test::random_codes(16, 136, 256, quant_mode_bits(mode), quant_mode_group_size(mode), DType::bf16, mode);
+    std::vector<int32_t> ids = sorted_ids(200, 16);
+    std::swap(ids[10], ids[150]);
+    if (ids[10] == ids[150]) ids[10] = (ids[150] + 1) % 16;
+    const test::GatherCall c = test::rows_call(q, DType::bf16, ids, true);
+    const std::vector<float> simt = test::run_route(c, "simt");
+    std::vector<std::string> routes = {"expert_tiles_mma_sync"};
+    if (cuda::supports_expert_tiles_wgmma(c.problem()).ok) routes.push_back("expert_tiles_wgmma");
+    for (const std::string& r : routes)
+      EXPECT_LE(test::rel_error(test::run_route(c, r), simt), 1e-2) << r << " " << quant_mode_name(mode) << test::seed_note();
+  }
+}
+
 // Calls that never reach the selector count nothing; reset() zeroes; the invariant holds throughout.
 TEST(SanitizeGpuExpertTiles, CountersInvariantAndReset) {
   EXPERTQMM_REQUIRE_GPU();

@@ -2,7 +2,9 @@
 // through the test hook (tiles, gemv with and without its K split, simt), edge shapes (N and K off
 // the tile multiples, one expert, experts with no rows, unsorted ids under the sorted promise),
 // bf16 and f16, mlx-lm's [E, N, K] weight (passed swapped) and a plain [E, K, N] one, the
-// selector's choices and its counters, and expert ids out of range. Tolerance: docs/numerics.md.
+// selector's choices and its counters, and expert ids out of range; the dense linear built on it
+// (cuda/dense_linear.h) against the CPU's, each call on the route for its size. Tolerance:
+// docs/numerics.md.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -13,6 +15,7 @@
 #include "cuda/gather_mm.h"
 #include "expertqmm/diagnostics.h"
 #include "expertqmm/error.h"
+#include "expertqmm/gemma4.h"
 #include "expertqmm/ops.h"
 #include "support/test_util.h"
 
@@ -60,6 +63,13 @@ void expect_route_matches_cpu(const MmCall& c, const std::string& route, const s
   cuda::gather_mm_into_route(route, p, out.data(), nullptr);
   cuda_check();
   EXPECT_LE(test::rel_error(test::to_float(out), test::to_float(cpu)), kTolerance) << route << " " << what;
+}
+
+// The gather_mm row of the diagnostics (all zero when nothing was counted).
+RouteCounters gather_mm_counters() {
+  for (const RouteCounters& r : diagnostics::snapshot())
+    if (r.primitive == "gather_mm") return r;
+  return RouteCounters{};
 }
 
 std::string shape_note(DType dt, int64_t E, int64_t N, int64_t K, size_t n) {
@@ -176,6 +186,77 @@ TEST(GpuGatherMm, UnsortedRowsUnderTheSortedPromiseAreStillCorrectAndCounted) {
     return;
   }
   ADD_FAILURE() << "no gather_mm row in diagnostics::snapshot()";
+}
+
+// The dense linear (the public linear with a 16-bit or f32 weight; the router's projection at Gemma
+// 4's N = 128 and K = 2816, and a dense MLP width) against the CPU's, each call counted once under
+// gather_mm: bf16 and f16 hit the tile route above 64 rows; at and below, the tile route's miss is
+// `shape`, which leaves operands gemv takes (gemv's rule is the tile route's operands and <= 64
+// rows). simt takes the rest: f32 (miss `dtype`), bf16 x with an f32 weight (x widened to the f32
+// output; `dtype`), and a weight whose K is strided (a transposed [K, N] tensor; `topology`).
+TEST(GpuGatherMm, DenseLinearMatchesTheCpuOnTheRouteForItsSize) {
+  EXPERTQMM_REQUIRE_GPU();
+  const bool tiles_on = expert_tiles_setting() != RouteSwitch::off;
+  const int64_t K = 2816;
+  struct Case {
+    DType x, w;
+    int64_t T, N;
+    bool k_strided = false;
+  };
+  std::vector<Case> cases;
+  for (DType dt : {DType::bf16, DType::f16})
+    for (int64_t T : {1, 8, 64, 65, 300, 2048})
+      for (int64_t N : {128, 704})
+        if (T < 2048 || N == 128) cases.push_back({dt, dt, T, N});  // (a 2048 x 704 CPU reference takes seconds)
+  for (int64_t T : {8, 300}) cases.push_back({DType::f32, DType::f32, T, 128});
+  cases.push_back({DType::bf16, DType::f32, 65, 128});
+  cases.push_back({DType::bf16, DType::bf16, 300, 128, true});
+  for (const Case& c : cases) {
+    const std::string what = detail::cat(dtype_name(c.x), " x, ", dtype_name(c.w), c.k_strided ? " K-strided" : "",
+                                         " weight, T=", c.T, " N=", c.N, " K=", K);
+    Linear w, wd;
+    if (c.k_strided) {
+      const Tensor kn = test::random_tensor({K, c.N}, c.w, 0.05f);
+      w.dense = kn.swapaxes(0, 1);
+      wd.dense = kn.to(Device::cuda).swapaxes(0, 1);
+    } else {
+      w.dense = test::random_tensor({c.N, K}, c.w, 0.05f);
+      wd.dense = w.dense.to(Device::cuda);
+    }
+    const Tensor x = test::random_tensor({c.T, K}, c.x);
+    const Tensor expected = linear(x, w);
+    diagnostics::reset();
+    const Tensor got = linear(x.to(Device::cuda), wd);
+    cuda_check();
+    ASSERT_EQ(got.shape(), expected.shape()) << what;
+    ASSERT_EQ(got.dtype(), expected.dtype()) << what;
+    EXPECT_LE(test::rel_error(test::to_float(got), test::to_float(expected)), kTolerance) << what;
+    const RouteCounters mm = gather_mm_counters();
+    EXPECT_EQ(mm.attempts, 1u) << what;
+    const bool tensor_core_operands = c.x != DType::f32 && c.w == c.x && !c.k_strided;
+    EXPECT_EQ(mm.hits, tiles_on && tensor_core_operands && c.T > cuda::kGemvMaxRows ? 1u : 0u) << what;
+    if (!tiles_on) continue;
+    const Fallback miss = c.k_strided ? Fallback::topology : !tensor_core_operands ? Fallback::dtype : Fallback::shape;
+    if (!tensor_core_operands || c.T <= cuda::kGemvMaxRows)
+      EXPECT_EQ(mm.fallbacks[static_cast<int>(miss)], 1u) << what;
+  }
+}
+
+// The dense linear at sanitizer sizes, N and K off the tile multiples: gemv (5 rows), and the tile
+// route over row groups whose last group is short (100 and 300 rows of 16-row groups), bf16 and f32.
+TEST(SanitizeGpuGatherMm, DenseLinearOffTheTileMultiples) {
+  EXPERTQMM_REQUIRE_GPU();
+  for (DType dt : {DType::bf16, DType::f32})
+    for (int64_t T : {5, 100, 300}) {
+      Linear w, wd;
+      w.dense = test::random_tensor({40, 72}, dt, 0.1f);
+      wd.dense = w.dense.to(Device::cuda);
+      const Tensor x = test::random_tensor({T, 72}, dt);
+      const Tensor got = linear(x.to(Device::cuda), wd);
+      cuda_check();
+      EXPECT_LE(test::rel_error(test::to_float(got), test::to_float(linear(x, w))), kTolerance)
+          << dtype_name(dt) << " T=" << T;
+    }
 }
 
 TEST(SanitizeGpuGatherMm, OutOfRangeIdsAreReported) {

@@ -21,13 +21,20 @@ namespace expertqmm {
 namespace {
 
 // dense_bits: the dense MLP's bits (8: mlx-vlm's and the QAT uploads' 8-bit dense MLP; 4: mlx-lm's
-// default), which pick the decode gate/up kernel of the block's dense branch at T <= 8.
-Gemma4Config small_config(int dense_bits = 8) {
+// default), which pick the decode gate/up kernel of the block's dense branch at T <= 8; 0: a 16-bit
+// dense MLP (bf16 checkpoints), on the dense linear. router_bits: 8, or 0 for a 16-bit router.
+Gemma4Config small_config(int dense_bits = 8, int router_bits = 8) {
   Gemma4Config c = test::gemma4_config(256, 384, 128, 16, 4, 1);
   for (const char* m : {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"})
-    c.overrides[std::string("model.layers.0.") + m] = {dense_bits, 64};
-  c.overrides["model.layers.0.router.proj"] = {8, 64};
+    c.overrides[std::string("model.layers.0.") + m] = {dense_bits, dense_bits ? 64 : 0};
+  c.overrides["model.layers.0.router.proj"] = {router_bits, router_bits ? 64 : 0};
   return c;
+}
+
+RouteCounters gather_mm_counters() {
+  for (const RouteCounters& r : diagnostics::snapshot())
+    if (r.primitive == "gather_mm") return r;
+  return RouteCounters{};
 }
 
 // The CPU and GPU routers work on bf16 logits with different summation orders, so a token whose
@@ -38,7 +45,7 @@ Gemma4Config small_config(int dense_bits = 8) {
 TEST(GpuGemma4Ffn, MatchesTheCpuReferenceInBothProductModes) {
   EXPERTQMM_REQUIRE_GPU();
   const ProductMode saved = product_mode();
-  for (int dense_bits : {8, 4}) {
+  for (int dense_bits : {8, 4, 0}) {
     const Gemma4FfnWeights cpu_w = synthetic_gemma4_layer(small_config(dense_bits), 0, 11);
     const Gemma4FfnWeights gpu_w = cpu_w.to(Device::cuda);
     for (ProductMode mode : {ProductMode::fused, ProductMode::separate}) {
@@ -48,7 +55,13 @@ TEST(GpuGemma4Ffn, MatchesTheCpuReferenceInBothProductModes) {
                                              " dense MLP ", dense_bits, "-bit");
         const Tensor h = test::random_tensor({T, 256}, DType::bf16, 1.0f);
         const Tensor expected = gemma4_ffn(h, cpu_w);
+        diagnostics::reset();
         const Tensor got = gemma4_ffn(h.to(Device::cuda), gpu_w);
+        // A 16-bit dense MLP is three dense linears (gather_mm calls, on the tile route above 64
+        // rows); the experts and the router are quantized.
+        const RouteCounters mm = gather_mm_counters();
+        EXPECT_EQ(mm.attempts, dense_bits ? 0u : 3u) << what;
+        EXPECT_EQ(mm.hits, !dense_bits && T > 64 && expert_tiles_setting() != RouteSwitch::off ? 3u : 0u) << what;
         // Which tokens did the two routers send to the same experts?
         test::expect_close_where_routed_alike(expected, got, test::to_i32(route(h, cpu_w.moe.router).indices),
                                               test::to_i32(route(h.to(Device::cuda), gpu_w.moe.router).indices),
@@ -80,7 +93,6 @@ TEST(GpuGemma4Ffn, ElementwiseOpsMatchTheCpu) {
 TEST(GpuGemma4Ffn, OneLayerCapturedInACudaGraphReplaysTheSameOutput) {
   EXPERTQMM_REQUIRE_GPU();
 #ifdef EXPERTQMM_HAVE_CUDA
-  const Gemma4FfnWeights w = synthetic_gemma4_layer(small_config(), 0, 5).to(Device::cuda);
   // The dense MLP and the experts are two parallel paths: the entry norms fan out to both, and the
   // exit waits for both. (The edges are read with their data: a graph whose edges are not all plain
   // full dependencies, e.g. programmatic ones, refuses a query without it as lossy.)
@@ -99,9 +111,14 @@ TEST(GpuGemma4Ffn, OneLayerCapturedInACudaGraphReplaysTheSameOutput) {
     EXPECT_GE(fan_in, 2u) << what << ": the exit should wait for both branches";
   };
   // Warm at the larger size; the smaller one must not grow anything. At least 7 nodes: entry norms;
-  // dense gate/up (+ GLU) and down; router, gate/up and down of the experts; exit.
-  test::expect_block_capture_replays([&](Tensor& out, const Tensor& h, Workspace& ws) { gemma4_ffn_into(out, h, w, ws); },
-                                     256, {100, 6}, 6, two_branches);
+  // dense gate/up (+ GLU) and down; router, gate/up and down of the experts; exit. Both with 8-bit
+  // and with 16-bit dense MLP and router (the dense linear: memset or id kernel, tile plan, GEMM).
+  for (int bits : {8, 0}) {
+    const Gemma4FfnWeights w = synthetic_gemma4_layer(small_config(bits, bits), 0, 5).to(Device::cuda);
+    test::expect_block_capture_replays(
+        [&](Tensor& out, const Tensor& h, Workspace& ws) { gemma4_ffn_into(out, h, w, ws); }, 256, {100, 6}, 6,
+        two_branches);
+  }
 #endif
 }
 

@@ -2,7 +2,8 @@
 // moe_layer_into against float64 over experts, top-k, token counts and product modes): the
 // properties the benchmark relies on (a warmed-up call is capturable in a CUDA graph, with no host
 // sync and no allocation, and replays to the same output; the workspace stops growing), the fused
-// combine against the deterministic path, zero tokens, and out-of-range expert ids.
+// combine against the deterministic path, zero tokens, out-of-range expert ids, and a Gemma 4 layer
+// whose router projection is 16-bit.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -103,6 +104,35 @@ TEST(GpuMoe, MoeLayerIntoCapturedInACudaGraphReplaysTheSameOutput) {
     test::expect_replays_match(graph, stream.get(), replayed, expected, 2, what);
   }
 #endif
+}
+
+// A Gemma 4 layer with a bf16 router projection [128, 2816] (torch state dicts, bf16 checkpoints)
+// at T = 512 against the CPU: the projection is one gather_mm call on the tile route (the experts
+// are quantized, so it is the only gather_mm call). Experts 64 wide keep the CPU reference quick.
+TEST(GpuMoe, GemmaLayerWithA16BitRouterMatchesTheCpu) {
+  EXPERTQMM_REQUIRE_GPU();
+  test::MoeGeometry g;
+  g.H = 2816;
+  g.I = 64;
+  g.E = 128;
+  g.k = 8;
+  g.router_bits = 0;
+  const test::Layer l = test::make_layer(g);
+  ASSERT_TRUE(l.gpu.router.proj_dense.defined() && l.gpu.router.proj_dense.dtype() == DType::bf16);
+  const int64_t T = 512;
+  const Tensor h = test::random_tensor({T, g.H}, DType::bf16, 1.0f);
+  const Tensor hd = h.to(Device::cuda);
+  const Tensor expected = moe_layer(h, l.cpu);
+  diagnostics::reset();
+  const Tensor got = moe_layer(hd, l.gpu);
+  cuda_check();
+  uint64_t attempts = 0, hits = 0;
+  for (const RouteCounters& r : diagnostics::snapshot())
+    if (r.primitive == "gather_mm") attempts = r.attempts, hits = r.hits;
+  EXPECT_EQ(attempts, 1u);
+  EXPECT_EQ(hits, expert_tiles_setting() == RouteSwitch::off ? 0u : 1u);
+  test::expect_close_where_routed_alike(expected, got, test::to_i32(route(h, l.cpu.router).indices),
+                                        test::to_i32(route(hd, l.gpu.router).indices), g.k, "bf16 router T=512");
 }
 
 TEST(GpuMoe, WarmWorkspaceDoesNotGrowAtEqualOrSmallerSizes) {

@@ -189,7 +189,8 @@ def run_tokens(T, replays, ceilings):
         del gate, up
         copies = [(gate_up, down)] + [(gate_up.clone(), down.clone()) for _ in range(WEIGHT_COPIES - 1)]
         runs["torch bf16 _grouped_mm"] = [
-            torch_grouped.layer_fn(x, idx, wts, gu.transpose(-2, -1), dn.transpose(-2, -1), p["experts"], p["top_k"])
+            torch_grouped.layer_fn(x, idx, wts, gu.transpose(-2, -1), dn.transpose(-2, -1), p["experts"], p["top_k"],
+                                 torch_grouped.ACTIVATIONS["geglu"])
             for gu, dn in copies]
     rows = []
     for peer, fns in runs.items():

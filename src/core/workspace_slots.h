@@ -1,6 +1,6 @@
 // The slots of a Workspace (include/expertqmm/moe.h), in one place: which code owns each. A slot
 // is one grow-only device buffer; code that owns a slot carves it with an arena (ArenaLayout) when
-// it needs several pieces. Slots 2-11 are free.
+// it needs several pieces. Slots 3-11 are free.
 #pragma once
 
 namespace expertqmm::detail {
@@ -10,6 +10,8 @@ enum WorkspaceSlot : int {
   // plan (header + tiles) and rhs_tiles' split-K fp32 slices (at most 4 MB).
   kSlotTilePlan = 0,
   kSlotSplitK = 1,
+  // dense_linear_into (cuda/dense_linear.h): its expert ids, tile plan and dtype casts.
+  kSlotDenseLinear = 2,
   // Device counters that kernels leave zero once done (Workspace::get_zeroed): the decode layer's
   // count of finished router CTAs. One per workspace, so that layers on other workspaces (other
   // threads and streams) never share one.

@@ -24,6 +24,7 @@ RouteSupport supports_mm_operands(const detail::GatherMmProblem& p);
 
 // --- tiles: sorted rows over the expert tile plan (gather_mm_tiles.cu) ---------------------------
 constexpr int64_t kGemvMaxRows = 64;  // rows (B * M) the GEMV route takes; the tile route starts above
+constexpr int kMmTileCols = 128;      // columns of one tile-route CTA (its grid is ceil(N / 128) wide)
 RouteSupport supports_mm_tiles(const detail::GatherMmProblem& p);
 void call_mm_tiles(const detail::GatherMmProblem& p, void* out, Workspace* ws);
 

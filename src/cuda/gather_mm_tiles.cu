@@ -68,7 +68,7 @@ struct MmTileArgs {
   bool paired_store;  // N even and out 4-byte aligned: two outputs per 32-bit store
 };
 
-constexpr int kBN = 128, kBK = 64, kWarps = 4, kThreads = 32 * kWarps, kStages = 3;
+constexpr int kBN = kMmTileCols, kBK = 64, kWarps = 4, kThreads = 32 * kWarps, kStages = 3;
 constexpr int kWarpN = kBN / kWarps;  // 32 columns per warp
 constexpr int kN8 = kWarpN / 8;       // 4 n8 tiles per warp
 constexpr int kChunks = kBK / 8;      // 16-byte chunks per row per k tile

@@ -30,8 +30,8 @@ const GatherQmmRoute kTestRoutes[] = {
     {"expert_tiles_mma_sync", supports_expert_tiles, call_expert_tiles_mma_sync},
     {"expert_tiles_wgmma", supports_expert_tiles_wgmma, call_expert_tiles_wgmma},
     {"rhs_tiles_bm16", supports_rhs_tiles, call_rhs_tiles_bm16},
-    {"rhs_tiles_bm32", supports_rhs_tiles, call_rhs_tiles_bm32},
-    {"rhs_tiles_bm64", supports_rhs_tiles, call_rhs_tiles_bm64},
+    {"rhs_tiles_bm32", supports_rhs_tiles_tall, call_rhs_tiles_bm32},
+    {"rhs_tiles_bm64", supports_rhs_tiles_tall, call_rhs_tiles_bm64},
 };
 
 // The problem arrives validated by make_gather_qmm_problem; this checks what the CUDA routes rely on.

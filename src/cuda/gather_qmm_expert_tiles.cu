@@ -69,7 +69,9 @@ constexpr int expert_tiles_smem() {
 // (the rhs_tiles algorithm), so any order of ids still gives the right answer.
 //   tiles   (max_tiles,) ExpertTile {expert, row_begin, rows <= 64, bm}, the first header->tile_count valid
 //   header  the builder's verdict (written by the previous kernel on the stream)
-template <class T, int kBits>
+// kFp: MLX's fp modes (E2M1 / E4M3 codes, bf16; device::tile_gemm's kFp), one kernel per code width
+// for every mode of that width (nvfp4's E4M3 scales and group 16 are read at run time).
+template <class T, int kBits, bool kFp>
 __global__ void __launch_bounds__(ExpertTiles64::THREADS)
     expert_tiles_kernel(TileArgs a, const ExpertTile* __restrict__ tiles, const TilePlanHeader* __restrict__ header,
                         unsigned long long* retractions) {
@@ -84,15 +86,15 @@ __global__ void __launch_bounds__(ExpertTiles64::THREADS)
         // A 128-row tile (the wgmma kernel's full width) runs as two 64-row halves.
         for (int half = 0; half < tile.rows; half += ExpertTiles64::BM) {
           const int rows = min(ExpertTiles64::BM, tile.rows - half);
-          device::tile_gemm<ExpertTiles64, T, kBits>(a, tile.expert, tile.row_begin + half, rows, 0, rows, blockIdx.x,
+          device::tile_gemm<ExpertTiles64, T, kBits, false, kFp>(a, tile.expert, tile.row_begin + half, rows, 0, rows, blockIdx.x,
                                                      smem);
         }
       }
       else if (tile.bm == ExpertTiles32::BM)
-        device::tile_gemm<ExpertTiles32, T, kBits>(a, tile.expert, tile.row_begin, tile.rows, 0, tile.rows,
+        device::tile_gemm<ExpertTiles32, T, kBits, false, kFp>(a, tile.expert, tile.row_begin, tile.rows, 0, tile.rows,
                                                    blockIdx.x, smem);
       else
-        device::tile_gemm<ExpertTiles16, T, kBits>(a, tile.expert, tile.row_begin, tile.rows, 0, tile.rows,
+        device::tile_gemm<ExpertTiles16, T, kBits, false, kFp>(a, tile.expert, tile.row_begin, tile.rows, 0, tile.rows,
                                                    blockIdx.x, smem);
     }
     return;
@@ -101,16 +103,16 @@ __global__ void __launch_bounds__(ExpertTiles64::THREADS)
   __shared__ int tile_expert[ExpertTiles16::BM];
   const int64_t row_tiles = (a.rows + ExpertTiles16::BM - 1) / ExpertTiles16::BM;
   for (int64_t tile = blockIdx.y; tile < row_tiles; tile += gridDim.y)
-    device::tile_gemm_runs<ExpertTiles16, T, kBits>(a, tile, blockIdx.x, smem, tile_expert);
+    device::tile_gemm_runs<ExpertTiles16, T, kBits, false, kFp>(a, tile, blockIdx.x, smem, tile_expert);
 }
 
-template <class T, int kBits>
+template <class T, int kBits, bool kFp>
 void launch_expert_tiles(const TileArgs& args, const ExpertTile* tiles, const TilePlanHeader* header,
                          int64_t tile_slots) {
   constexpr int kSmem = expert_tiles_smem<kBits>();
   static const bool smem_configured = [] {
     if (kSmem > 48 * 1024)
-      EXPERTQMM_CUDA_CHECK(cudaFuncSetAttribute(expert_tiles_kernel<T, kBits>,
+      EXPERTQMM_CUDA_CHECK(cudaFuncSetAttribute(expert_tiles_kernel<T, kBits, kFp>,
                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
     return true;
   }();
@@ -118,7 +120,7 @@ void launch_expert_tiles(const TileArgs& args, const ExpertTile* tiles, const Ti
   // Enough CTAs in y for every plan tile, and for the 16-row tiles of the retracted path.
   const int64_t slots = std::max<int64_t>(tile_slots, (args.rows + 15) / 16);
   const dim3 grid(ceil_div(args.N, ExpertTiles64::BN), static_cast<unsigned>(std::min<int64_t>(slots, 65535)));
-  expert_tiles_kernel<T, kBits>
+  expert_tiles_kernel<T, kBits, kFp>
       <<<grid, ExpertTiles64::THREADS, kSmem, current_stream()>>>(args, tiles, header, retraction_counter(detail::Primitive::gather_qmm));
   EXPERTQMM_CUDA_CHECK_LAUNCH("expert_tiles_kernel");
 }
@@ -126,13 +128,16 @@ void launch_expert_tiles(const TileArgs& args, const ExpertTile* tiles, const Ti
 struct ExpertTilesVariant {
   DType dtype;
   int bits;
+  bool fp;  // an fp mode's codes (mxfp4 / nvfp4: 4-bit, mxfp8: 8-bit)
   void (*launch)(const TileArgs&, const ExpertTile*, const TilePlanHeader*, int64_t);
 };
 const ExpertTilesVariant kExpertTilesVariants[] = {
-    {DType::bf16, 4, launch_expert_tiles<__nv_bfloat16, 4>},
-    {DType::bf16, 8, launch_expert_tiles<__nv_bfloat16, 8>},
-    {DType::f16, 4, launch_expert_tiles<__half, 4>},
-    {DType::f16, 8, launch_expert_tiles<__half, 8>},
+    {DType::bf16, 4, false, launch_expert_tiles<__nv_bfloat16, 4, false>},
+    {DType::bf16, 8, false, launch_expert_tiles<__nv_bfloat16, 8, false>},
+    {DType::f16, 4, false, launch_expert_tiles<__half, 4, false>},
+    {DType::f16, 8, false, launch_expert_tiles<__half, 8, false>},
+    {DType::bf16, 4, true, launch_expert_tiles<__nv_bfloat16, 4, true>},
+    {DType::bf16, 8, true, launch_expert_tiles<__nv_bfloat16, 8, true>},
 };
 
 }  // namespace
@@ -169,7 +174,7 @@ void run_expert_tiles(const detail::GatherQmmProblem& p, void* out, Workspace* w
     kernel = wgmma_tiles_fit(p) && is_aligned(out, 16) ? TileKernel::wgmma : TileKernel::mma_sync;
   const ExpertTilesVariant* variant = nullptr;
   for (const ExpertTilesVariant& v : kExpertTilesVariants)
-    if (v.dtype == p.dtype && v.bits == p.bits) variant = &v;
+    if (v.dtype == p.dtype && v.bits == p.bits && v.fp == (p.mode != QuantMode::affine)) variant = &v;
   EXPERTQMM_CHECK(variant != nullptr, "gather_qmm", "expert_tiles has no kernel for ", p.describe());
   Tensor temp;
   const void* plan = p.tile_plan;
@@ -189,7 +194,8 @@ void run_expert_tiles(const detail::GatherQmmProblem& p, void* out, Workspace* w
     args.tile = make_tile_args(p, out);
     args.retractions = retraction_counter(detail::Primitive::gather_qmm);
     args.calls = 1;
-    launch_expert_tiles_wgmma(args, WgmmaForm::plain, p.dtype, v.tiles, v.header, v.tile_slots);
+    launch_expert_tiles_wgmma(args, WgmmaForm::plain, p.dtype, v.tiles, v.header, v.tile_slots,
+                              p.mode != QuantMode::affine);
   } else {
     variant->launch(make_tile_args(p, out), v.tiles, v.header, v.tile_slots);
   }
@@ -215,8 +221,10 @@ void call_expert_tiles_wgmma(const detail::GatherQmmProblem& p, void* out, Works
 }
 
 bool gate_up_glu_fits(const detail::GatherQmmProblem& gate, const detail::GatherQmmProblem& up) {
+  // The fused forms are built for affine codes only (the fp modes' wgmma kernel is the plain form).
   const bool same = gate.N == up.N && gate.K == up.K && gate.w_batch == up.w_batch && gate.bits == up.bits &&
-                    gate.group_size == up.group_size && gate.dtype == up.dtype && gate.B == up.B;
+                    gate.group_size == up.group_size && gate.dtype == up.dtype && gate.B == up.B &&
+                    gate.mode == QuantMode::affine && up.mode == QuantMode::affine;
   return same && wgmma_tiles_fit(gate) && wgmma_tiles_fit(up);
 }
 
@@ -235,7 +243,9 @@ void launch_gate_up_glu(const detail::GatherQmmProblem& gate, const detail::Gath
                             v.header, v.tile_slots);
 }
 
-bool down_combine_fits(const detail::GatherQmmProblem& down) { return wgmma_tiles_fit(down); }
+bool down_combine_fits(const detail::GatherQmmProblem& down) {
+  return down.mode == QuantMode::affine && wgmma_tiles_fit(down);  // the combine form is affine only
+}
 
 void launch_down_combine(const detail::GatherQmmProblem& down, const int32_t* slot_of_row, const void* weights,
                          int top_k, float* acc) {

@@ -19,8 +19,11 @@
 //          fusion ladder, step 2) and x is read once for both.
 //
 // Requirements (wgmma_tiles_fit, plus the caller's 16-byte aligned out for the 16-byte epilogue
-// stores): 4-bit codes, group size 64 or 128 (one group per k tile), K % 64 == 0, N % 8 == 0, and
-// everything supports_tile_operands checks.
+// stores): 4-bit affine codes, group size 64 or 128 (one group per k tile), or mxfp4 / nvfp4 under
+// bf16 in the plain form (kFp: E2M1 decoded as tile_gemm's kFp, the k tile's 2 or 4 scale codes
+// staged as one word, make_tile_args' view), K % 64 == 0, N % 8 == 0, and everything
+// supports_tile_operands checks. mxfp8's 8-bit codes do not fit the 4-bit weight staging: the
+// mma.sync kernel takes them.
 //
 // Three builds per form: n128 (the plan's full 128-row tiles in one wgmma width, n96 for those of
 // at most 96 rows), n64 and n32 (taller tiles as pieces of 64 or 32 rows; fewer accumulators, less
@@ -115,7 +118,7 @@ struct Layout {
 // 64q + 16(w % 4) + g and + 8 (the A fragment rows) from two 16-byte shared loads each per k tile,
 // 16 values per row: 4 wgmma A fragments, one per k16 step; then the warpgroup issues its 4
 // wgmmas (64 x kTokens x 16) as one group and waits for it before the next k tile (see the loop).
-template <class T, int kTokens, WgmmaForm kForm, class L>
+template <class T, int kTokens, WgmmaForm kForm, class L, bool kFp>
 __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, int64_t row0, int load_rows,
                                            int store_begin, int store_end, int col_block, unsigned char* smem) {
   constexpr bool kGlu = is_glu(kForm);
@@ -169,8 +172,8 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
   const unsigned w_dst = L::kXBytes + (w_row * kWordsPerRow + (L::w_chunk(w_row, w_chunk) << 2)) * 4;
   const int param_row = tid & (kCtaRows - 1);
   const int param_n = weight_row(param_row);
-  const bool param_valid = param_n < a.N;
   const bool is_bias = tid >= kCtaRows;
+  const bool param_valid = param_n < a.N && !(kFp && is_bias);  // kFp: scale codes only
   const uint16_t* param_base = weight_set(param_row) ? (is_bias ? p.up.biases : p.up.scales)
                                                      : (is_bias ? a.q.biases : a.q.scales);
   const uint16_t* param_src =
@@ -188,9 +191,11 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
     device::cp_async_16(stage + w_dst, w_src + kt * kWordsPerRow, w_valid);
     // The group element el sits in the aligned word at el & ~1: el odd -> read both halves; el even
     // -> its 2 bytes only (the next element may lie past the end of the tensor).
+    // kFp, nvfp4: the k tile's 4 codes are the whole (aligned) word.
     const uint16_t* el = param_src + ((kt * kBK) >> a.q.group_shift);
     const int odd = static_cast<int>((reinterpret_cast<uintptr_t>(el) >> 1) & 1);
-    if (param_valid) device::cp_async_4(stage + param_dst, el - odd, odd ? 4 : 2);
+    const bool whole_word = odd || (kFp && a.q.group_shift == 5);
+    if (param_valid) device::cp_async_4(stage + param_dst, el - odd, whole_word ? 4 : 2);
     else device::cp_async_4(stage + param_dst, param_src, 0);
   };
 
@@ -199,7 +204,9 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
   const int m_lo = (warp >> 2) * 64 + (warp & 3) * 16 + g;  // smem weight rows of this lane
   const int m_hi = m_lo + 8;
   using Dequant = device::PackedDequant<T>;
-  const uint32_t selector = Dequant::nibble_selector(t);
+  const uint32_t selector = Dequant::nibble_selector(t);  // FpDequantBf16's for bf16 too
+  static_assert(!kFp || std::is_same<T, __nv_bfloat16>::value, "the fp modes decode to bf16");
+  const bool e4m3_scales = a.q.fp_mode == static_cast<int>(QuantMode::nvfp4);  // kFp: 4 codes per word
   // Half of the staged scale/bias word holding the group: the row's first element's parity
   // (4-byte aligned tensors) flipped by the group index's parity.
   auto row_parity = [&](int r) {
@@ -243,6 +250,12 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
     const bool high_lo = (parity_lo ^ tile_parity) != 0, high_hi = (parity_hi ^ tile_parity) != 0;
     const uint32_t s_lo = device::broadcast_half(ss[m_lo], high_lo), b_lo = device::broadcast_half(bs[m_lo], high_lo);
     const uint32_t s_hi = device::broadcast_half(ss[m_hi], high_hi), b_hi = device::broadcast_half(bs[m_hi], high_hi);
+    // kFp: the rows' scale codes of this k tile, byte s for k16 step s (tile_gemm's col_codes).
+    uint32_t codes_lo = 0, codes_hi = 0;
+    if constexpr (kFp) {
+      codes_lo = e4m3_scales ? ss[m_lo] : __byte_perm(ss[m_lo], 0u, high_lo ? 0x3322u : 0x1100u);
+      codes_hi = e4m3_scales ? ss[m_hi] : __byte_perm(ss[m_hi], 0u, high_hi ? 0x3322u : 0x1100u);
+    }
     // Row words: word i holds k = 8i .. 8i + 7; chunk 0 = words 0-3, chunk 1 = words 4-7.
     auto chunk_of = [&](int m, int c) {
       return *reinterpret_cast<const uint4*>(ws + m * kWordsPerRow + (L::w_chunk(m, c) << 2));
@@ -254,6 +267,16 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
     uint32_t afrag[4][4];  // k16 step s: k = 16s + 2t, +1 from word 2s and 16s + 8 + 2t, +1 from word 2s + 1
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
+      if constexpr (kFp) {
+        using Fp = device::FpDequantBf16;
+        const uint32_t sl = Fp::scale_pair((codes_lo >> (8 * s)) & 0xFFu, e4m3_scales);
+        const uint32_t sh = Fp::scale_pair((codes_hi >> (8 * s)) & 0xFFu, e4m3_scales);
+        afrag[s][0] = Fp::e2m1(lo[2 * s], selector, sl);
+        afrag[s][1] = Fp::e2m1(hi[2 * s], selector, sh);
+        afrag[s][2] = Fp::e2m1(lo[2 * s + 1], selector, sl);
+        afrag[s][3] = Fp::e2m1(hi[2 * s + 1], selector, sh);
+        continue;
+      }
       afrag[s][0] = Dequant::nibbles(lo[2 * s], selector, s_lo, b_lo);
       afrag[s][1] = Dequant::nibbles(hi[2 * s], selector, s_hi, b_hi);
       afrag[s][2] = Dequant::nibbles(lo[2 * s + 1], selector, s_lo, b_lo);
@@ -337,7 +360,8 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
 // with the wgmma width of the tile's class (n16 / n32 / n64 / n128). With a retracted plan the same CTAs
 // stride over the 16-row tiles of all rows and run each maximal run of equal ids as one n16 tile
 // (the rhs_tiles algorithm), so any order of ids still gives the right answer.
-template <class T, WgmmaForm kForm, int kMaxTokens>
+// kFp: MLX's mxfp4 / nvfp4 codes (bf16, plain form; wgmma_tile's kFp).
+template <class T, WgmmaForm kForm, int kMaxTokens, bool kFp>
 __global__ void __launch_bounds__(kThreads, PipelineDepth<kMaxTokens>::kCtasPerSm)
     expert_tiles_wgmma_kernel(WgmmaTileArgs p, const ExpertTile* __restrict__ tiles,
                               const TilePlanHeader* __restrict__ header) {
@@ -360,31 +384,31 @@ __global__ void __launch_bounds__(kThreads, PipelineDepth<kMaxTokens>::kCtasPerS
       // its weights (bench/NOTES.md step 7g).
       if constexpr (kMaxTokens == 128) {
         if (tile.bm == 128 && tile.rows <= 96) {
-          wgmma_tile<T, 96, kForm, L>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
+          wgmma_tile<T, 96, kForm, L, kFp>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
           continue;
         }
       }
       if (tile.bm >= kMaxTokens) {  // the widest wgmma; a taller tile runs as pieces of kMaxTokens rows
         for (int piece = 0; piece < tile.rows; piece += kMaxTokens) {
           const int rows = min(kMaxTokens, tile.rows - piece);
-          wgmma_tile<T, kMaxTokens, kForm, L>(p, tile.expert, tile.row_begin + piece, rows, 0, rows, blockIdx.x, smem);
+          wgmma_tile<T, kMaxTokens, kForm, L, kFp>(p, tile.expert, tile.row_begin + piece, rows, 0, rows, blockIdx.x, smem);
         }
         continue;
       }
       // Narrower tile classes (16, 32, 64) below the build's width.
       if constexpr (kMaxTokens > 64) {
         if (tile.bm == 64) {
-          wgmma_tile<T, 64, kForm, L>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
+          wgmma_tile<T, 64, kForm, L, kFp>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
           continue;
         }
       }
       if constexpr (kMaxTokens > 32) {
         if (tile.bm == 32) {
-          wgmma_tile<T, 32, kForm, L>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
+          wgmma_tile<T, 32, kForm, L, kFp>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
           continue;
         }
       }
-      wgmma_tile<T, 16, kForm, L>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
+      wgmma_tile<T, 16, kForm, L, kFp>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
     }
     return;
   }
@@ -393,7 +417,7 @@ __global__ void __launch_bounds__(kThreads, PipelineDepth<kMaxTokens>::kCtasPerS
   for (int64_t tile = blockIdx.y; tile < row_tiles; tile += gridDim.y)
     device::for_each_expert_run<16>(p.tile, tile, tile_expert, [&](int expert, int64_t row0, int load_rows, int begin,
                                                                    int end) {
-      wgmma_tile<T, 16, kForm, L>(p, expert, row0, load_rows, begin, end, blockIdx.x, smem);
+      wgmma_tile<T, 16, kForm, L, kFp>(p, expert, row0, load_rows, begin, end, blockIdx.x, smem);
     });
 #else
   // Compiled for an architecture without wgmma: never selected (wgmma_available), so never run.
@@ -404,12 +428,12 @@ __global__ void __launch_bounds__(kThreads, PipelineDepth<kMaxTokens>::kCtasPerS
 #endif
 }
 
-template <class T, WgmmaForm kForm, int kMaxTokens>
+template <class T, WgmmaForm kForm, int kMaxTokens, bool kFp = false>
 void launch_variant(const WgmmaTileArgs& p, const ExpertTile* tiles, const TilePlanHeader* header,
                     int64_t tile_slots) {
   constexpr int kSmem = Layout<kMaxTokens>::kAllocBytes;
   static const bool smem_configured = [] {
-    EXPERTQMM_CUDA_CHECK(cudaFuncSetAttribute(expert_tiles_wgmma_kernel<T, kForm, kMaxTokens>,
+    EXPERTQMM_CUDA_CHECK(cudaFuncSetAttribute(expert_tiles_wgmma_kernel<T, kForm, kMaxTokens, kFp>,
                                               cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
     return true;
   }();
@@ -419,7 +443,7 @@ void launch_variant(const WgmmaTileArgs& p, const ExpertTile* tiles, const TileP
   const int cols_per_cta = kGlu ? 64 : kCtaRows;
   const dim3 grid(static_cast<unsigned>(ceil_div(p.tile.N, cols_per_cta)),
                   static_cast<unsigned>(std::min<int64_t>(slots, 65535)));
-  expert_tiles_wgmma_kernel<T, kForm, kMaxTokens><<<grid, kThreads, kSmem, current_stream()>>>(p, tiles, header);
+  expert_tiles_wgmma_kernel<T, kForm, kMaxTokens, kFp><<<grid, kThreads, kSmem, current_stream()>>>(p, tiles, header);
   EXPERTQMM_CUDA_CHECK_LAUNCH("expert_tiles_wgmma_kernel");
 }
 
@@ -429,33 +453,37 @@ struct WgmmaVariant {
   DType dtype;
   WgmmaForm form;
   int max_tokens;
+  bool fp;  // mxfp4 / nvfp4 codes (bf16, plain form only: the layer's fusions stay affine)
   void (*launch)(const WgmmaTileArgs&, const ExpertTile*, const TilePlanHeader*, int64_t);
 };
 const WgmmaVariant kVariants[] = {
-    {DType::bf16, WgmmaForm::plain, 128, launch_variant<__nv_bfloat16, WgmmaForm::plain, 128>},
-    {DType::bf16, WgmmaForm::geglu, 128, launch_variant<__nv_bfloat16, WgmmaForm::geglu, 128>},
-    {DType::bf16, WgmmaForm::swiglu, 128, launch_variant<__nv_bfloat16, WgmmaForm::swiglu, 128>},
-    {DType::bf16, WgmmaForm::combine, 128, launch_variant<__nv_bfloat16, WgmmaForm::combine, 128>},
-    {DType::f16, WgmmaForm::plain, 128, launch_variant<__half, WgmmaForm::plain, 128>},
-    {DType::f16, WgmmaForm::geglu, 128, launch_variant<__half, WgmmaForm::geglu, 128>},
-    {DType::f16, WgmmaForm::swiglu, 128, launch_variant<__half, WgmmaForm::swiglu, 128>},
-    {DType::f16, WgmmaForm::combine, 128, launch_variant<__half, WgmmaForm::combine, 128>},
-    {DType::bf16, WgmmaForm::plain, 64, launch_variant<__nv_bfloat16, WgmmaForm::plain, 64>},
-    {DType::bf16, WgmmaForm::geglu, 64, launch_variant<__nv_bfloat16, WgmmaForm::geglu, 64>},
-    {DType::bf16, WgmmaForm::swiglu, 64, launch_variant<__nv_bfloat16, WgmmaForm::swiglu, 64>},
-    {DType::bf16, WgmmaForm::combine, 64, launch_variant<__nv_bfloat16, WgmmaForm::combine, 64>},
-    {DType::f16, WgmmaForm::plain, 64, launch_variant<__half, WgmmaForm::plain, 64>},
-    {DType::f16, WgmmaForm::geglu, 64, launch_variant<__half, WgmmaForm::geglu, 64>},
-    {DType::f16, WgmmaForm::swiglu, 64, launch_variant<__half, WgmmaForm::swiglu, 64>},
-    {DType::f16, WgmmaForm::combine, 64, launch_variant<__half, WgmmaForm::combine, 64>},
-    {DType::bf16, WgmmaForm::plain, 32, launch_variant<__nv_bfloat16, WgmmaForm::plain, 32>},
-    {DType::bf16, WgmmaForm::geglu, 32, launch_variant<__nv_bfloat16, WgmmaForm::geglu, 32>},
-    {DType::bf16, WgmmaForm::swiglu, 32, launch_variant<__nv_bfloat16, WgmmaForm::swiglu, 32>},
-    {DType::bf16, WgmmaForm::combine, 32, launch_variant<__nv_bfloat16, WgmmaForm::combine, 32>},
-    {DType::f16, WgmmaForm::plain, 32, launch_variant<__half, WgmmaForm::plain, 32>},
-    {DType::f16, WgmmaForm::geglu, 32, launch_variant<__half, WgmmaForm::geglu, 32>},
-    {DType::f16, WgmmaForm::swiglu, 32, launch_variant<__half, WgmmaForm::swiglu, 32>},
-    {DType::f16, WgmmaForm::combine, 32, launch_variant<__half, WgmmaForm::combine, 32>},
+    {DType::bf16, WgmmaForm::plain, 128, false, launch_variant<__nv_bfloat16, WgmmaForm::plain, 128>},
+    {DType::bf16, WgmmaForm::geglu, 128, false, launch_variant<__nv_bfloat16, WgmmaForm::geglu, 128>},
+    {DType::bf16, WgmmaForm::swiglu, 128, false, launch_variant<__nv_bfloat16, WgmmaForm::swiglu, 128>},
+    {DType::bf16, WgmmaForm::combine, 128, false, launch_variant<__nv_bfloat16, WgmmaForm::combine, 128>},
+    {DType::f16, WgmmaForm::plain, 128, false, launch_variant<__half, WgmmaForm::plain, 128>},
+    {DType::f16, WgmmaForm::geglu, 128, false, launch_variant<__half, WgmmaForm::geglu, 128>},
+    {DType::f16, WgmmaForm::swiglu, 128, false, launch_variant<__half, WgmmaForm::swiglu, 128>},
+    {DType::f16, WgmmaForm::combine, 128, false, launch_variant<__half, WgmmaForm::combine, 128>},
+    {DType::bf16, WgmmaForm::plain, 64, false, launch_variant<__nv_bfloat16, WgmmaForm::plain, 64>},
+    {DType::bf16, WgmmaForm::geglu, 64, false, launch_variant<__nv_bfloat16, WgmmaForm::geglu, 64>},
+    {DType::bf16, WgmmaForm::swiglu, 64, false, launch_variant<__nv_bfloat16, WgmmaForm::swiglu, 64>},
+    {DType::bf16, WgmmaForm::combine, 64, false, launch_variant<__nv_bfloat16, WgmmaForm::combine, 64>},
+    {DType::f16, WgmmaForm::plain, 64, false, launch_variant<__half, WgmmaForm::plain, 64>},
+    {DType::f16, WgmmaForm::geglu, 64, false, launch_variant<__half, WgmmaForm::geglu, 64>},
+    {DType::f16, WgmmaForm::swiglu, 64, false, launch_variant<__half, WgmmaForm::swiglu, 64>},
+    {DType::f16, WgmmaForm::combine, 64, false, launch_variant<__half, WgmmaForm::combine, 64>},
+    {DType::bf16, WgmmaForm::plain, 32, false, launch_variant<__nv_bfloat16, WgmmaForm::plain, 32>},
+    {DType::bf16, WgmmaForm::geglu, 32, false, launch_variant<__nv_bfloat16, WgmmaForm::geglu, 32>},
+    {DType::bf16, WgmmaForm::swiglu, 32, false, launch_variant<__nv_bfloat16, WgmmaForm::swiglu, 32>},
+    {DType::bf16, WgmmaForm::combine, 32, false, launch_variant<__nv_bfloat16, WgmmaForm::combine, 32>},
+    {DType::f16, WgmmaForm::plain, 32, false, launch_variant<__half, WgmmaForm::plain, 32>},
+    {DType::f16, WgmmaForm::geglu, 32, false, launch_variant<__half, WgmmaForm::geglu, 32>},
+    {DType::f16, WgmmaForm::swiglu, 32, false, launch_variant<__half, WgmmaForm::swiglu, 32>},
+    {DType::f16, WgmmaForm::combine, 32, false, launch_variant<__half, WgmmaForm::combine, 32>},
+    {DType::bf16, WgmmaForm::plain, 128, true, launch_variant<__nv_bfloat16, WgmmaForm::plain, 128, true>},
+    {DType::bf16, WgmmaForm::plain, 64, true, launch_variant<__nv_bfloat16, WgmmaForm::plain, 64, true>},
+    {DType::bf16, WgmmaForm::plain, 32, true, launch_variant<__nv_bfloat16, WgmmaForm::plain, 32, true>},
 };
 
 // The build by mean rows per expert (rows / E), first entry with rows <= max_rows_per_expert * E
@@ -485,23 +513,25 @@ bool wgmma_available() {
 }
 
 bool wgmma_tiles_fit(const detail::GatherQmmProblem& p) {
-  return wgmma_available() && (p.dtype == DType::bf16 || p.dtype == DType::f16) && p.bits == 4 &&
-         (p.group_size == 64 || p.group_size == 128) && p.M == 1 && p.K % kBK == 0 && p.N % 8 == 0 &&
+  const bool affine = p.mode == QuantMode::affine && (p.dtype == DType::bf16 || p.dtype == DType::f16) &&
+                      (p.group_size == 64 || p.group_size == 128);
+  const bool fp4 = (p.mode == QuantMode::mxfp4 || p.mode == QuantMode::nvfp4) && p.dtype == DType::bf16;
+  return wgmma_available() && (affine || fp4) && p.bits == 4 && p.M == 1 && p.K % kBK == 0 && p.N % 8 == 0 &&
          supports_tile_operands(p).ok;
 }
 
 void launch_expert_tiles_wgmma(const WgmmaTileArgs& p, WgmmaForm form, DType dtype, const ExpertTile* tiles,
-                               const TilePlanHeader* header, int64_t tile_slots) {
+                               const TilePlanHeader* header, int64_t tile_slots, bool fp) {
   int max_tokens = wgmma_width();  // EXPERTQMM_WGMMA_WIDTH / set_wgmma_width pins a build
   for (const WidthChoice& w : kWidths)
     if (max_tokens == 0 && p.tile.rows <= w.max_rows_per_expert * p.tile.E) max_tokens = w.max_tokens;
   for (const WgmmaVariant& v : kVariants)
-    if (v.dtype == dtype && v.form == form && v.max_tokens == max_tokens) {
+    if (v.dtype == dtype && v.form == form && v.max_tokens == max_tokens && v.fp == fp) {
       v.launch(p, tiles, header, tile_slots);
       return;
     }
   throw Error("gather_qmm", detail::cat("expert_tiles_wgmma has no kernel for dtype=", dtype_name(dtype), " form=",
-                                        static_cast<int>(form)));
+                                        static_cast<int>(form), fp ? " (fp codes)" : ""));
 }
 
 }  // namespace expertqmm::cuda

@@ -24,13 +24,14 @@ using device::TileLayout;
 // only the run's rows. Sorted ids give one run per tile; any order stays correct, only slower.
 // kSplitK: grid z = split_k.slices, CTA (x, y, z) does the same over the z-th slice of the k
 // tiles and writes fp32 sums to split_k.partial (slices, rows, N); split_k_sum_kernel finishes.
-template <class Cfg, class T, int kBits, bool kSplitK>
+// kFp: MLX's fp modes (bf16; device::tile_gemm's kFp).
+template <class Cfg, class T, int kBits, bool kSplitK, bool kFp>
 __global__ void __launch_bounds__(Cfg::THREADS, Cfg::MIN_CTAS_PER_SM)
     rhs_tiles_kernel(TileArgs a, int64_t row_tiles, device::SplitK split_k) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int tile_expert[Cfg::BM];  // (BM,) expert id of each local row
   for (int64_t tile = blockIdx.y; tile < row_tiles; tile += gridDim.y)
-    device::tile_gemm_runs<Cfg, T, kBits, kSplitK>(a, tile, blockIdx.x, smem, tile_expert, split_k);
+    device::tile_gemm_runs<Cfg, T, kBits, kSplitK, kFp>(a, tile, blockIdx.x, smem, tile_expert, split_k);
 }
 
 // out[i] = T(partial[0][i] + partial[1][i] + ...), the slices added in order (the same bits every
@@ -57,12 +58,12 @@ __global__ void split_k_sum_kernel(const float* __restrict__ partial, int splits
   }
 }
 
-template <class Cfg, class T, int kBits, bool kSplitK>
+template <class Cfg, class T, int kBits, bool kSplitK, bool kFp>
 void launch_rhs_tiles_kernel(const TileArgs& args, device::SplitK split_k) {
   constexpr int kSmem = TileLayout<Cfg, kBits>::kSmemBytes;
   static const bool smem_configured = [] {
     if (kSmem > 48 * 1024)
-      EXPERTQMM_CUDA_CHECK(cudaFuncSetAttribute(rhs_tiles_kernel<Cfg, T, kBits, kSplitK>,
+      EXPERTQMM_CUDA_CHECK(cudaFuncSetAttribute(rhs_tiles_kernel<Cfg, T, kBits, kSplitK, kFp>,
                                                 cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
     return true;
   }();
@@ -70,19 +71,19 @@ void launch_rhs_tiles_kernel(const TileArgs& args, device::SplitK split_k) {
   const int64_t row_tiles = (args.rows + Cfg::BM - 1) / Cfg::BM;
   const dim3 grid(ceil_div(args.N, Cfg::BN), static_cast<unsigned>(std::min<int64_t>(row_tiles, 65535)),
                   static_cast<unsigned>(split_k.slices));
-  rhs_tiles_kernel<Cfg, T, kBits, kSplitK><<<grid, Cfg::THREADS, kSmem, current_stream()>>>(args, row_tiles, split_k);
+  rhs_tiles_kernel<Cfg, T, kBits, kSplitK, kFp><<<grid, Cfg::THREADS, kSmem, current_stream()>>>(args, row_tiles, split_k);
   EXPERTQMM_CUDA_CHECK_LAUNCH("rhs_tiles_kernel");
 }
 
-template <class Cfg, class T, int kBits>
+template <class Cfg, class T, int kBits, bool kFp = false>
 void launch_rhs_tiles(const TileArgs& args) {
-  launch_rhs_tiles_kernel<Cfg, T, kBits, false>(args, device::SplitK{nullptr, 1});
+  launch_rhs_tiles_kernel<Cfg, T, kBits, false, kFp>(args, device::SplitK{nullptr, 1});
 }
 
 // split_k.slices >= 2 fp32 slices of (rows, N) at split_k.partial; args.out receives the rounded sums.
-template <class Cfg, class T, int kBits>
+template <class Cfg, class T, int kBits, bool kFp = false>
 void launch_rhs_tiles_split_k(const TileArgs& args, device::SplitK split_k) {
-  launch_rhs_tiles_kernel<Cfg, T, kBits, true>(args, split_k);
+  launch_rhs_tiles_kernel<Cfg, T, kBits, true, kFp>(args, split_k);
   const int64_t count = args.rows * args.N;
   const int64_t blocks = std::min<int64_t>((count / 4 + 255) / 256, 4096);
   split_k_sum_kernel<T><<<static_cast<unsigned>(blocks), 256, 0, current_stream()>>>(split_k.partial, split_k.slices,
@@ -103,31 +104,38 @@ using RhsTiles32 = TileConfig<32, 128, 4, 4, 3>;
 // either way). Shared memory: 4 stages of 13 KB.
 using RhsTiles64 = TileConfig<64, 128, 4, 4>;
 
-// The rhs_tiles kernels. The first entry matching (dtype, bits) with min_m <= M is used: when every
-// batch element has at least 64 (32) rows, one expert each, BM=64 (32) tiles dequantize each
+// The rhs_tiles kernels. The first entry matching (dtype, bits, fp) with min_m <= M is used: when
+// every batch element has at least 64 (32) rows, one expert each, BM=64 (32) tiles dequantize each
 // weight once for four (two) m16 mma tiles; otherwise BM=16 (MLX's tile height) wastes fewer rows
-// on short runs.
+// on short runs. MLX's fp modes (bf16) have the BM=16 kernels only (and their split-K form: the
+// router's projection), to keep the instance count down: rows-heavy fp problems with sorted ids
+// take the expert tile route.
 struct RhsTilesVariant {
   int bm;
   int64_t min_m;
   DType dtype;
   int bits;
+  bool fp;  // an fp mode's codes (mxfp4 / nvfp4: 4-bit, mxfp8: 8-bit)
   void (*launch)(const TileArgs&);
   void (*launch_split_k)(const TileArgs&, device::SplitK);  // BM=16 only: the split-K form (see kSplitK)
 };
 const RhsTilesVariant kRhsTilesVariants[] = {
-    {64, 64, DType::bf16, 4, launch_rhs_tiles<RhsTiles64, __nv_bfloat16, 4>, nullptr},
-    {64, 64, DType::bf16, 8, launch_rhs_tiles<RhsTiles64, __nv_bfloat16, 8>, nullptr},
-    {64, 64, DType::f16, 4, launch_rhs_tiles<RhsTiles64, __half, 4>, nullptr},
-    {64, 64, DType::f16, 8, launch_rhs_tiles<RhsTiles64, __half, 8>, nullptr},
-    {32, 32, DType::bf16, 4, launch_rhs_tiles<RhsTiles32, __nv_bfloat16, 4>, nullptr},
-    {32, 32, DType::bf16, 8, launch_rhs_tiles<RhsTiles32, __nv_bfloat16, 8>, nullptr},
-    {32, 32, DType::f16, 4, launch_rhs_tiles<RhsTiles32, __half, 4>, nullptr},
-    {32, 32, DType::f16, 8, launch_rhs_tiles<RhsTiles32, __half, 8>, nullptr},
-    {16, 1, DType::bf16, 4, launch_rhs_tiles<RhsTiles16, __nv_bfloat16, 4>, launch_rhs_tiles_split_k<RhsTiles16, __nv_bfloat16, 4>},
-    {16, 1, DType::bf16, 8, launch_rhs_tiles<RhsTiles16, __nv_bfloat16, 8>, launch_rhs_tiles_split_k<RhsTiles16, __nv_bfloat16, 8>},
-    {16, 1, DType::f16, 4, launch_rhs_tiles<RhsTiles16, __half, 4>, launch_rhs_tiles_split_k<RhsTiles16, __half, 4>},
-    {16, 1, DType::f16, 8, launch_rhs_tiles<RhsTiles16, __half, 8>, launch_rhs_tiles_split_k<RhsTiles16, __half, 8>},
+    {64, 64, DType::bf16, 4, false, launch_rhs_tiles<RhsTiles64, __nv_bfloat16, 4>, nullptr},
+    {64, 64, DType::bf16, 8, false, launch_rhs_tiles<RhsTiles64, __nv_bfloat16, 8>, nullptr},
+    {64, 64, DType::f16, 4, false, launch_rhs_tiles<RhsTiles64, __half, 4>, nullptr},
+    {64, 64, DType::f16, 8, false, launch_rhs_tiles<RhsTiles64, __half, 8>, nullptr},
+    {32, 32, DType::bf16, 4, false, launch_rhs_tiles<RhsTiles32, __nv_bfloat16, 4>, nullptr},
+    {32, 32, DType::bf16, 8, false, launch_rhs_tiles<RhsTiles32, __nv_bfloat16, 8>, nullptr},
+    {32, 32, DType::f16, 4, false, launch_rhs_tiles<RhsTiles32, __half, 4>, nullptr},
+    {32, 32, DType::f16, 8, false, launch_rhs_tiles<RhsTiles32, __half, 8>, nullptr},
+    {16, 1, DType::bf16, 4, false, launch_rhs_tiles<RhsTiles16, __nv_bfloat16, 4>, launch_rhs_tiles_split_k<RhsTiles16, __nv_bfloat16, 4>},
+    {16, 1, DType::bf16, 8, false, launch_rhs_tiles<RhsTiles16, __nv_bfloat16, 8>, launch_rhs_tiles_split_k<RhsTiles16, __nv_bfloat16, 8>},
+    {16, 1, DType::f16, 4, false, launch_rhs_tiles<RhsTiles16, __half, 4>, launch_rhs_tiles_split_k<RhsTiles16, __half, 4>},
+    {16, 1, DType::f16, 8, false, launch_rhs_tiles<RhsTiles16, __half, 8>, launch_rhs_tiles_split_k<RhsTiles16, __half, 8>},
+    {16, 1, DType::bf16, 4, true, launch_rhs_tiles<RhsTiles16, __nv_bfloat16, 4, true>,
+     launch_rhs_tiles_split_k<RhsTiles16, __nv_bfloat16, 4, true>},
+    {16, 1, DType::bf16, 8, true, launch_rhs_tiles<RhsTiles16, __nv_bfloat16, 8, true>,
+     launch_rhs_tiles_split_k<RhsTiles16, __nv_bfloat16, 8, true>},
 };
 
 // Split-K of the BM=16 tiles when their grid is too small for the GPU (a few-column problem with
@@ -169,7 +177,7 @@ void run_rhs_tiles(const detail::GatherQmmProblem& p, void* out, int bm, Workspa
                   fallback_name(s.reason), ")");
   const int64_t col_blocks = (p.N + 127) / 128;
   for (const RhsTilesVariant& v : kRhsTilesVariants) {
-    if (v.dtype != p.dtype || v.bits != p.bits) continue;
+    if (v.dtype != p.dtype || v.bits != p.bits || v.fp != (p.mode != QuantMode::affine)) continue;
     if (bm == 0 ? p.M < v.min_m : v.bm != bm) continue;
     const int64_t ctas = (p.B * p.M + v.bm - 1) / v.bm * col_blocks;
     if (bm == 0 && v.bm > 16 && ctas < device_sm_count()) continue;
@@ -194,17 +202,19 @@ void run_rhs_tiles(const detail::GatherQmmProblem& p, void* out, int bm, Workspa
     return;
   }
   throw Error("gather_qmm", detail::cat("rhs_tiles has no kernel for dtype=", dtype_name(p.dtype),
-                                        " bits=", p.bits, " bm=", bm));
+                                        " bits=", p.bits, " mode=", quant_mode_name(p.mode), " bm=", bm));
 }
 
 }  // namespace
 
 RouteSupport supports_tile_operands(const detail::GatherQmmProblem& p) {
-  // The tile kernels dequantize s * q + b: an fp mode's E2M1 / E4M3 codes go to simt.
-  if (p.mode != QuantMode::affine) return route_miss(Fallback::quantization);
   if (p.dtype != DType::bf16 && p.dtype != DType::f16) return route_miss(Fallback::dtype);
+  // fp modes (each with its one bits and group size): tile_gemm's kFp decodes E2M1 / E4M3 to bf16
+  // only (MLX's fp checkpoints are bf16; f16 would also under/overflow decoded scales far sooner).
+  if (p.mode != QuantMode::affine && p.dtype != DType::bf16) return route_miss(Fallback::dtype);
   if (p.bits != 4 && p.bits != 8) return route_miss(Fallback::quantization);
-  if (p.group_size != 32 && p.group_size != 64 && p.group_size != 128) return route_miss(Fallback::quantization);
+  if (p.mode == QuantMode::affine && p.group_size != 32 && p.group_size != 64 && p.group_size != 128)
+    return route_miss(Fallback::quantization);
   if (!p.transpose) return route_miss(Fallback::quantization);  // codes run along N, not K
   if (p.K <= 0 || p.N <= 0) return route_miss(Fallback::shape);
   if (!fits_int32(p.N) || !fits_int32(p.K) || !fits_int32(p.M) || !fits_int32(p.B) || !fits_int32(p.w_batch))
@@ -221,6 +231,13 @@ TileArgs make_tile_args(const detail::GatherQmmProblem& p, void* out) {
   TileArgs a{};
   a.x = p.x.data();
   a.q = quant_view(p);
+  if (p.mode != QuantMode::affine) {
+    // tile_gemm's kFp staging: the uint8 scale codes as uint16 pairs of consecutive groups (K % 64
+    // == 0 gives every row an even group count), so a pair covers twice the group size.
+    a.q.scales = reinterpret_cast<const uint16_t*>(a.q.fp_scales);
+    a.q.groups_per_row /= 2;
+    a.q.group_shift += 1;
+  }
   a.lhs = p.lhs_is_identity ? nullptr : static_cast<const int32_t*>(p.lhs.data());
   a.rhs = p.rhs_is_identity ? nullptr : static_cast<const int32_t*>(p.rhs.data());
   a.out = out;
@@ -237,6 +254,10 @@ TileArgs make_tile_args(const detail::GatherQmmProblem& p, void* out) {
 }
 
 RouteSupport supports_rhs_tiles(const detail::GatherQmmProblem& p) { return supports_tile_operands(p); }
+RouteSupport supports_rhs_tiles_tall(const detail::GatherQmmProblem& p) {
+  if (p.mode != QuantMode::affine) return route_miss(Fallback::quantization);  // BM=16 kernels only
+  return supports_tile_operands(p);
+}
 
 void call_rhs_tiles(const detail::GatherQmmProblem& p, void* out, Workspace* ws) { run_rhs_tiles(p, out, 0, ws); }
 void call_rhs_tiles_bm16(const detail::GatherQmmProblem& p, void* out, Workspace* ws) { run_rhs_tiles(p, out, 16, ws); }

@@ -55,7 +55,9 @@ int64_t rhs_tiles_split_slices(int64_t rows, int64_t N, int64_t K);
 inline int64_t rhs_tiles_split_slices(const detail::GatherQmmProblem& p) {
   return rhs_tiles_split_slices(p.B * p.M, p.N, p.K);
 }
-// rhs_tiles with a pinned tile height (16, 32 or 64) instead of the table's choice; for tests.
+// rhs_tiles with a pinned tile height (16, 32 or 64) instead of the table's choice; for tests. The
+// fp modes have BM=16 kernels only: supports_rhs_tiles_tall (BM 32 / 64) refuses them.
+RouteSupport supports_rhs_tiles_tall(const detail::GatherQmmProblem& p);
 void call_rhs_tiles_bm16(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
 void call_rhs_tiles_bm32(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
 void call_rhs_tiles_bm64(const detail::GatherQmmProblem& p, void* out, Workspace* ws);

@@ -33,28 +33,30 @@ struct WgmmaTileArgs {
 // (queried once; EXPERTQMM_WGMMA=0 in the environment turns the kernels off, for comparison).
 bool wgmma_available();
 
-// Whether the wgmma kernels take p: wgmma_available(), bf16/f16, 4-bit, group size 64 or 128,
-// M == 1, K % 64 == 0, N % 8 == 0 and supports_tile_operands(p). The output must also be 16-byte
-// aligned (the epilogue's stores): the caller checks its pointer.
+// Whether the wgmma kernels take p: wgmma_available(), bf16/f16 4-bit affine with group size 64 or
+// 128, or bf16 mxfp4 / nvfp4 (the plain form only), M == 1, K % 64 == 0, N % 8 == 0 and
+// supports_tile_operands(p). The output must also be 16-byte aligned (the epilogue's stores): the
+// caller checks its pointer.
 bool wgmma_tiles_fit(const detail::GatherQmmProblem& p);
 
-// Runs the plan (built by launch_build_tile_plan on the same stream) in the given form.
+// Runs the plan (built by launch_build_tile_plan on the same stream) in the given form; fp: an
+// fp4 mode's codes (plain form, p.tile from make_tile_args).
 void launch_expert_tiles_wgmma(const WgmmaTileArgs& p, WgmmaForm form, DType dtype, const detail::ExpertTile* tiles,
-                               const detail::TilePlanHeader* header, int64_t tile_slots);
+                               const detail::TilePlanHeader* header, int64_t tile_slots, bool fp = false);
 
 // The layer plan (layer_plan.cu) decides the fusions below, once, and counts their GEMMs through
 // the route selector; these launch what it decided.
 
 // Whether gate and up can run as one wgmma launch with the GLU product in its epilogue: the same
-// shapes, dtype and quantization, and wgmma_tiles_fit for both (the plan has already chosen the
-// expert tile route for both).
+// shapes, dtype and quantization, affine, and wgmma_tiles_fit for both (the plan has already chosen
+// the expert tile route for both).
 bool gate_up_glu_fits(const detail::GatherQmmProblem& gate, const detail::GatherQmmProblem& up);
 // hidden[r] = T(act(T(x[lhs[r]] gate[rhs[r]]^T)) * T(x[lhs[r]] up[rhs[r]]^T)), hidden (B, N)
 // contiguous and 16-byte aligned; gate and up share one prebuilt tile_plan.
 void launch_gate_up_glu(const detail::GatherQmmProblem& gate, const detail::GatherQmmProblem& up, Activation act,
                         void* hidden);
 
-// Whether the down GEMM can carry the weighted combine in its epilogue (wgmma_tiles_fit).
+// Whether the down GEMM can carry the weighted combine in its epilogue (affine and wgmma_tiles_fit).
 bool down_combine_fits(const detail::GatherQmmProblem& down);
 // acc[t, :] += w[s] * T(hidden[r] down[rhs[r]]^T) for sorted row r of flat slot s = slot_of_row[r],
 // t = s / top_k. acc: (T, N) fp32, zeroed by the caller, 16-byte aligned; weights: (T * top_k,) in

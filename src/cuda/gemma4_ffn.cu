@@ -12,6 +12,7 @@
 // (Workspace::branch), so that in a graph it is a parallel path: at decode the dense MLP's weights
 // stream while the router and the experts run, instead of after them.
 // Every buffer is [T, H] or [T, I_dense] in h's dtype (validated by src/ops/gemma4_ffn.cpp).
+#include "cuda/dense_linear.h"
 #include "cuda/gather_qmm.h"
 #include "cuda/norm.h"
 #include "cuda/moe_internal.h"
@@ -23,16 +24,15 @@ namespace {
 
 size_t bytes_of(int64_t count, DType t) { return static_cast<size_t>(count) * dtype_size(t); }
 
-// out [T, N] = x [T, K] @ W^T: quantized through the route selector as one batch of M = T rows
-// (B = 1, identity indices: rhs_tiles for prefill, qmv for decode), dense through the plain kernel.
+// out [T, N] = x [T, K] @ W^T: quantized through gather_qmm's selector as one batch of M = T rows
+// (B = 1, identity indices: rhs_tiles for prefill, qmv for decode), 16-bit through the dense linear
+// (gather_mm's routes).
 void linear_into(const Linear& l, DType dtype, const void* x, int64_t T, void* out, Workspace& ws) {
-  const int64_t K = l.in_features(), N = l.out_features();
   if (!l.is_quantized()) {
-    const Tensor w = l.dense.contiguous();
-    launch_dense_linear(dtype, x, T, K, w.dtype(), w.data(), N, dtype, out);
+    dense_linear_into(x, dtype, T, l.dense, dtype, out, ws);
     return;
   }
-  gather_qmm_into(single_matrix_problem(x, T, K, dtype, l.quantized), out, &ws);
+  gather_qmm_into(single_matrix_problem(x, T, l.in_features(), dtype, l.quantized), out, &ws);
 }
 
 }  // namespace

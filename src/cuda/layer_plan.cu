@@ -98,20 +98,6 @@ detail::GatherQmmProblem quantized_problem(const QuantizedWeight& q, const Tenso
   return p;
 }
 
-// The gather_mm problem of the same rows for a 16-bit weight w [E, N, K] (mlx-lm's layout, read
-// through its strides as w.swapaxes(-1, -2), as the CPU's switch_linear passes it).
-detail::GatherMmProblem dense_problem(const Tensor& w, DType dtype, void* x, int64_t x_rows, int64_t x_row_stride,
-                                      int64_t K, int64_t N, int64_t n, int32_t* lhs, int32_t* rhs, bool sorted,
-                                      const void* plan) {
-  auto p = gathered_rows_problem<detail::GatherMmProblem>(dtype, x, x_rows, x_row_stride, K, N, n, lhs, rhs, sorted,
-                                                          plan, w.size(0));
-  p.w = w.swapaxes(-1, -2);
-  p.w_batch_stride = w.stride(0);
-  p.w_stride_k = w.stride(2);
-  p.w_stride_n = w.stride(1);
-  return p;
-}
-
 // One projection's GEMM: quantized (q, with scales/biases as the GEMM reads them) or 16-bit (dense).
 LayerGemm expert_gemm(const QuantizedWeight& q, const Tensor& dense, const Tensor& scales, const Tensor& biases,
                       DType dtype, void* x, int64_t x_rows, int64_t x_row_stride, int64_t K, int64_t N, int64_t n,
@@ -210,6 +196,18 @@ void plan_experts(LayerPlan& p, const Tensor& x, const int32_t* ids, const Switc
 }
 
 }  // namespace
+
+detail::GatherMmProblem dense_problem(const Tensor& w, DType dtype, void* x, int64_t x_rows, int64_t x_row_stride,
+                                      int64_t K, int64_t N, int64_t n, int32_t* lhs, int32_t* rhs, bool sorted,
+                                      const void* plan) {
+  auto p = gathered_rows_problem<detail::GatherMmProblem>(dtype, x, x_rows, x_row_stride, K, N, n, lhs, rhs, sorted,
+                                                          plan, w.size(0));
+  p.w = w.swapaxes(-1, -2);
+  p.w_batch_stride = w.stride(0);
+  p.w_stride_k = w.stride(2);
+  p.w_stride_n = w.stride(1);
+  return p;
+}
 
 ExpertShape expert_shape(const Tensor& x, int64_t k, const SwitchGLUWeights& w) {
   ExpertShape s;

@@ -56,6 +56,14 @@ GemmRoute select_layer_route(const LayerGemm& g);
 // Runs g on the route the plan picked.
 void run_layer_gemm(const GemmRoute& route, const LayerGemm& g, void* out, Workspace* ws);
 
+// The gather_mm problem of n rows with M = 1: row b multiplies x row lhs[b] (lhs null: row b) by
+// the 16-bit weight w[rhs[b]], w [E, N, K] (mlx-lm's layout, read through its strides as
+// w.swapaxes(-1, -2), as the CPU's switch_linear passes it; batch stride 0 repeats one matrix). x
+// holds x_rows rows of K values, x_row_stride apart; plan: a tile plan of rhs already built, or null.
+detail::GatherMmProblem dense_problem(const Tensor& w, DType dtype, void* x, int64_t x_rows, int64_t x_row_stride,
+                                      int64_t K, int64_t N, int64_t n, int32_t* lhs, int32_t* rhs, bool sorted,
+                                      const void* plan);
+
 // Offsets in the layer arena (ArenaLayout pieces, each 256-byte aligned wherever the arena lands).
 // kNotReserved: the plan needs no such buffer.
 constexpr size_t kNotReserved = SIZE_MAX;

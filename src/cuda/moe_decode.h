@@ -22,7 +22,9 @@
 //
 // supports_decode_layer takes: T <= 8, k <= 8, T*k <= 64; bf16 or f16 activations with the same
 // dtype for h, x, out and every scale/bias; 4- or 8-bit experts with group 32/64/128 (separate or
-// fused gate_up); a router that is 4/8-bit with group 32/64/128 or dense, in the activation dtype;
+// fused gate_up), or mxfp4 / nvfp4 experts under bf16 (the tensor-core kernels' kFp form; mxfp8
+// has no decode kernel); a router that is affine 4/8-bit with group 32/64/128, in any fp mode
+// under bf16, or dense, in the activation dtype;
 // 16-byte aligned rows. Everything else goes to the general path (one Fallback class per miss,
 #pragma once
 #include <cuda_bf16.h>
@@ -265,6 +267,37 @@ __device__ __forceinline__ void tc_group_dot(const unsigned char* lo, const unsi
 }
 
 
+// MLX's fp4 modes (mxfp4, nvfp4; bf16 only), the kernels' kFp form: A holds the weights themselves,
+// each E2M1 value times its group's scale, exact in bf16 (device::FpDequantBf16), so the mma sums
+// x * w and there is no per-group term after it (the CPU spec's sum of x * (value * scale); qmv's s *
+// sum(x * value) differs by summation order only). The k order is the G = 32 layout's (lane t owns
+// code word 4 grp + t of each 32-value block grp), whatever the mode's group: a word's 8 values lie
+// in one group for groups of 16 and 32, so each lane reads one scale code per row and block
+// (fp_scale_index). Scale codes are staged raw (uint8, row-major, groups per row = K / group).
+constexpr int kTcFpLayoutGroup = 32;
+__device__ __forceinline__ int fp_scale_index(int grp, int t, int group_shift) {
+  return (grp * kTcFpLayoutGroup + 8 * t) >> group_shift;
+}
+
+// c += x * w over block grp for the 16-row tile of staged code rows lo / hi (rows g, g+8), whose
+// scales are s_lo / s_hi (bf16 pairs: FpDequantBf16::scale_pair).
+__device__ __forceinline__ void tc_fp4_block_dot(const unsigned char* lo, const unsigned char* hi, int grp, int t,
+                                                 const uint4& xb, uint32_t s_lo, uint32_t s_hi, float (&c)[4]) {
+  uint32_t wl[1], wh[1];
+  tc_words<kTcFpLayoutGroup>(lo, grp, t, wl);
+  tc_words<kTcFpLayoutGroup>(hi, grp, t, wh);
+  uint32_t pl[4], ph[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    pl[j] = device::FpDequantBf16::e2m1_pair(wl[0] >> (4 * j), s_lo);
+    ph[j] = device::FpDequantBf16::e2m1_pair(wh[0] >> (4 * j), s_hi);
+  }
+  const uint32_t a0[4] = {pl[0], ph[0], pl[1], ph[1]};
+  device::Mma<__nv_bfloat16>::run(c, a0, xb.x, xb.y);
+  const uint32_t a1[4] = {pl[2], ph[2], pl[3], ph[3]};
+  device::Mma<__nv_bfloat16>::run(c, a1, xb.z, xb.w);
+}
+
 // The 16-bit value 1 in both halves of a register (the A operand of the sum-of-x mma).
 template <DType D>
 constexpr uint32_t kTcOnePair = D == DType::bf16 ? 0x3F803F80u : 0x3C003C00u;
@@ -273,16 +306,18 @@ constexpr uint32_t kTcOnePair = D == DType::bf16 ? 0x3F803F80u : 0x3C003C00u;
 // The kernels' launches (grid and shared memory from the arguments; on `stream`) and the dynamic
 // shared memory each needs (the layer checks these against kDecodeMaxSmem before it picks the path).
 
-// Kernel 1 (moe_decode_router.cu); proj_bits 0: a dense projection in D, else 4 or 8.
+// Kernel 1 (moe_decode_router.cu); proj_bits 0: a dense projection in D, else 4 or 8; fp: an fp
+// mode's projection (mxfp4 / nvfp4 4-bit, mxfp8 8-bit; bf16).
 size_t router_smem(int64_t T, int64_t H);
-void launch_router(DType dtype, int proj_bits, const RouterArgs& a, size_t smem, cudaStream_t stream);
+void launch_router(DType dtype, int proj_bits, const RouterArgs& a, size_t smem, cudaStream_t stream, bool fp = false);
 // Kernel 2 on tensor cores, 4-bit experts, group G in {32, 64, 128} (moe_decode_gate_up.cu); n = T*k.
-size_t gate_up_mma_smem(int64_t H, int G);
+// fp: an fp4 mode's codes (mxfp4 / nvfp4, bf16; G is then the mode's group: 32 or 16).
+size_t gate_up_mma_smem(int64_t H, int G, bool fp = false);
 void launch_gate_up_mma(DType dtype, int G, Activation act, const GateUpArgs& a, int n, size_t smem,
-                        cudaStream_t stream);
+                        cudaStream_t stream, bool fp = false);
 // Kernel 3 on tensor cores, 4-bit experts (moe_decode_down.cu).
-size_t down_mma_smem(int64_t k, int64_t I, int G);
-void launch_down_mma(DType dtype, int G, const DownArgs& a, int T, size_t smem, cudaStream_t stream);
+size_t down_mma_smem(int64_t k, int64_t I, int G, bool fp = false);
+void launch_down_mma(DType dtype, int G, const DownArgs& a, int T, size_t smem, cudaStream_t stream, bool fp = false);
 // Kernels 2 and 3 for 8-bit experts (moe_decode_scalar.cu).
 int gate_up_scalar_rows_per_pass(int64_t T);  // GateUpArgs::rows_per_pass
 size_t gate_up_scalar_smem(int64_t T, int64_t H);

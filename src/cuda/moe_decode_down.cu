@@ -36,7 +36,9 @@ struct DownTcLayout {
 // arithmetic). A slot whose expert id is out of range is recorded as a fault and skipped.
 // Occupancy (Gemma, G=64): 9 KB of shared memory per slot, 72 KB per CTA (3 CTAs per SM); T=1:
 // 176 CTAs in one wave, 45 KB of codes each.
-template <DType D, int G>
+// kFp (mxfp4 / nvfp4, bf16; G = kTcFpLayoutGroup): the scale codes staged raw in the scales region
+// (16 rows of I / group bytes), A holds value * scale (tc_fp4_block_dot), no bias term.
+template <DType D, int G, bool kFp = false>
 __global__ void __launch_bounds__(kThreads, 2) decode_down_combine_mma_kernel(DownArgs a) {
   extern __shared__ __align__(16) unsigned char tc_smem[];
   __shared__ float partial[kWarps][kTcRows];
@@ -78,11 +80,18 @@ __global__ void __launch_bounds__(kThreads, 2) decode_down_combine_mma_kernel(Do
       for (int c = lane % 4; c < chunks; c += 4) device::cp_async_16(dst + 16 * c, src + c, ok);
     }
     // The rows' scales and biases: two contiguous spans of 32 * groups bytes (16-byte aligned), raw.
-    const int span_chunks = 2 * L.groups;
-    for (int i = lane; i < 2 * span_chunks; i += 32) {
-      const bool bias = i >= span_chunks;
-      const int c = i - (bias ? span_chunks : 0);
-      device::cp_async_16((bias ? bi : sc) + 8 * c, (bias ? a.down.biases : a.down.scales) + first * L.groups + 8 * c, ok);
+    // kFp: one span of 16 * fp_groups bytes of scale codes (16-byte aligned: H % 32 == 0).
+    if constexpr (kFp) {
+      const int fp_groups = a.I >> a.down.group_shift;
+      for (int c = lane; c < fp_groups; c += 32)
+        device::cp_async_16(reinterpret_cast<unsigned char*>(sc) + 16 * c, a.down.fp_scales + first * fp_groups + 16 * c, ok);
+    } else {
+      const int span_chunks = 2 * L.groups;
+      for (int i = lane; i < 2 * span_chunks; i += 32) {
+        const bool bias = i >= span_chunks;
+        const int c = i - (bias ? span_chunks : 0);
+        device::cp_async_16((bias ? bi : sc) + 8 * c, (bias ? a.down.biases : a.down.scales) + first * L.groups + 8 * c, ok);
+      }
     }
     device::cp_async_commit();
     for (int ubase = 0; ubase < U; ubase += 32 * kUnits) {
@@ -103,6 +112,15 @@ __global__ void __launch_bounds__(kThreads, 2) decode_down_combine_mma_kernel(Do
       for (int w = 0; w < G / 32; ++w)
         xb[w] = live_n ? *reinterpret_cast<const uint4*>(xs + grp * G + t * (G / 4) + 8 * w)
                        : make_uint4(0u, 0u, 0u, 0u);
+      if constexpr (kFp) {
+        const int fp_groups = a.I >> a.down.group_shift, si = fp_scale_index(grp, t, a.down.group_shift);
+        const bool e4m3 = a.down.fp_mode == static_cast<int>(QuantMode::nvfp4);
+        const uint8_t* codes8 = reinterpret_cast<const uint8_t*>(sc);
+        const uint32_t s_lo = device::FpDequantBf16::scale_pair(codes8[g * fp_groups + si], e4m3);
+        const uint32_t s_hi = device::FpDequantBf16::scale_pair(codes8[(g + 8) * fp_groups + si], e4m3);
+        tc_fp4_block_dot(codes + g * L.code_row, codes + (g + 8) * L.code_row, grp, t, xb[0], s_lo, s_hi, acc);
+        continue;
+      }
       float c[4] = {0.f, 0.f, 0.f, 0.f};
       tc_group_dot<D, G>(codes + g * L.code_row, codes + (g + 8) * L.code_row, grp, t, xb, c);
       const float x0 = sx[grp];
@@ -125,11 +143,11 @@ __global__ void __launch_bounds__(kThreads, 2) decode_down_combine_mma_kernel(Do
 
 }  // namespace
 
-size_t down_mma_smem(int64_t k, int64_t I, int G) {
-  return static_cast<size_t>(k) * DownTcLayout(static_cast<int>(I), G).per_warp;
+size_t down_mma_smem(int64_t k, int64_t I, int G, bool fp) {
+  return static_cast<size_t>(k) * DownTcLayout(static_cast<int>(I), fp ? kTcFpLayoutGroup : G).per_warp;
 }
 
-void launch_down_mma(DType dtype, int G, const DownArgs& a, int T, size_t smem, cudaStream_t stream) {
+void launch_down_mma(DType dtype, int G, const DownArgs& a, int T, size_t smem, cudaStream_t stream, bool fp) {
   const dim3 grid(static_cast<unsigned>(T), ceil_div(a.H, kTcRows));
   auto launch = [&](auto kernel) {
     allow_smem(reinterpret_cast<const void*>(kernel));
@@ -137,7 +155,8 @@ void launch_down_mma(DType dtype, int G, const DownArgs& a, int T, size_t smem, 
     EXPERTQMM_CUDA_CHECK_LAUNCH(decode_down_combine_mma_kernel);
   };
   const bool bf16 = dtype == DType::bf16;
-  if (G == 32) launch(bf16 ? decode_down_combine_mma_kernel<DType::bf16, 32> : decode_down_combine_mma_kernel<DType::f16, 32>);
+  if (fp) launch(decode_down_combine_mma_kernel<DType::bf16, kTcFpLayoutGroup, true>);  // the mode's group at run time
+  else if (G == 32) launch(bf16 ? decode_down_combine_mma_kernel<DType::bf16, 32> : decode_down_combine_mma_kernel<DType::f16, 32>);
   else if (G == 64) launch(bf16 ? decode_down_combine_mma_kernel<DType::bf16, 64> : decode_down_combine_mma_kernel<DType::f16, 64>);
   else launch(bf16 ? decode_down_combine_mma_kernel<DType::bf16, 128> : decode_down_combine_mma_kernel<DType::f16, 128>);
 }

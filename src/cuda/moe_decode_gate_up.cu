@@ -44,7 +44,10 @@ struct GateUpTcLayout {
 //      GLU, one rounding, into hidden[row, column].
 // Occupancy (Gemma, bf16, G=64): shared memory 46 KB codes + 5.6 KB scales/biases, 72 registers:
 // 3 CTAs (24 warps) per SM at any T; T=1: the 352 CTAs are one wave.
-template <DType D, int G, Activation A>
+// kFp (mxfp4 / nvfp4, bf16; G = kTcFpLayoutGroup): the scale codes are staged raw in the scales
+// region (32 rows of K / group bytes: at most the affine layout's 32 * K / 32 * 2), A holds value *
+// scale (tc_fp4_block_dot) and no sum-of-x mma or bias term follows.
+template <DType D, int G, Activation A, bool kFp = false>
 __global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_mma_kernel(GateUpArgs a) {
   extern __shared__ __align__(16) unsigned char tc_smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -83,14 +86,25 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_mma_kernel(Gat
     unsigned char* dst = codes + r * L.code_row;
     for (int c = j; c < half_chunks; c += kPerRow) device::cp_async_16(dst + 16 * c, src + c, true);
     // 1b. the scales and biases of the two 16-row spans (contiguous, 32 * groups bytes each, 16-byte
-    //     aligned: supports_decode_layer), raw, with the first half.
-    const int span_chunks = 2 * L.groups;
-    for (int i = tid; i < 4 * span_chunks; i += kThreads) {
-      const int which = i / span_chunks, c = i - which * span_chunks;  // which: gate s, gate b, up s, up b
-      const uint16_t* base = which == 0 ? a.gate.scales : which == 1 ? a.gate.biases : which == 2 ? a.up.scales : a.up.biases;
-      const int64_t first = (which < 2 ? gate_first : up_first) * L.groups;
-      uint16_t* to = (which & 1 ? bi : sc) + (which >> 1) * kTcRows * L.groups;
-      device::cp_async_16(to + 8 * c, base + first + 8 * c, true);
+    //     aligned: supports_decode_layer), raw, with the first half. kFp: the two spans of scale
+    //     codes (16 * fp_groups bytes each, 16-byte aligned: supports_decode_layer).
+    if constexpr (kFp) {
+      const int fp_groups = a.H >> a.gate.group_shift;
+      unsigned char* to = reinterpret_cast<unsigned char*>(sc);
+      for (int i = tid; i < 2 * fp_groups; i += kThreads) {
+        const int which = i / fp_groups, c = i - which * fp_groups;  // which: gate, up
+        const uint8_t* from = (which == 0 ? a.gate.fp_scales : a.up.fp_scales) + (which == 0 ? gate_first : up_first) * fp_groups;
+        device::cp_async_16(to + which * kTcRows * fp_groups + 16 * c, from + 16 * c, true);
+      }
+    } else {
+      const int span_chunks = 2 * L.groups;
+      for (int i = tid; i < 4 * span_chunks; i += kThreads) {
+        const int which = i / span_chunks, c = i - which * span_chunks;  // which: gate s, gate b, up s, up b
+        const uint16_t* base = which == 0 ? a.gate.scales : which == 1 ? a.gate.biases : which == 2 ? a.up.scales : a.up.biases;
+        const int64_t first = (which < 2 ? gate_first : up_first) * L.groups;
+        uint16_t* to = (which & 1 ? bi : sc) + (which >> 1) * kTcRows * L.groups;
+        device::cp_async_16(to + 8 * c, base + first + 8 * c, true);
+      }
     }
     device::cp_async_commit();
     for (int c = half_chunks + j; c < chunks; c += kPerRow) device::cp_async_16(dst + 16 * c, src + c, true);
@@ -121,6 +135,20 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_mma_kernel(Gat
     for (int grp = grp_begin; grp < grp_end; grp += kWarps) {
       uint4 xn[G / 32];
       if (grp + kWarps < grp_end) load_x(grp + kWarps, xn);
+      if constexpr (kFp) {
+        const int fp_groups = a.H >> a.gate.group_shift, si = fp_scale_index(grp, t, a.gate.group_shift);
+        const bool e4m3 = a.gate.fp_mode == static_cast<int>(QuantMode::nvfp4);
+        const uint8_t* codes8 = reinterpret_cast<const uint8_t*>(sc);
+#pragma unroll
+        for (int tile = 0; tile < 2; ++tile) {
+          const int r = tile * kTcRows + g;
+          const uint32_t s_lo = device::FpDequantBf16::scale_pair(codes8[r * fp_groups + si], e4m3);
+          const uint32_t s_hi = device::FpDequantBf16::scale_pair(codes8[(r + 8) * fp_groups + si], e4m3);
+          tc_fp4_block_dot(codes + r * L.code_row, codes + (r + 8) * L.code_row, grp, t, xb[0], s_lo, s_hi, acc[tile]);
+        }
+        xb[0] = xn[0];
+        continue;
+      }
       float xsum[4] = {0.f, 0.f, 0.f, 0.f};  // sum(x) of columns 2t, 2t+1 (c0, c1)
 #pragma unroll
       for (int w = 0; w < G / 32; ++w) {
@@ -173,10 +201,12 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_mma_kernel(Gat
 
 }  // namespace
 
-size_t gate_up_mma_smem(int64_t H, int G) { return GateUpTcLayout(static_cast<int>(H), G).total; }
+size_t gate_up_mma_smem(int64_t H, int G, bool fp) {
+  return GateUpTcLayout(static_cast<int>(H), fp ? kTcFpLayoutGroup : G).total;
+}
 
 void launch_gate_up_mma(DType dtype, int G, Activation act, const GateUpArgs& a, int n, size_t smem,
-                        cudaStream_t stream) {
+                        cudaStream_t stream, bool fp) {
   const dim3 grid(ceil_div(a.I, kTcRows), static_cast<unsigned>(std::min(n, a.E)));
   auto launch = [&](auto kernel) {
     allow_smem(reinterpret_cast<const void*>(kernel));
@@ -194,8 +224,15 @@ void launch_gate_up_mma(DType dtype, int G, Activation act, const GateUpArgs& a,
     else if (G == 64) with_group(dtag, std::integral_constant<int, 64>{});
     else with_group(dtag, std::integral_constant<int, 128>{});
   };
-  if (dtype == DType::bf16) with_dtype(std::integral_constant<DType, DType::bf16>{});
-  else with_dtype(std::integral_constant<DType, DType::f16>{});
+  if (fp) {  // bf16, the mode's group read at run time (supports_decode_layer)
+    constexpr int kG = kTcFpLayoutGroup;
+    if (act == Activation::geglu) launch(decode_gate_up_glu_mma_kernel<DType::bf16, kG, Activation::geglu, true>);
+    else launch(decode_gate_up_glu_mma_kernel<DType::bf16, kG, Activation::swiglu, true>);
+  } else if (dtype == DType::bf16) {
+    with_dtype(std::integral_constant<DType, DType::bf16>{});
+  } else {
+    with_dtype(std::integral_constant<DType, DType::f16>{});
+  }
 }
 
 }  // namespace expertqmm::cuda::decode

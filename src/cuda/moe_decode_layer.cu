@@ -31,24 +31,38 @@ bool rows_aligned(const Tensor& t) {
   return is_aligned(t.data(), 16) && (t.size(0) <= 1 || t.stride(0) % 8 == 0);
 }
 
+// Which fp modes a decode kernel reads: none (the dense GLU), 4-bit ones (the experts' tensor-core
+// kernels; mxfp8 experts would need the scalar 8-bit kernels, which are affine) or all (the router).
+enum class FpCodes { none, fp4, any };
+
 // A quantized weight [E, N, K*bits/32] that the decode kernels can read: 4/8-bit, group 32/64/128,
-// scales and biases in `dtype`, contiguous, 16-byte aligned rows.
-RouteSupport check_weight(const QuantizedWeight& q, int64_t E, int64_t N, int64_t K, DType dtype) {
-  if (!q.defined() || !q.scales.defined() || !q.biases.defined()) return route_miss(Fallback::quantization);
-  if (q.mode != QuantMode::affine) return route_miss(Fallback::quantization);  // affine math only
-  if (q.bits != 4 && q.bits != 8) return route_miss(Fallback::quantization);
-  if (q.group_size != 32 && q.group_size != 64 && q.group_size != 128) return route_miss(Fallback::quantization);
-  if (q.scales.dtype() != dtype || q.biases.dtype() != dtype) return route_miss(Fallback::dtype);
+// scales and biases in `dtype`, contiguous, 16-byte aligned rows; or, as `fp` allows, an fp mode
+// (uint8 scales, no biases, no global scale) under bf16.
+RouteSupport check_weight(const QuantizedWeight& q, int64_t E, int64_t N, int64_t K, DType dtype,
+                          FpCodes fp_ok = FpCodes::none) {
+  if (!q.defined() || !q.scales.defined()) return route_miss(Fallback::quantization);
+  const bool fp = q.mode != QuantMode::affine;
+  if (fp) {
+    if (fp_ok == FpCodes::none || (fp_ok == FpCodes::fp4 && q.bits != 4) || q.global_scale.defined())
+      return route_miss(Fallback::quantization);
+    if (dtype != DType::bf16) return route_miss(Fallback::dtype);
+    if (q.scales.dtype() != DType::u8 || q.biases.defined()) return route_miss(Fallback::quantization);
+  } else {
+    if (!q.biases.defined()) return route_miss(Fallback::quantization);
+    if (q.bits != 4 && q.bits != 8) return route_miss(Fallback::quantization);
+    if (q.group_size != 32 && q.group_size != 64 && q.group_size != 128) return route_miss(Fallback::quantization);
+    if (q.scales.dtype() != dtype || q.biases.dtype() != dtype) return route_miss(Fallback::dtype);
+  }
   if (q.w.dtype() != DType::u32 && q.w.dtype() != DType::i32) return route_miss(Fallback::quantization);
   const bool batched = E > 0;
   const int64_t dims = batched ? 3 : 2;
-  if (q.w.ndim() != dims || q.scales.ndim() != dims || q.biases.ndim() != dims) return route_miss(Fallback::topology);
+  if (q.w.ndim() != dims || q.scales.ndim() != dims || (!fp && q.biases.ndim() != dims)) return route_miss(Fallback::topology);
   if (batched && (q.w.size(0) != E || q.scales.size(0) != E)) return route_miss(Fallback::topology);
   if (q.w.size(-2) != N || q.w.size(-1) * 32 != K * q.bits) return route_miss(Fallback::topology);
-  if (K % q.group_size != 0 || q.scales.size(-1) != K / q.group_size || q.biases.shape() != q.scales.shape() ||
+  if (K % q.group_size != 0 || q.scales.size(-1) != K / q.group_size || (!fp && q.biases.shape() != q.scales.shape()) ||
       q.scales.size(-2) != N)
     return route_miss(Fallback::topology);
-  if (!q.w.is_contiguous() || !q.scales.is_contiguous() || !q.biases.is_contiguous())
+  if (!q.w.is_contiguous() || !q.scales.is_contiguous() || (!fp && !q.biases.is_contiguous()))
     return route_miss(Fallback::alignment);
   if (K % (128 / q.bits) != 0 || !is_aligned(q.w.data(), 16)) return route_miss(Fallback::alignment);
   return route_ok();
@@ -82,17 +96,22 @@ RouteSupport supports_decode_layer(const Tensor& out, const Tensor& h, const Ten
   RouteSupport s;
   if (ex.fused()) {
     if (first.w.size(1) != 2 * I) return route_miss(Fallback::topology);
-    if (!(s = check_weight(ex.gate_up, E, 2 * I, H, D)).ok) return s;
+    if (!(s = check_weight(ex.gate_up, E, 2 * I, H, D, FpCodes::fp4)).ok) return s;
   } else {
-    if (!(s = check_weight(ex.gate, E, I, H, D)).ok) return s;
-    if (!(s = check_weight(ex.up, E, I, H, D)).ok) return s;
-    if (ex.gate.bits != ex.up.bits || ex.gate.group_size != ex.up.group_size) return route_miss(Fallback::quantization);
+    if (!(s = check_weight(ex.gate, E, I, H, D, FpCodes::fp4)).ok) return s;
+    if (!(s = check_weight(ex.up, E, I, H, D, FpCodes::fp4)).ok) return s;
+    if (ex.gate.bits != ex.up.bits || ex.gate.group_size != ex.up.group_size || ex.gate.mode != ex.up.mode)
+      return route_miss(Fallback::quantization);
   }
-  if (!(s = check_weight(ex.down, E, H, I, D)).ok) return s;
-  // 4-bit experts run on the tensor-core kernels, which copy scale and bias spans in 16-byte units.
+  if (!(s = check_weight(ex.down, E, H, I, D, FpCodes::fp4)).ok) return s;
+  // 4-bit experts run on the tensor-core kernels, which copy scale and bias spans in 16-byte units
+  // (an fp mode's spans of 16 rows of uint8 codes start at row multiples of 16 times the codes per
+  // row: whole 16-byte units when gate / up's I * (H / group) is; down's H % 32 == 0 makes its own).
   for (const QuantizedWeight* q : {&first, &ex.up, &ex.down})
     if (q->defined() && q->bits == 4 && (!is_aligned(q->scales.data(), 16) || !is_aligned(q->biases.data(), 16)))
       return route_miss(Fallback::alignment);
+  const bool fp_gate = first.mode != QuantMode::affine, fp_down = ex.down.mode != QuantMode::affine;
+  if (fp_gate && I * (H / first.group_size) % 16 != 0) return route_miss(Fallback::alignment);
   if (I % 8 != 0) return route_miss(Fallback::alignment);
   if (ex.activation != Activation::geglu && ex.activation != Activation::swiglu) return route_miss(Fallback::topology);
 
@@ -107,7 +126,7 @@ RouteSupport supports_decode_layer(const Tensor& out, const Tensor& h, const Ten
       return route_miss(Fallback::dtype);
   }
   if (rt.proj.defined()) {
-    if (!(s = check_weight(rt.proj, 0, E, H, D)).ok) return s;
+    if (!(s = check_weight(rt.proj, 0, E, H, D, FpCodes::any)).ok) return s;
   } else {
     const Tensor& p = rt.proj_dense;
     if (!p.defined() || p.dtype() != D) return route_miss(Fallback::dtype);
@@ -116,8 +135,9 @@ RouteSupport supports_decode_layer(const Tensor& out, const Tensor& h, const Ten
   }
 
   const size_t gate_up_bytes =
-      first.bits == 4 ? gate_up_mma_smem(H, first.group_size) : gate_up_scalar_smem(T, H);
-  const size_t down_bytes = ex.down.bits == 4 ? down_mma_smem(k, I, ex.down.group_size) : down_scalar_smem(k, I);
+      first.bits == 4 ? gate_up_mma_smem(H, first.group_size, fp_gate) : gate_up_scalar_smem(T, H);
+  const size_t down_bytes =
+      ex.down.bits == 4 ? down_mma_smem(k, I, ex.down.group_size, fp_down) : down_scalar_smem(k, I);
   if (router_smem(T, H) > kDecodeMaxSmem || gate_up_bytes > kDecodeMaxSmem || down_bytes > kDecodeMaxSmem)
     return route_miss(Fallback::shape);
   return route_ok();
@@ -255,15 +275,18 @@ void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, 
   da.out = out.data_as<uint16_t>();
   da.faults = ga.faults;
 
-  // 4-bit experts run on the tensor-core kernels, 8-bit ones on the scalar kernels.
+  // 4-bit experts run on the tensor-core kernels (mxfp4 / nvfp4: their kFp form), 8-bit ones on the
+  // scalar kernels.
   const int proj_bits = quantized ? rt.proj.bits : 0;
-  launch_router(D, proj_bits, ra, router_smem(T, H), stream);
+  const bool fp_gate = gate.mode != QuantMode::affine, fp_down = ex.down.mode != QuantMode::affine;
+  launch_router(D, proj_bits, ra, router_smem(T, H), stream, quantized && rt.proj.mode != QuantMode::affine);
   if (gate.bits == 4)
-    launch_gate_up_mma(D, gate.group_size, ex.activation, ga, n, gate_up_mma_smem(H, gate.group_size), stream);
+    launch_gate_up_mma(D, gate.group_size, ex.activation, ga, n, gate_up_mma_smem(H, gate.group_size, fp_gate), stream,
+                       fp_gate);
   else
     launch_gate_up_scalar(D, ex.activation, ga, n, gate_up_scalar_smem(T, H), stream);
   if (ex.down.bits == 4)
-    launch_down_mma(D, ex.down.group_size, da, T, down_mma_smem(k, I, ex.down.group_size), stream);
+    launch_down_mma(D, ex.down.group_size, da, T, down_mma_smem(k, I, ex.down.group_size, fp_down), stream, fp_down);
   else
     launch_down_scalar(D, da, T, down_scalar_smem(k, I), stream);
 }

@@ -72,7 +72,11 @@ __device__ __forceinline__ void scale_unit_floats(const ScaleUnit& s, DType dt, 
 // beside the norm inputs (norm weight 5.6 KB + h 5.6 KB per token: ~14 KB at T=1, ~53 KB at T=8,
 // L2 hits after the first CTA) in one round trip; then the counter atomic, one L2 read of the
 // logits and the top-k in the last CTA (T=8: the 8 tokens on the 8 warps at once).
-template <DType D, int kProj>
+// kFp (an fp-mode projection: mxfp4 / nvfp4 with kProj 4, mxfp8 with 8; bf16): a chunk's two halves
+// (16 4-bit or 8 8-bit values) each lie in one group of 16 or 32, so ws / wb hold the decoded
+// scales of the low and high half instead of scale and bias, and acc[t] += s_lo * dot_lo + s_hi *
+// dot_hi with fp_word_dot's E2M1 / E4M3 values (qmv's fp arithmetic: s * sum(x * v) per group part).
+template <DType D, int kProj, bool kFp = false>
 __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArgs a) {
   using S = typename Elem<D>::storage;
   constexpr bool kQuant = kProj != 0;
@@ -105,7 +109,14 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
       const int c = c0 + kRouterThreads * i;
       if (c < Q) {
         wv[i] = __ldg(wrow + c);
-        if constexpr (kQuant) {
+        if constexpr (kFp) {
+          const uint8_t* codes = a.proj.fp_scales + static_cast<int64_t>(e) * a.proj.groups_per_row;
+          const bool e4m3 = a.proj.fp_mode == static_cast<int>(QuantMode::nvfp4);
+          const uint8_t lo = __ldg(codes + ((c * kVals) >> a.proj.group_shift));
+          const uint8_t hi = __ldg(codes + ((c * kVals + kVals / 2) >> a.proj.group_shift));
+          ws[i] = e4m3 ? e4m3_value(lo) : e8m0_value(lo);
+          wb[i] = e4m3 ? e4m3_value(hi) : e8m0_value(hi);
+        } else if constexpr (kQuant) {
           const int g = (c * kVals) >> a.proj.group_shift;
           ws[i] = raw_param<D>(__ldg(srow + g));
           wb[i] = raw_param<D>(__ldg(brow + g));
@@ -209,7 +220,7 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
       for (int i = 0; i < kRouterChunks; ++i) {
         const int c = c0 + kRouterThreads * i;
         if (c >= Q) break;
-        float dot = 0.f, sx = 0.f;
+        float dot = 0.f, sx = 0.f, dot_hi = 0.f;  // kFp: dot holds the low half's
 #pragma unroll
         for (int q = 0; q < kUnitsPerChunk; ++q) {
           const int i0 = padded(c * kVals + 8 * q);  // 8 values inside one 32-block
@@ -227,7 +238,15 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
             usum += x[v];
           }
           sx += usum;
-          if constexpr (kProj == 4) {
+          if constexpr (kFp) {
+            float& d = q < kUnitsPerChunk / 2 ? dot : dot_hi;
+            if constexpr (kProj == 4) {
+              d = device::fp_word_dot<4>(word_of(wv[i], q), x, d);
+            } else {
+              d = device::fp_word_dot<8>(word_of(wv[i], 2 * q), x, d);
+              d = device::fp_word_dot<8>(word_of(wv[i], 2 * q + 1), x + 4, d);
+            }
+          } else if constexpr (kProj == 4) {
 #pragma unroll
             for (int v = 0; v < 8; ++v) x[v] *= 1.0f / static_cast<float>(1 << (4 * (v & 3)));
             dot = word_dot<4>(word_of(wv[i], q), x, dot);
@@ -240,7 +259,8 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
             for (int v = 0; v < 8; ++v) dot += x[v] * Elem<D>::load(pv[v]);
           }
         }
-        if constexpr (kQuant) acc += ws[i] * dot + wb[i] * sx;
+        if constexpr (kFp) acc += ws[i] * dot + wb[i] * dot_hi;
+        else if constexpr (kQuant) acc += ws[i] * dot + wb[i] * sx;
         else acc += dot;
       }
       c0 += kRouterThreads * kRouterChunks;
@@ -315,14 +335,15 @@ size_t router_smem(int64_t T, int64_t H) {
   return static_cast<size_t>((T + 1) * round_up4(padded(static_cast<int>(H)))) * 4;  // scale row + T h rows
 }
 
-void launch_router(DType dtype, int proj_bits, const RouterArgs& a, size_t smem, cudaStream_t stream) {
+void launch_router(DType dtype, int proj_bits, const RouterArgs& a, size_t smem, cudaStream_t stream, bool fp) {
   auto launch = [&](auto kernel) {
     allow_smem(reinterpret_cast<const void*>(kernel));
     kernel<<<static_cast<unsigned>(a.E), kRouterThreads, smem, stream>>>(a);
     EXPERTQMM_CUDA_CHECK_LAUNCH(decode_router_kernel);
   };
   const bool bf16 = dtype == DType::bf16;
-  if (proj_bits == 0) launch(bf16 ? decode_router_kernel<DType::bf16, 0> : decode_router_kernel<DType::f16, 0>);
+  if (fp) launch(proj_bits == 4 ? decode_router_kernel<DType::bf16, 4, true> : decode_router_kernel<DType::bf16, 8, true>);
+  else if (proj_bits == 0) launch(bf16 ? decode_router_kernel<DType::bf16, 0> : decode_router_kernel<DType::f16, 0>);
   else if (proj_bits == 4) launch(bf16 ? decode_router_kernel<DType::bf16, 4> : decode_router_kernel<DType::f16, 4>);
   else launch(bf16 ? decode_router_kernel<DType::bf16, 8> : decode_router_kernel<DType::f16, 8>);
 }

@@ -1,4 +1,4 @@
-// RMSNorm, add, add-then-scale and a plain dense linear on the GPU (include/expertqmm/gemma4.h).
+// RMSNorm, add and add-then-scale on the GPU (include/expertqmm/gemma4.h; the dense linear: dense_linear.cu).
 // fp32 math on the widened inputs, one rounding to the output dtype per MLX op, as src/cpu/norm.cpp.
 #include "cuda/norm.h"
 #include "cuda/moe_internal.h"
@@ -17,7 +17,6 @@ unsigned grid_for(int64_t items) {
 }
 
 using device::cta_sum;
-using device::warp_sum;
 
 // x, out: (rows, D) row-major in D; weight: (D,) in W.
 // Work split: one CTA of 256 threads per row. Threads stride over the row (coalesced), sum x^2 in
@@ -62,25 +61,6 @@ __global__ void add_scaled_kernel(const typename Elem<D>::storage* __restrict__ 
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
     out[i] = Elem<D>::store(round_to<D>(Elem<D>::load(a[i]) + Elem<D>::load(b[i])) * s);
-}
-
-// x: (T, K) row-major; w: (N, K) row-major; out: (T, N).
-// Work split: one warp per output element (t, n), 8 warps per CTA; lanes stride over K (coalesced
-// reads of one x row and one w row), fp32 partial sums reduced by shuffles. The simple form: dense
-// bf16 layers are the uncommon case in MLX checkpoints (router.proj of some), not the hot path.
-template <DType X, DType W, DType O>
-__global__ void dense_linear_kernel(const typename Elem<X>::storage* __restrict__ x,
-                                    const typename Elem<W>::storage* __restrict__ w, int64_t T, int64_t K, int64_t N,
-                                    typename Elem<O>::storage* __restrict__ out) {
-  const int lane = threadIdx.x & 31;
-  for (int64_t o = static_cast<int64_t>(blockIdx.x) * kWarps + (threadIdx.x >> 5); o < T * N;
-       o += static_cast<int64_t>(gridDim.x) * kWarps) {
-    const int64_t t = o / N, n = o % N;
-    float acc = 0.f;
-    for (int64_t k = lane; k < K; k += 32) acc += Elem<X>::load(x[t * K + k]) * Elem<W>::load(w[n * K + k]);
-    acc = warp_sum(acc);
-    if (lane == 0) out[o] = Elem<O>::store(acc);
-  }
 }
 
 template <DType D>
@@ -130,25 +110,6 @@ void launch_add_scaled(DType dtype, const void* a, const void* b, int64_t n, DTy
   });
 }
 
-void launch_dense_linear(DType x_dtype, const void* x, int64_t T, int64_t K, DType w_dtype, const void* w, int64_t N,
-                         DType out_dtype, void* out) {
-  if (T == 0 || N == 0) return;
-  const int64_t blocks = (T * N + kWarps - 1) / kWarps;
-  const unsigned grid = static_cast<unsigned>(blocks > 65536 ? 65536 : blocks);
-  dispatch_float(x_dtype, "linear", [&](auto xtag) {
-    constexpr DType XD = decltype(xtag)::value;
-    dispatch_float(w_dtype, "linear", [&](auto wtag) {
-      constexpr DType WD = decltype(wtag)::value;
-      dispatch_float(out_dtype, "linear", [&](auto otag) {
-        constexpr DType OD = decltype(otag)::value;
-        dense_linear_kernel<XD, WD, OD><<<grid, kThreads, 0, current_stream()>>>(
-            static_cast<Ptr<XD>>(x), static_cast<Ptr<WD>>(w), T, K, N, static_cast<MutPtr<OD>>(out));
-        EXPERTQMM_CUDA_CHECK_LAUNCH(dense_linear_kernel);
-      });
-    });
-  });
-}
-
 Tensor rms_norm(const Tensor& x, const Tensor& weight, float eps) {
   const Tensor xc = x.contiguous(), wc = weight.contiguous();
   Tensor out = Tensor::empty(xc.shape(), xc.dtype(), Device::cuda);
@@ -168,14 +129,6 @@ Tensor add_scaled(const Tensor& a, const Tensor& b, const Tensor& scalar) {
   const Tensor ac = a.contiguous(), bc = b.contiguous(), sc = scalar.contiguous();
   Tensor out = Tensor::empty(ac.shape(), ac.dtype(), Device::cuda);
   launch_add_scaled(ac.dtype(), ac.data(), bc.data(), ac.numel(), sc.dtype(), sc.data(), out.data());
-  return out;
-}
-
-Tensor dense_linear(const Tensor& x, const Tensor& w, DType out_dtype) {
-  const Tensor xc = x.contiguous(), wc = w.contiguous();
-  Tensor out = Tensor::empty({xc.size(0), wc.size(0)}, out_dtype, Device::cuda);
-  launch_dense_linear(xc.dtype(), xc.data(), xc.size(0), xc.size(1), wc.dtype(), wc.data(), wc.size(0), out_dtype,
-                      out.data());
   return out;
 }
 

@@ -14,10 +14,6 @@ void launch_add(DType dtype, const void* a, const void* b, int64_t n, void* out)
 // out = round(a + b) * scalar[0] over n values in `dtype`; scalar is one value in s_dtype.
 void launch_add_scaled(DType dtype, const void* a, const void* b, int64_t n, DType s_dtype, const void* scalar,
                        void* out);
-// out [T, N] (out_dtype) = x [T, K] (x_dtype) @ w [N, K]^T (w_dtype), fp32 accumulation.
-void launch_dense_linear(DType x_dtype, const void* x, int64_t T, int64_t K, DType w_dtype, const void* w, int64_t N,
-                         DType out_dtype, void* out);
-
 
 // The Gemma 4 block's fused norms (gemma4_ffn_norms.cu). Activations (T, H) in the launch's dtype,
 // contiguous; each weight (H) and the scalar (1) in its own float dtype.

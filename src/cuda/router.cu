@@ -12,6 +12,7 @@
 #include <cmath>
 
 #include "cuda/cuda_backend.h"
+#include "cuda/dense_linear.h"
 #include "cuda/device/route_topk.cuh"
 #include "cuda/gather_qmm.h"
 #include "cuda/moe_internal.h"
@@ -73,26 +74,6 @@ __global__ void router_rms_norm_kernel(const typename Elem<D>::storage* __restri
       if (i < H) r[t * H + i] = Elem<D>::store(__fmul_rn(__fmul_rn(x[u], inv_rms), __fmul_rn(w[u], root_size)));
     }
   }
-}
-
-// Dense projection: logits[t, e] = L(sum_i r[t, i] * proj[e, i]) with fp32 accumulation.
-//   r (T, H) of R contiguous;  proj (E, H) of P contiguous;  logits (T, E) of L contiguous
-// Work split: one warp per (t, e) pair (8 warps per CTA, consecutive warps take consecutive e of
-// one token so r's row is shared through L1); lanes stride over H and reduce by shuffles.
-template <DType R, DType P, DType L>
-__global__ void router_dense_logits_kernel(const typename Elem<R>::storage* __restrict__ r,
-                                           const typename Elem<P>::storage* __restrict__ proj, int64_t T, int64_t E,
-                                           int64_t H, typename Elem<L>::storage* __restrict__ logits) {
-  const int lane = threadIdx.x & 31;
-  const int64_t pair = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + (threadIdx.x >> 5);
-  if (pair >= T * E) return;
-  const int64_t t = pair / E;
-  const int64_t e = pair - t * E;
-  float acc = 0.0f;
-  for (int64_t i = lane; i < H; i += 32)
-    acc = __fadd_rn(acc, __fmul_rn(Elem<R>::load(r[t * H + i]), Elem<P>::load(proj[e * H + i])));
-  for (int off = 16; off > 0; off >>= 1) acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, off));
-  if (lane == 0) logits[pair] = Elem<L>::store(acc);
 }
 
 // Top-k over each token's logits, softmax over the k, times per_expert_scale.
@@ -210,20 +191,9 @@ void route_into(const Tensor& h, const RouterWeights& router, int32_t* indices, 
     if (split_bytes) p.split_k_scratch = arena_at(base, split_off);
     gather_qmm_into(p, logits, &ws);
   } else {
-    const Tensor proj = router.proj_dense.contiguous();
-    dispatch_float(h_dtype, op, [&](auto rtag) {
-      constexpr DType R = decltype(rtag)::value;
-      dispatch_float(proj.dtype(), op, [&](auto ptag) {
-        constexpr DType P = decltype(ptag)::value;
-        dispatch_float(logit_dtype, op, [&](auto ltag) {
-          constexpr DType L = decltype(ltag)::value;
-          router_dense_logits_kernel<R, P, L><<<ctas_for(T * E, kWarpsPerCta), kWarpsPerCta * 32, 0, stream>>>(
-              static_cast<const typename Elem<R>::storage*>(r), proj.data_as<const typename Elem<P>::storage>(), T, E, H,
-              static_cast<typename Elem<L>::storage*>(logits));
-          EXPERTQMM_CUDA_CHECK_LAUNCH(router_dense_logits_kernel);
-        });
-      });
-    });
+    // A 16-bit (or f32) projection: the dense linear's gather_mm routes (tiles at prefill, gemv at
+    // decode sizes), r widened to the logit dtype there when they differ.
+    dense_linear_into(r, h_dtype, T, router.proj_dense, logit_dtype, logits, ws);
   }
 
   dispatch_float(logit_dtype, op, [&](auto ltag) {

@@ -145,7 +145,9 @@ static std::string router_suffix(RouterKind kind, bool norm_topk_prob) {
 
 std::string MoeGeometry::name() const {
   return detail::cat("H", H, "_I", I, "_E", E, "_k", k, "_", quant(bits, group, mode), "_router",
-                     router_bits ? detail::cat("q", router_bits) : std::string("dense"), fused ? "_gateup" : "_gate_up",
+                     router_mode != QuantMode::affine ? std::string(quant_mode_name(router_mode))
+                     : router_bits                    ? detail::cat("q", router_bits)
+                                                      : std::string("dense"), fused ? "_gateup" : "_gate_up",
                      "_", activation_name(act), "_", short_dtype(dtype), router_suffix(router, norm_topk_prob));
 }
 
@@ -308,10 +310,13 @@ void gather_qmm_rows(Table& t) {
   add(t, small, refusal(batched_of("", {DType::bf16, 4, 32, 6, 128, 100}, 3, 2, 5, false), "rhs_tiles", "quantization"));
   add(t, small, picks(rows_of("", {DType::f32, 4, 32, 4, 72, 160}, sorted(50)), "simt"));
   // MLX's fp modes (E2M1 / E4M3 codes, uint8 scales): qmv (bf16 / f16, decode sizes; E2M1 / E4M3
-  // decoded by bit placement) and simt compute them; the tile routes refuse them (quantization), so
-  // the selector picks simt beyond qmv's rows and for f32 or transpose=false. qmv's single-word
-  // kernels: w one word off (mx modes: rows are always whole uint4s), K = 144 (nvfp4: 18 words; the
-  // mx modes' group of 32 needs K = 160 instead).
+  // decoded by bit placement), the expert tile route (bf16, sorted rows beyond qmv's: the mma.sync
+  // kernel for every mode, the wgmma one for mxfp4 / nvfp4), rhs_tiles (bf16, its BM=16 kernels and
+  // their split-K: unsorted rows, top-k, batched, the router's projection) and simt compute them;
+  // rhs_tiles' BM 32 / 64 and the wgmma kernel for mxfp8 refuse them (quantization), f16 and f32 go
+  // past the tiles (dtype), so the selector picks simt for f16 / f32 prefill rows and for
+  // transpose=false. qmv's single-word kernels: w one word off (mx modes: rows are always
+  // whole uint4s), K = 144 (nvfp4: 18 words; the mx modes' group of 32 needs K = 160 instead).
   for (QuantMode mode : {QuantMode::mxfp4, QuantMode::mxfp8, QuantMode::nvfp4}) {
     const int64_t odd_k = mode == QuantMode::nvfp4 ? 144 : 160;
     auto fp = [&](GatherQmmCase c) {
@@ -333,10 +338,44 @@ void gather_qmm_rows(Table& t) {
     }
     add(t, small, picks(fp(batched_of("", {DType::bf16, 4, 64, 6, 96, 64}, 3, 2, 5, false)), "simt"));
     add(t, small, picks(fp(batched_of("", {DType::bf16, 4, 64, 8, 200, 192}, 4, 3, 7)), "qmv"));
-    add(t, large, picks(fp(rows_of("", {DType::bf16, 4, 64, 128, 200, 448}, sorted(300))), "simt"));
+    add(t, large, picks(fp(rows_of("", {DType::bf16, 4, 64, 128, 200, 448}, sorted(300))), "expert_tiles"));
+    add(t, large, picks(fp(rows_of("", {DType::bf16, 4, 64, 8, 136, 384}, uniform(300))), "rhs_tiles"));
+    add(t, large, picks(fp(topk_of("", {DType::bf16, 4, 64, 8, 200, 256}, 40, 2)), "rhs_tiles"));
+    add(t, small, fp(batched_of("rhs_tiles", {DType::bf16, 4, 64, 8, 200, 192}, 4, 3, 7)));
+    add(t, small, fp(rows_of("rhs_tiles_bm16", {DType::bf16, 4, 64, 8, 136, 448}, uniform(100))));
+    // Split-K of the BM=16 tiles: the router's projection (N = 128, K = 2816) as sorted-less rows
+    // and as x [1, T, K], one batch element.
+    GatherQmmCase router_rows = fp(rows_of("rhs_tiles", {DType::bf16, 4, 64, 4, 128, 2816}, uniform(300)));
+    router_rows.split_k = true;
+    add(t, small, router_rows);
+    GatherQmmCase router_batch = fp(batched_of("rhs_tiles", {DType::bf16, 4, 64, 1, 128, 2816}, 1, 300, 1));
+    router_batch.split_k = true;
+    add(t, small, router_batch);
+    add(t, large, picks(fp(rows_of("", {DType::f16, 4, 64, 8, 136, 384}, sorted(300))), "simt"));
+    add(t, small, refusal(fp(rows_of("", {DType::f16, 4, 64, 8, 136, 384}, sorted(300))), "expert_tiles_mma_sync", "dtype"));
     const GatherQmmCase sorted_rows = fp(rows_of("", {DType::bf16, 4, 64, 8, 136, 384}, sorted(300)));
-    for (const char* r : {"rhs_tiles", "rhs_tiles_bm16", "expert_tiles_mma_sync", "expert_tiles_wgmma"})
-      add(t, small, refusal(sorted_rows, r, "quantization"));
+    for (const char* r : {"rhs_tiles_bm32", "rhs_tiles_bm64"}) add(t, small, refusal(sorted_rows, r, "quantization"));
+    const bool wgmma = mode != QuantMode::mxfp8;  // 4-bit codes only
+    if (!wgmma) add(t, small, refusal(sorted_rows, "expert_tiles_wgmma", "quantization"));
+    // The expert tile route (both kernels' kFp): row counts past qmv's crossing the plan's tile classes
+    // (72 = 64 + 8, 200 and 520 over 8 experts: full 64-row tiles and tails of every class; tails:
+    // expert e owns 1 + 9e rows), K = 384 and 448 (an odd count of 64-wide k tiles: an mx mode's
+    // pair of groups sits in either half of its staged word), N off the 128-column grid; the
+    // selector must pick it (a counted hit) and each pinned kernel must agree. Gemma 4's gate / up
+    // (704 x 2816) and down (2816 x 704: 11 k tiles) at 520 rows over 128 experts.
+    for (int64_t K : {384, 448})
+      for (const Ids& ids : {sorted(72), sorted(200), sorted(520), tails(9)}) {
+        const GatherQmmCase c = fp(rows_of("", {DType::bf16, 4, 64, 8, K == 384 ? 136 : 200, K}, ids));
+        add(t, ids.n == 72 ? small : large, picks(c, "expert_tiles"));
+        for (const char* r : {"expert_tiles_mma_sync", "expert_tiles_wgmma"}) {
+          if (!wgmma && std::string(r) == "expert_tiles_wgmma") continue;
+          GatherQmmCase pinned = c;
+          pinned.route = r;
+          add(t, large, pinned);
+        }
+      }
+    add(t, large, picks(fp(rows_of("", {DType::bf16, 4, 64, 128, 704, 2816}, sorted(520))), "expert_tiles"));
+    add(t, large, picks(fp(rows_of("", {DType::bf16, 4, 64, 128, 2816, 704}, sorted(520))), "expert_tiles"));
   }
   // Row counts from decode to long prefill (tokens x top-k over E), sorted rows and unsorted top-k.
   struct Rows {
@@ -485,8 +524,8 @@ void moe_rows(Table& t) {
     add(t, small, SwitchGluCase{g, 9, true});
   }
   for (int64_t T : {2, 40}) add(t, small, MoeLayerCase{MoeGeometry{}, T, MoePath::automatic});
-  // Experts in MLX's fp modes: the layer plan runs their GEMMs on qmv / simt (the decode layer and the
-  // tile routes refuse them); decode (T * k <= 64) and sorted prefill sizes.
+  // Experts in MLX's fp modes: the decode layer (mxfp4 / nvfp4 in bf16, T * k <= 64), qmv (mxfp8 and
+  // f16 at decode sizes) and the expert tile route's mma.sync kernel (sorted prefill rows, bf16).
   for (QuantMode mode : {QuantMode::mxfp4, QuantMode::mxfp8, QuantMode::nvfp4})
     for (bool fused : {false, true}) {
       MoeGeometry g;
@@ -524,6 +563,28 @@ void moe_rows(Table& t) {
   }
   for (const auto& d : decode)
     for (int64_t T : d.second) add(t, large, MoeLayerCase{d.first, T, MoePath::decode});
+  // The decode layer's fp4 kernels (mxfp4 group 32, nvfp4 group 16; bf16): separate and fused
+  // gate_up, both activations, Gemma 4's geometry, k from 2 to 8 (T = 1 / 8: one and eight rows per
+  // expert group; 3: rows shared by tokens); routers affine 8-bit and in each fp mode (the router
+  // kernel's kFp), which the general path (rhs_tiles / qmv) also runs at T = 40.
+  for (QuantMode mode : {QuantMode::mxfp4, QuantMode::nvfp4}) {
+    const int group = quant_mode_group_size(mode);
+    std::vector<MoeGeometry> fp_decode = {{2816, 704, 16, 8, 4, group, 8, false, Activation::geglu, DType::bf16},
+                                          {320, 96, 16, 4, 4, group, 8, true, Activation::swiglu, DType::bf16},
+                                          {256, 128, 8, 2, 4, group, 8, false, Activation::geglu, DType::bf16}};
+    for (MoeGeometry& g : fp_decode) {
+      g.mode = mode;
+      for (int64_t T : {1, 3, 8}) add(t, large, MoeLayerCase{g, T, MoePath::decode});
+    }
+    for (QuantMode router : {QuantMode::mxfp4, QuantMode::mxfp8, QuantMode::nvfp4}) {
+      MoeGeometry g = fp_decode[1];
+      g.mode = mode;
+      g.router_mode = router;
+      g.router_bits = quant_mode_bits(router);
+      for (int64_t T : {1, 8}) add(t, large, MoeLayerCase{g, T, MoePath::decode});
+      add(t, large, MoeLayerCase{g, 40, MoePath::automatic});
+    }
+  }
   // Qwen3-MoE: the softmax_topk router and SwiGLU experts through the same layer. Qwen3-30B-A3B's
   // geometry on the decode layer (forced, and against the general path) and at decode, sorted and
   // prefill sizes as the library picks; small ones, with and without renormalisation, on both
@@ -553,6 +614,8 @@ void route_rows(Table& t) {
   add(t, large, RouteCase{128, 256, 8, DType::f32, 8, 64, 37, true});
   add(t, large, RouteCase{128, 512, 8, DType::bf16, 8, 64, 64, false});
   add(t, large, RouteCase{64, 256, 2, DType::bf16, 0, 64, 33, false});
+  // Gemma 4's router with a bf16 projection at prefill (the dense linear's tile route) and decode.
+  for (int64_t T : {512, 3}) add(t, large, RouteCase{128, 2816, 8, DType::bf16, 0, 64, T, false});
   add(t, large, RouteCase{1024, 64, 8, DType::f32, 0, 64, 5, true});  // wide expert counts
   add(t, large, RouteCase{8, 64, 8, DType::f32, 0, 64, 3, true});     // top-k = E
   // Quantized projections of every width and group size, both half dtypes, off the tile grids.

@@ -97,6 +97,7 @@ struct MoeGeometry {
   RouterKind router = RouterKind::gemma4;  // softmax_topk: Qwen3-MoE's (router reads un-normalised h)
   bool norm_topk_prob = true;
   QuantMode mode = QuantMode::affine;  // the experts' (an fp mode: its own bits and group size)
+  QuantMode router_mode = QuantMode::affine;  // the router projection's (an fp mode: router_bits its bits)
   std::string name() const;
 };
 

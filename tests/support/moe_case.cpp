@@ -146,14 +146,14 @@ void expect_routing_match(const Tensor& h, const RouterWeights& r, bool exact, c
 }  // namespace
 
 RouterWeights random_router(int64_t E, int64_t H, int k, DType dtype, int proj_bits, int group, RouterKind kind,
-                            bool norm_topk_prob) {
+                            bool norm_topk_prob, QuantMode mode) {
   RouterWeights r;
   r.kind = kind;
   r.top_k = k;
   r.norm_topk_prob = norm_topk_prob;
   const bool gemma4 = kind == RouterKind::gemma4;
   const float proj_scale = gemma4 ? 1.0f : 1.0f / std::sqrt(static_cast<float>(H));
-  if (proj_bits) r.proj = quantized({E, H}, proj_bits, group, proj_scale, dtype);
+  if (proj_bits) r.proj = quantized({E, H}, proj_bits, group, proj_scale, dtype, mode);
   else r.proj_dense = random_tensor({E, H}, dtype, proj_scale);
   if (gemma4) {
     r.scale = around_one(H, 0.1f, dtype);
@@ -190,7 +190,9 @@ Layer make_layer(const MoeGeometry& g) {
     w.up = quantized({g.E, g.I, g.H}, g.bits, g.group, 0.05f, g.dtype, g.mode);
   }
   w.down = quantized({g.E, g.H, g.I}, g.bits, g.group, 0.05f, g.dtype, g.mode);
-  l.cpu.router = random_router(g.E, g.H, g.k, g.dtype, g.router_bits, 64, g.router, g.norm_topk_prob);
+  const int router_group = g.router_mode == QuantMode::affine ? 64 : quant_mode_group_size(g.router_mode);
+  l.cpu.router = random_router(g.E, g.H, g.k, g.dtype, g.router_bits, router_group, g.router, g.norm_topk_prob,
+                               g.router_mode);
   l.gpu.experts = experts_to(w, Device::cuda);
   l.gpu.router = router_to(l.cpu.router, Device::cuda);
   return l;

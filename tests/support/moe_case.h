@@ -33,8 +33,10 @@ using DecodeSwitchGuard = SettingGuard<RouteSwitch, decode_layer_setting, set_de
 // quantized, logits ~ N(0, 1); 0: a dense [E, H] one); a gemma4 router also gets RMSNorm scale
 // ~ 1 + 0.1 N(0, 1) and per-expert scale ~ 1 + 0.2 N(0, 1). A softmax_topk one reads un-normalised
 // h, so its projection is scaled by H^-1/2 to keep the logits ~ N(0, 1).
+// mode: the projection's quantization mode (an fp mode: proj_bits and group must be its own).
 RouterWeights random_router(int64_t E, int64_t H, int k, DType dtype, int proj_bits = 8, int group = 64,
-                            RouterKind kind = RouterKind::gemma4, bool norm_topk_prob = true);
+                            RouterKind kind = RouterKind::gemma4, bool norm_topk_prob = true,
+                            QuantMode mode = QuantMode::affine);
 RouterWeights router_to(const RouterWeights& r, Device device);
 SwitchGLUWeights experts_to(const SwitchGLUWeights& w, Device device);
 

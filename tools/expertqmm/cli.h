@@ -7,6 +7,8 @@
 #include <utility>
 #include <vector>
 
+#include "json_out.h"
+
 #define EXPERTQMM_VERSION_STRING "0.1.0"
 
 namespace expertqmm::cli {
@@ -55,10 +57,6 @@ class Args {
   std::vector<std::pair<std::string, std::string>> kv_;
 };
 
-// The bench commands' JSON helpers (cmd_bench.cpp): a quoted, escaped JSON string; the commit the
-// results belong to (EXPERTQMM_COMMIT, else git HEAD, else "unknown").
-std::string json_string(const std::string& s);
-std::string commit_id();
 
 // Stage messages on stderr ("generating weights ..."), so that a run of seconds is not silent.
 struct Progress {

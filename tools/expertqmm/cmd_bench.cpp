@@ -26,16 +26,15 @@
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <memory>
-#include <thread>
 
 #include "core/float16.h"
 #include "cuda/check.cuh"
 #include "expertqmm/safetensors.h"
 #include "reference.h"
+#include "replay_timing.h"
 #include "synthetic.h"
 #endif
 
@@ -104,7 +103,6 @@ int run_bench(int argc, char** argv) {
 namespace {
 
 constexpr int kWeightCopies = 4;      // distinct weight copies replayed round robin
-constexpr int kReplaysPerGate = 8;    // replays enqueued behind one host gate (see time_layer)
 constexpr double kTolerance = 1e-2;   // docs/numerics.md, bf16 vs float64
 constexpr double kZipfExponent = 1.1;
 constexpr int kMinProtocolReplays = 50;
@@ -116,87 +114,10 @@ constexpr int kMinProtocolReplays = 50;
       throw ::expertqmm::Error("bench", ::expertqmm::detail::cat(#call, " failed: cuBLAS status ", int(st_))); \
   } while (0)
 
-// Owning device buffer outside the library's caching allocator, so the ceilings' big buffers
-// are really returned before the weights are made.
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  explicit DeviceBuffer(size_t bytes) { EXPERTQMM_CUDA_CHECK(cudaMalloc(&ptr, bytes)); }
-  ~DeviceBuffer() { cudaFree(ptr); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-};
-
-struct EventPairs {
-  std::vector<cudaEvent_t> start, stop;
-  explicit EventPairs(int n) : start(n, nullptr), stop(n, nullptr) {
-    for (int i = 0; i < n; ++i) {
-      EXPERTQMM_CUDA_CHECK(cudaEventCreate(&start[i]));
-      EXPERTQMM_CUDA_CHECK(cudaEventCreate(&stop[i]));
-    }
-  }
-  ~EventPairs() {
-    for (size_t i = 0; i < start.size(); ++i) {
-      if (start[i]) cudaEventDestroy(start[i]);
-      if (stop[i]) cudaEventDestroy(stop[i]);
-    }
-  }
-  // Elapsed microseconds of every pair (the stream must be synchronized).
-  std::vector<double> elapsed_us() const {
-    std::vector<double> us(start.size());
-    for (size_t i = 0; i < start.size(); ++i) {
-      float ms = 0;
-      EXPERTQMM_CUDA_CHECK(cudaEventElapsedTime(&ms, start[i], stop[i]));
-      us[i] = double(ms) * 1e3;
-    }
-    return us;
-  }
-};
-
-struct Stats {
-  double median = 0, p10 = 0, p90 = 0;
-};
-
-Stats stats_of(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  Stats s;
-  s.median = n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-  s.p10 = v[size_t(0.1 * double(n - 1) + 0.5)];
-  s.p90 = v[size_t(0.9 * double(n - 1) + 0.5)];
-  return s;
-}
-
-// Host gates: each holds the stream behind a host function until it is opened, so that a batch of
-// replays is fully enqueued before the device starts it and no timed region includes host launch
-// latency. The flags live until the stream has drained (a host function may still read its flag
-// after the batch loop moved on); the destructor opens every gate first, also after an error.
-class HostGates {
- public:
-  explicit HostGates(cudaStream_t s) : stream_(s) {}
-  ~HostGates() {
-    open_all();
-    cudaStreamSynchronize(stream_);
-  }
-  HostGates(const HostGates&) = delete;
-  HostGates& operator=(const HostGates&) = delete;
-  // Enqueues a closed gate; returns its index for open().
-  size_t close() {
-    flags_.push_back(std::make_unique<std::atomic<bool>>(false));
-    EXPERTQMM_CUDA_CHECK(cudaLaunchHostFunc(stream_, &HostGates::wait, flags_.back().get()));
-    return flags_.size() - 1;
-  }
-  void open(size_t i) { flags_[i]->store(true); }
-  void open_all() {
-    for (auto& f : flags_) f->store(true);
-  }
-
- private:
-  static void CUDART_CB wait(void* flag) {
-    while (!static_cast<std::atomic<bool>*>(flag)->load()) std::this_thread::yield();
-  }
-  cudaStream_t stream_;
-  std::vector<std::unique_ptr<std::atomic<bool>>> flags_;
-};
+using timing::DeviceBuffer;
+using timing::EventPairs;
+using timing::Stats;
+using timing::stats_of;
 
 struct Ceilings {
   double copy_gbps = 0;    // bytes read + written per second / 1e9
@@ -289,15 +210,7 @@ void count_nodes(cudaGraph_t graph, NodeCounts& c) {
   }
 }
 
-// The captured layer of each weight copy; destroys what it holds.
-struct Graphs {
-  std::vector<cudaGraph_t> graphs;
-  std::vector<cudaGraphExec_t> execs;
-  ~Graphs() {
-    for (cudaGraphExec_t e : execs) cudaGraphExecDestroy(e);
-    for (cudaGraph_t g : graphs) cudaGraphDestroy(g);
-  }
-};
+using timing::Graphs;
 
 struct Measurement {
   Stats us;
@@ -308,7 +221,7 @@ struct Measurement {
 
 // Captures moe_layer_into for every copy and times `replays` replays round robin.
 Measurement time_layer(Tensor& out, const Tensor& h, const std::vector<MoeWeights>& copies, int replays,
-                       cudaStream_t stream, const DeviceBuffer& flush, size_t flush_bytes) {
+                       cudaStream_t stream, const DeviceBuffer& flush) {
   Workspace ws;
   diagnostics::reset();
   // Warm-up: grows the workspace to this token count and runs first-use setup, so that the
@@ -317,29 +230,8 @@ Measurement time_layer(Tensor& out, const Tensor& h, const std::vector<MoeWeight
   cuda_check();
 
   Graphs g;
-  for (const MoeWeights& w : copies) {
-    EXPERTQMM_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    cudaGraph_t graph = nullptr;
-    try {
-      moe_layer_into(out, h, h, w, ws);
-    } catch (const std::exception& e) {
-      cudaStreamEndCapture(stream, &graph);
-      if (graph) cudaGraphDestroy(graph);
-      cudaGetLastError();
-      throw Error("bench", detail::cat("moe_layer_into failed under CUDA graph capture: ", e.what()));
-    }
-    const cudaError_t end = cudaStreamEndCapture(stream, &graph);
-    if (end != cudaSuccess) {
-      if (graph) cudaGraphDestroy(graph);
-      cudaGetLastError();
-      throw Error("bench", detail::cat("capturing moe_layer_into failed (", cudaGetErrorString(end),
-                                       "): the warmed-up path must not allocate or synchronize"));
-    }
-    g.graphs.push_back(graph);
-    cudaGraphExec_t exec = nullptr;
-    EXPERTQMM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    g.execs.push_back(exec);
-  }
+  for (const MoeWeights& w : copies)
+    timing::capture_into(g, stream, "moe_layer_into", [&] { moe_layer_into(out, h, h, w, ws); });
   Measurement m;
   count_nodes(g.graphs[0], m.nodes);
   m.workspace_bytes = ws.bytes_held();
@@ -348,36 +240,14 @@ Measurement time_layer(Tensor& out, const Tensor& h, const std::vector<MoeWeight
   for (int r = 0; r < 2 * n_copies; ++r) EXPERTQMM_CUDA_CHECK(cudaGraphLaunch(g.execs[r % n_copies], stream));
   cuda_check();
 
-  EventPairs ev(replays);
-  {
-    HostGates gates(stream);
-    for (int first = 0; first < replays; first += kReplaysPerGate) {
-      const size_t gate = gates.close();
-      for (int r = first; r < std::min(replays, first + kReplaysPerGate); ++r) {
-        // The flush writes 2x the L2 so that no weight of the previous replay stays resident.
-        EXPERTQMM_CUDA_CHECK(cudaMemsetAsync(flush.ptr, r & 0xff, flush_bytes, stream));
-        EXPERTQMM_CUDA_CHECK(cudaEventRecord(ev.start[r], stream));
-        EXPERTQMM_CUDA_CHECK(cudaGraphLaunch(g.execs[r % n_copies], stream));
-        EXPERTQMM_CUDA_CHECK(cudaEventRecord(ev.stop[r], stream));
-      }
-      gates.open(gate);
-    }
-  }  // drains the stream
+  const std::vector<double> us = timing::timed_replays(g.execs, replays, stream, flush);
   cuda_check();
-  m.us = stats_of(ev.elapsed_us());
+  m.us = stats_of(us);
   m.counters = diagnostics::snapshot();
   return m;
 }
 
-// ---- JSON (a writer small enough to read) ----
-
-
-std::string json_number(double v) {
-  if (!(v == v) || v > 1e300 || v < -1e300) return "null";  // JSON has no NaN / Inf
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.6g", v);
-  return buf;
-}
+// ---- JSON (json_out.h has the writer's helpers) ----
 
 std::string counters_json(const std::vector<RouteCounters>& counters) {
   std::ostringstream s;
@@ -394,15 +264,6 @@ std::string counters_json(const std::vector<RouteCounters>& counters) {
   return s.str() + "]";
 }
 
-
-std::string utc_now() {
-  std::time_t now = std::time(nullptr);
-  std::tm tm{};
-  gmtime_r(&now, &tm);
-  char buf[32];
-  std::strftime(buf, sizeof(buf), "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return buf;
-}
 
 const char* product_name(ProductMode m) { return m == ProductMode::fused ? "fused" : "separate"; }
 
@@ -438,37 +299,6 @@ void export_weights(const std::string& dir, const Preset& p, const SwitchGLUWeig
 
 }  // namespace
 
-std::string json_string(const std::string& s) {
-  std::string r = "\"";
-  for (char ch : s) {
-    const unsigned char c = static_cast<unsigned char>(ch);
-    if (c == '"' || c == '\\') {
-      r += '\\';
-      r += ch;
-    } else if (c < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-      r += buf;
-    } else {
-      r += ch;
-    }
-  }
-  return r + "\"";
-}
-
-std::string commit_id() {
-  if (const auto env = detail::environment_variable("EXPERTQMM_COMMIT"))
-    if (!env->empty()) return *env;
-  std::string out;
-  if (FILE* p = popen("git rev-parse --verify -q HEAD 2>/dev/null", "r")) {
-    char buf[128];
-    while (std::fgets(buf, sizeof(buf), p)) out += buf;
-    pclose(p);
-  }
-  while (!out.empty() && (out.back() == '\n' || out.back() == '\r')) out.pop_back();
-  return out.empty() ? "unknown" : out;
-}
-
 int run_bench(int argc, char** argv) {
   if (Args(argc, argv).has("model")) return run_bench_model(argc, argv);
   if (Args(argc, argv).has("help")) return print_usage(), 0;
@@ -501,10 +331,7 @@ int run_bench(int argc, char** argv) {
   std::printf("device %s: copy %.0f GB/s (read + write), bf16 GEMM %.0f TFLOP/s\n", cuda_device_name(),
               ceilings.copy_gbps, ceilings.bf16_tflops);
 
-  int device = 0, l2_bytes = 0;
-  EXPERTQMM_CUDA_CHECK(cudaGetDevice(&device));
-  EXPERTQMM_CUDA_CHECK(cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, device));
-  const size_t flush_bytes = std::max<size_t>(size_t(2) * size_t(l2_bytes), size_t(64) << 20);
+  const size_t flush_bytes = timing::l2_flush_bytes();
   DeviceBuffer flush(flush_bytes);
 
   size_t free_bytes = 0, total_bytes = 0;
@@ -576,7 +403,7 @@ int run_bench(int argc, char** argv) {
     for (ProductMode mode : o.products) {
       set_product_mode(mode);
       set_expert_tiles(tiles);
-      const Measurement m = time_layer(out, h, copies, o.replays, stream, flush, flush_bytes);
+      const Measurement m = time_layer(out, h, copies, o.replays, stream, flush);
       const std::vector<float> got = host_floats(out);
       double err = 0;
       for (size_t n = 0; n < checked.size(); ++n) {

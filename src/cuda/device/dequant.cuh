@@ -145,6 +145,56 @@ struct PackedDequant<__half> {
   static __device__ __forceinline__ uint32_t as_bits(__half2 v) { return *reinterpret_cast<uint32_t*>(&v); }
 };
 
+// The fp modes' B fragment for bf16 (tile_gemm's kFp): one register of two bf16 weights, the low
+// half the lower k, each the exact E2M1 / E4M3 value times the group's decoded scale. A code's
+// magnitude bits go under the bf16 exponent's lowest bits (E2M1: 3 bits at bits 6-8, giving
+// 2^-126 * value; E4M3: 7 bits at bits 4-10, 2^-120 * value; the zero-exponent codes land on bf16
+// subnormals, which the bf16 multiply keeps) and one exact multiply by 2^126 / 2^120 restores the
+// value. Times the scale (a power of two for E8M0, an E4M3 value for nvfp4) the product has at most
+// 4 significant bits, so it is exact, as the CPU's fp32 value * scale, unless it leaves bf16's (=
+// fp32's) normal range. Lane roles as PackedDequant<bf16>: nibble_selector / byte_selector below.
+struct FpDequantBf16 {
+  static __device__ __forceinline__ uint32_t nibble_selector(int t) { return PackedDequant<__nv_bfloat16>::nibble_selector(t); }
+  // byte t%2's pair of codes into bytes 0 and 2, zeros in bytes 1 and 3.
+  static __device__ __forceinline__ uint32_t byte_selector(int t) { return 0x4140u + 0x0202u * (t & 1); }
+  static __device__ __forceinline__ uint32_t e2m1(uint32_t word, uint32_t selector, uint32_t scale2) {
+    return e2m1_pair(__byte_perm(word, word >> 4, selector), scale2);
+  }
+  // The E2M1 codes at bits 0-3 (low half) and 16-19 (high half) of y, other bits ignored, times
+  // scale2 (the decode kernels' A pairs: y = word >> 4j holds codes j and j + 4).
+  static __device__ __forceinline__ uint32_t e2m1_pair(uint32_t y, uint32_t scale2) {
+    const uint32_t bits = and_or(y << 12, 0x80008000u, (y << 6) & 0x01C001C0u);  // sign | magnitude
+    return mul(mul(bits, 0x7E807E80u), scale2);  // * 2^126, * scale
+  }
+  static __device__ __forceinline__ uint32_t e4m3(uint32_t word, uint32_t selector, uint32_t scale2) {
+    const uint32_t y = __byte_perm(word, 0u, selector);  // codes at bits 0-7 and 16-23
+    const uint32_t magnitude = y & 0x007F007Fu;
+    const uint32_t bits = and_or(y << 8, 0x80008000u, magnitude << 4);
+    const uint32_t nan = __vcmpeq2(magnitude, 0x007F007Fu);  // 0x7F / 0xFF: NaN (0xFFFF), as MLX decodes
+    return mul(mul(bits, 0x7B807B80u), scale2) | nan;       // * 2^120, * scale
+  }
+  // A group's scale code as a bf16 pair: E8M0 2^(s-127) is the bf16 with exponent field s (s = 0:
+  // the subnormal 2^-127; s = 255: inf, as core/fp_codes.h); an E4M3 code through its fp32 value
+  // (3 mantissa bits: exact in bf16).
+  static __device__ __forceinline__ uint32_t scale_pair(uint32_t code, bool e4m3_scale) {
+    uint32_t bits;
+    if (e4m3_scale) {
+      const uint32_t magnitude = code & 0x7Fu;
+      const float v = magnitude == 0x7Fu ? __uint_as_float(0x7fc00000u) : __uint_as_float(magnitude << 20) * 0x1p120f;
+      bits = (__float_as_uint(v) >> 16) | ((code & 0x80u) << 8);  // exact: the low 16 bits are zero
+    } else {
+      bits = code == 0 ? 0x0040u : code << 7;
+    }
+    return bits | (bits << 16);
+  }
+
+ private:
+  static __device__ __forceinline__ uint32_t mul(uint32_t a, uint32_t b) {
+    const __nv_bfloat162 p = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
+    return *reinterpret_cast<const uint32_t*>(&p);
+  }
+};
+
 // The bias M of biased_code_pairs: the T value whose ulp is 1 (bf16 128, f16 1024).
 template <class T>
 constexpr float kCodeBias = std::is_same<T, __nv_bfloat16>::value ? 128.0f : 1024.0f;

@@ -28,18 +28,23 @@
 //       all 32 banks
 //   ss, bs  (BN,) uint32: the aligned word of scales/biases that holds this k tile's group(s)
 //       (one 4-byte cp.async per row; the group sits in the low or high half, see scale_half)
+//       kFp (MLX's fp modes, bf16): ss only; make_tile_args views the uint8 scale codes as uint16
+//       pairs of groups, so the same staging brings a k tile's 2 (mxfp4 / mxfp8, group 32) or 4
+//       (nvfp4, group 16) codes, and each k16 step decodes its group's scale (FpDequantBf16).
 // Before the stages: (BM,) int64 x offset per row, -1 for rows to skip (past the end, bad lhs).
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/device/cp_async.cuh"
 #include "cuda/device/dequant.cuh"
 #include "cuda/device/quant_view.cuh"
 #include "cuda/device/mma.cuh"
 #include "cuda/runtime.cuh"
+#include "expertqmm/quant.h"
 
 namespace expertqmm::cuda::device {
 
@@ -113,7 +118,9 @@ struct TileLayout {
 // `smem` holds TileLayout<Cfg, kBits>::kSmemBytes. An out-of-range expert or lhs id is recorded
 // in the fault word and its rows are skipped. Ends with a barrier, so calls may follow each other.
 // kSplitK: only the k tiles of slice blockIdx.z, stored unrounded to split_k.partial (see SplitK).
-template <class Cfg, class T, int kBits, bool kSplitK = false>
+// kFp: codes of an fp mode (E2M1 for 4-bit, E4M3 for 8-bit; T = bf16), scales as make_tile_args
+// lays them out for it, no biases.
+template <class Cfg, class T, int kBits, bool kSplitK = false, bool kFp = false>
 __device__ __forceinline__ void tile_gemm(const TileArgs& a, int expert, int64_t row0, int load_rows,
                                           int store_begin, int store_end, int n_block, unsigned char* smem,
                                           SplitK split_k = {nullptr, 1}) {
@@ -160,7 +167,7 @@ __device__ __forceinline__ void tile_gemm(const TileArgs& a, int expert, int64_t
   // source inside the first row of their tensor, which stays a valid address for every k tile.
   constexpr int kXChunks = Cfg::BM * 8;                  // 16-byte x chunks per k tile
   constexpr int kWChunks = Cfg::BN * L::kChunksPerRow;  // 16-byte weight chunks per k tile
-  constexpr int kParamWords = 2 * Cfg::BN;              // scale words, then bias words
+  constexpr int kParamWords = (kFp ? 1 : 2) * Cfg::BN;  // scale words, then bias words (affine)
   constexpr int kXCopies = (kXChunks + Cfg::THREADS - 1) / Cfg::THREADS;
   constexpr int kWCopies = (kWChunks + Cfg::THREADS - 1) / Cfg::THREADS;
   constexpr int kParamCopies = (kParamWords + Cfg::THREADS - 1) / Cfg::THREADS;
@@ -230,7 +237,11 @@ __device__ __forceinline__ void tile_gemm(const TileArgs& a, int expert, int64_t
   const int g = lane >> 2, t = lane & 3;
   const int warp_col = warp * Cfg::WARP_N;
   using Dequant = PackedDequant<T>;
-  const uint32_t code_selector = kBits == 4 ? Dequant::nibble_selector(t) : Dequant::byte_selector(t);
+  static_assert(!kFp || std::is_same<T, __nv_bfloat16>::value, "the fp modes' tiles decode to bf16");
+  using FpDequant = FpDequantBf16;
+  const uint32_t code_selector = kFp ? (kBits == 4 ? FpDequant::nibble_selector(t) : FpDequant::byte_selector(t))
+                                     : (kBits == 4 ? Dequant::nibble_selector(t) : Dequant::byte_selector(t));
+  const bool e4m3_scales = a.q.fp_mode == static_cast<int>(QuantMode::nvfp4);  // else E8M0 (kFp only)
 
   // Parity of each owned column's first group element: with an odd group count per row the
   // group of a k tile may sit in the high half of its staged word.
@@ -283,13 +294,31 @@ __device__ __forceinline__ void tile_gemm(const TileArgs& a, int expert, int64_t
         col_bias[j] = broadcast_half(bs[row], high);
       }
     };
-    read_params(false);
+    // kFp: each owned column's scale codes of this k tile, byte s for k16 step s: nvfp4's four
+    // groups of 16 as staged; the mx modes' two groups of 32 (a 16-bit half) each doubled.
+    uint32_t col_codes[kFp ? Cfg::N8_TILES : 1];
+    if constexpr (kFp) {
+#pragma unroll
+      for (int j = 0; j < Cfg::N8_TILES; ++j) {
+        const int row = warp_col + 8 * j + g;
+        const bool high = (col_parity[j] ^ tile_parity) != 0;
+        col_codes[j] = two_groups_per_tile ? ss[row] : __byte_perm(ss[row], 0u, high ? 0x3322u : 0x1100u);
+      }
+    } else {
+      read_params(false);
+    }
 
     constexpr bool kWideWordLoads = Cfg::M16_TILES <= 2;
     uint4 w4[kWideWordLoads ? Cfg::N8_TILES : 1];  // 4-bit: each column's 16-byte chunk (two k16 steps)
 #pragma unroll
     for (int s = 0; s < 4; ++s) {  // k16 steps: k = 16s .. 16s+15 of the tile
-      if (s == 2 && two_groups_per_tile) read_params(true);
+      if constexpr (kFp) {
+#pragma unroll
+        for (int j = 0; j < Cfg::N8_TILES; ++j)
+          col_scale[j] = FpDequant::scale_pair((col_codes[j] >> (8 * s)) & 0xFFu, e4m3_scales);
+      } else if (s == 2 && two_groups_per_tile) {
+        read_params(true);
+      }
       // B fragments of every owned n8 tile for this step (2 registers each), then one m16 tile at
       // a time: its A fragment feeds N8_TILES mmas, each B fragment M16_TILES mmas.
       uint32_t bfrag[Cfg::N8_TILES][2];
@@ -311,14 +340,24 @@ __device__ __forceinline__ void tile_gemm(const TileArgs& a, int expert, int64_t
             word0 = words.x;
             word1 = words.y;
           }
-          bfrag[j][0] = Dequant::nibbles(word0, code_selector, col_scale[j], col_bias[j]);
-          bfrag[j][1] = Dequant::nibbles(word1, code_selector, col_scale[j], col_bias[j]);
+          if constexpr (kFp) {
+            bfrag[j][0] = FpDequant::e2m1(word0, code_selector, col_scale[j]);
+            bfrag[j][1] = FpDequant::e2m1(word1, code_selector, col_scale[j]);
+          } else {
+            bfrag[j][0] = Dequant::nibbles(word0, code_selector, col_scale[j], col_bias[j]);
+            bfrag[j][1] = Dequant::nibbles(word1, code_selector, col_scale[j], col_bias[j]);
+          }
         } else {
           // Word w holds k = 4w..4w+3; step s reads chunk s (words 4s..4s+3): k 16s+2t, +1 are
           // halfword t%2 of word 4s + t/2, and k 16s+8+2t, +1 the same halfword of word 4s+2+t/2.
           const uint32_t* chunk = wrow + (L::w_chunk(row, s) << 2) + (t >> 1);
-          bfrag[j][0] = Dequant::bytes(chunk[0], code_selector, col_scale[j], col_bias[j]);
-          bfrag[j][1] = Dequant::bytes(chunk[2], code_selector, col_scale[j], col_bias[j]);
+          if constexpr (kFp) {
+            bfrag[j][0] = FpDequant::e4m3(chunk[0], code_selector, col_scale[j]);
+            bfrag[j][1] = FpDequant::e4m3(chunk[2], code_selector, col_scale[j]);
+          } else {
+            bfrag[j][0] = Dequant::bytes(chunk[0], code_selector, col_scale[j], col_bias[j]);
+            bfrag[j][1] = Dequant::bytes(chunk[2], code_selector, col_scale[j], col_bias[j]);
+          }
         }
       }
 #pragma unroll
@@ -395,11 +434,11 @@ __device__ __forceinline__ void for_each_expert_run(const Args& a, int64_t tile,
 }
 
 // for_each_expert_run with tile_gemm as the callee.
-template <class Cfg, class T, int kBits, bool kSplitK = false>
+template <class Cfg, class T, int kBits, bool kSplitK = false, bool kFp = false>
 __device__ __forceinline__ void tile_gemm_runs(const TileArgs& a, int64_t tile, int n_block, unsigned char* smem,
                                                int* tile_expert, SplitK split_k = {nullptr, 1}) {
   for_each_expert_run<Cfg::BM>(a, tile, tile_expert, [&](int expert, int64_t row0, int load_rows, int begin, int end) {
-    tile_gemm<Cfg, T, kBits, kSplitK>(a, expert, row0, load_rows, begin, end, n_block, smem, split_k);
+    tile_gemm<Cfg, T, kBits, kSplitK, kFp>(a, expert, row0, load_rows, begin, end, n_block, smem, split_k);
   });
 }
 
