@@ -236,3 +236,27 @@ TEST(CpuGatherQmm, EmptyBatchAndRowsAreValidNoOps) {
   EXPECT_EQ(out.shape(), (Shape{2, 0, 16}));
   EXPECT_EQ(out.dtype(), DType::bf16);
 }
+
+// gather_qmm_into (a caller-owned output): the same values as gather_qmm, bit for bit, and an
+// output of the wrong shape, dtype or layout is refused with the shape it needs.
+TEST(CpuGatherQmm, IntoWritesTheCallersOutput) {
+  const QuantizedWeight q = test::random_quantized({6, 40, 128}, 4, 64);
+  const Tensor x = test::random_tensor({7, 1, 1, 128}, DType::bf16);
+  const Tensor rhs = test::random_ids({7, 3}, 6);
+  const Tensor want = gather_qmm(x, q, Tensor(), rhs, true, false);
+  Tensor out = Tensor::empty(want.shape(), want.dtype());
+  std::memset(out.data(), 0xFF, out.nbytes());  // NaN bits: an unwritten element cannot pass
+  gather_qmm_into(out, x, q.w, q.scales, q.biases, Tensor(), rhs, true, q.group_size, q.bits);
+  ASSERT_EQ(std::memcmp(out.data(), want.data(), want.nbytes()), 0);
+
+  Tensor wrong_shape = Tensor::empty({7, 3, 1, 41}, DType::bf16);
+  test::expect_error([&] { gather_qmm_into(wrong_shape, x, q.w, q.scales, q.biases, Tensor(), rhs, true, 64, 4); },
+                     "gather_qmm_into", "out must be bfloat16[7, 3, 1, 40]");
+  Tensor wrong_dtype = Tensor::empty(want.shape(), DType::f32);
+  test::expect_error([&] { gather_qmm_into(wrong_dtype, x, q.w, q.scales, q.biases, Tensor(), rhs, true, 64, 4); },
+                     "gather_qmm_into", "out must be bfloat16");
+  Tensor wide = Tensor::empty({7, 3, 1, 80}, DType::bf16);
+  Tensor strided = Tensor::view(wide.data(), want.shape(), DType::bf16, Device::cpu, {240, 80, 80, 1});
+  test::expect_error([&] { gather_qmm_into(strided, x, q.w, q.scales, q.biases, Tensor(), rhs, true, 64, 4); },
+                     "gather_qmm_into", "out must be contiguous");
+}

@@ -373,3 +373,24 @@ TEST(CpuMoeLayer, MatchesReferenceAndComposition) {
   const Tensor x = test::random_tensor({6, H}, DType::bf16);
   EXPECT_EQ(moe_layer(x, mw).to_host_bytes(), moe_layer(x, x, mw).to_host_bytes());
 }
+
+// switch_glu_into (a caller-owned output): switch_glu's bytes on both paths (unsorted, sorted);
+// a wrong output is refused with the shape it needs.
+TEST(CpuSwitchGlu, IntoWritesTheCallersOutput) {
+  const SwitchGLUWeights w = random_experts(6, 64, 32, Activation::geglu);
+  Workspace ws;
+  for (int64_t T : {5, 40}) {  // T*k = 10 (unsorted) and 80 (sorted)
+    const Tensor x = test::random_tensor({T, 64}, DType::bf16);
+    const Tensor idx = test::random_ids({T, 2}, 6);
+    const Tensor want = switch_glu(x, idx, w);
+    Tensor out = Tensor::empty(want.shape(), want.dtype());
+    test::poison(out);
+    switch_glu_into(out, x, idx, w, ws);
+    EXPECT_EQ(out.to_host_bytes(), want.to_host_bytes()) << "T=" << T;
+  }
+  const Tensor x = test::random_tensor({3, 64}, DType::bf16);
+  const Tensor idx = test::random_ids({3, 2}, 6);
+  Tensor wrong = Tensor::empty({3, 1, 64}, DType::bf16);
+  test::expect_error([&] { switch_glu_into(wrong, x, idx, w, ws); }, "switch_glu_into",
+                     "out must be bfloat16[3, 2, 64]");
+}

@@ -1,7 +1,7 @@
 // CUDA gather_qmm beyond the backend-ops table (gpu_backend_ops_test.cpp, which runs every route on
 // every shape against float64): the selector's route list, empty problems, and expert ids out of
 // range, which every route must report through cuda_check() without reading out of bounds (run under
-// compute-sanitizer) and without leaving a fault behind.
+// compute-sanitizer) and without leaving a fault behind; and the public gather_qmm_into.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,6 +11,8 @@
 #include "core/gather_qmm_problem.h"
 #include "cuda/gather_qmm.h"
 #include "expertqmm/error.h"
+#include "expertqmm/moe.h"
+#include "expertqmm/ops.h"
 #include "support/gather_case.h"
 #include "support/test_util.h"
 
@@ -83,5 +85,29 @@ TEST(SanitizeGpuGatherQmm, OutOfRangeIdsAreReported) {
     const test::GatherCall good = test::rows_call(q, DType::bf16, test::make_ids(test::sorted(20), E), true);
     EXPECT_LE(test::reference_error(good, test::run_route(good, route)), test::gemm_tolerance(DType::bf16))
         << good.describe(route);
+  }
+}
+
+// The public gather_qmm_into on CUDA (the MLX extension's path): bit for bit gather_qmm's output, in
+// the caller's memory, with and without a workspace; a second call on the warmed workspace
+// allocates no scratch.
+TEST(GpuGatherQmm, IntoWritesTheCallersOutput) {
+  EXPERTQMM_REQUIRE_GPU();
+  const QuantizedWeight q = test::random_quantized({8, 136, 256}, 4, 64, 0.05f, Device::cuda);
+  for (const Shape& x_shape : {Shape{5, 1, 1, 256}, Shape{40, 1, 1, 256}}) {
+    const Tensor x = test::random_tensor(x_shape, DType::bf16, 1.0f, Device::cuda);
+    const Tensor rhs = test::random_ids({x_shape[0], 4}, 8, Device::cuda);
+    const Tensor want = gather_qmm(x, q, Tensor(), rhs, true, false);
+    Workspace ws;
+    for (Workspace* w : {static_cast<Workspace*>(nullptr), &ws, &ws}) {
+      Tensor out = Tensor::empty(want.shape(), want.dtype(), Device::cuda);
+      test::poison(out);
+      const size_t held = ws.bytes_held();
+      gather_qmm_into(out, x, q.w, q.scales, q.biases, Tensor(), rhs, true, q.group_size, q.bits, false,
+                      QuantMode::affine, w);
+      cuda_check();
+      EXPECT_EQ(test::to_float(out), test::to_float(want)) << shape_str(x_shape);
+      if (w && held > 0) EXPECT_EQ(ws.bytes_held(), held) << "a warmed workspace grew";
+    }
   }
 }

@@ -153,6 +153,28 @@ TEST(GpuMoe, WarmWorkspaceDoesNotGrowAtEqualOrSmallerSizes) {
   cuda_check();
 }
 
+// switch_glu_into on CUDA (the MLX extension's SwitchGLU path): switch_glu's bytes in the caller's
+// memory, unsorted and sorted, and a warmed workspace serves an equal or smaller call without growing.
+TEST(GpuMoe, SwitchGluIntoWritesTheCallersOutput) {
+  EXPERTQMM_REQUIRE_GPU();
+  const test::Layer l = layer(8, 2, false, Activation::geglu);
+  const int64_t D = l.cpu.experts.down.w.size(1);
+  Workspace ws;
+  size_t held = 0;
+  for (int64_t T : {40, 40, 5}) {  // T*k = 80 (sorted) twice, then 10 (unsorted)
+    const Tensor x = test::random_tensor({T, D}, DType::bf16, 1.0f, Device::cuda);
+    const Tensor idx = test::random_ids({T, 2}, 8, Device::cuda);
+    const Tensor want = switch_glu(x, idx, l.gpu.experts);
+    Tensor out = Tensor::empty(want.shape(), want.dtype(), Device::cuda);
+    test::poison(out);
+    switch_glu_into(out, x, idx, l.gpu.experts, ws);
+    cuda_check();
+    EXPECT_EQ(out.to_host_bytes(), want.to_host_bytes()) << "T=" << T;
+    if (held == 0) held = ws.bytes_held();
+    EXPECT_EQ(ws.bytes_held(), held) << "T=" << T;
+  }
+}
+
 TEST(SanitizeGpuMoe, ZeroTokensIsANoOp) {
   EXPERTQMM_REQUIRE_GPU();
   const test::Layer l = layer(4, 2, false, Activation::geglu);

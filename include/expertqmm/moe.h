@@ -112,6 +112,12 @@ class Workspace {
   bool grow(Slot& s, size_t bytes);  // true when it (re)allocated
 };
 
+// switch_glu writing into a caller-owned contiguous `out` [T, k, D] (its output dtype, x's device),
+// with the scratch from `ws`: on CUDA, after a call at that size or larger, no allocation and no
+// host synchronization. On the CPU it computes switch_glu and copies the result in.
+void switch_glu_into(Tensor& out, const Tensor& x, const Tensor& indices, const SwitchGLUWeights& weights,
+                     Workspace& ws);
+
 // moe_layer writing into a caller-owned `out` [T, H] on the device of h, with scratch from `ws`.
 // With a warmed-up workspace this path performs no allocation and no host synchronization.
 void moe_layer_into(Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& weights,

@@ -18,6 +18,16 @@ Tensor gather_qmm(const Tensor& x, const Tensor& w, const Tensor& scales, const 
 Tensor gather_qmm(const Tensor& x, const QuantizedWeight& q, const Tensor& lhs_indices,
                   const Tensor& rhs_indices, bool transpose = true, bool sorted_indices = false);
 
+class Workspace;  // moe.h
+// gather_qmm writing into a caller-owned contiguous `out` (S + [M, N], the output dtype, x's device):
+// for callers that own their output memory (a framework's array). On CUDA it runs on the library's
+// stream with no host sync; `ws` (optional) holds the routes' scratch, so with a warmed-up workspace
+// it allocates nothing. On the CPU it computes gather_qmm and copies the result in.
+void gather_qmm_into(Tensor& out, const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor& biases,
+                     const Tensor& lhs_indices, const Tensor& rhs_indices, bool transpose, int group_size,
+                     int bits, bool sorted_indices = false, QuantMode mode = QuantMode::affine,
+                     Workspace* ws = nullptr);
+
 // mx.gather_mm, the unquantized form (mlx-lm's SwitchLinear when experts stay 16-bit). a [*Ba, M, K];
 // b [*Bb, K, N], any strides (mlx-lm passes weight.swapaxes(-1, -2) of an [E, N, K] weight);
 // indices as gather_qmm. Output S + [M, N] in promote(a, b) dtype: fp32 accumulation, one rounding.

@@ -16,9 +16,10 @@
 
 namespace expertqmm::detail {
 
-// X(return type, name, parameter list). The last four are the fused layer paths: a backend may
-// leave them null, and the front then composes them from the ops above them (the CPU reference
-// does, in mlx-lm's order, so the composition reads as the spec).
+// X(return type, name, parameter list). From gather_qmm_into on: the into-paths (into a caller's
+// output) and the fused layer paths: a backend may leave them null, and the front then composes
+// them from the ops above them (the CPU reference does, in mlx-lm's order, so the composition reads
+// as the spec).
 #define EXPERTQMM_BACKEND_OPS(X)                                                                           \
   X(QuantizedWeight, quantize, (const Tensor& w, QuantSpec spec))                                          \
   X(Tensor, dequantize, (const QuantizedWeight& q, DType dtype))                                          \
@@ -33,7 +34,10 @@ namespace expertqmm::detail {
   X(Tensor, add, (const Tensor& a, const Tensor& b))                                                       \
   X(Tensor, add_scaled, (const Tensor& a, const Tensor& b, const Tensor& scalar))                          \
   X(Tensor, dense_linear, (const Tensor& x, const Tensor& w, DType out_dtype))                             \
+  X(void, gather_qmm_into, (const detail::GatherQmmProblem& p, Tensor& out, Workspace* ws))               \
   X(Tensor, switch_glu, (const Tensor& x, const Tensor& indices, const SwitchGLUWeights& weights))        \
+  X(void, switch_glu_into, (Tensor & out, const Tensor& x, const Tensor& indices, const SwitchGLUWeights& weights, \
+                            Workspace& ws))                                                                \
   X(void, moe_layer_into, (Tensor & out, const Tensor& h, const Tensor& x, const MoeWeights& weights, Workspace& ws)) \
   X(void, gemma4_ffn_into, (Tensor & out, const Tensor& h, const Gemma4FfnWeights& weights, Workspace& ws))  \
   X(void, qwen3_moe_ffn_into, (Tensor & out, const Tensor& h, const Qwen3MoeFfnWeights& weights, Workspace& ws))

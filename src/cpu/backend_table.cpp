@@ -20,7 +20,7 @@ const BackendOps& cpu_backend_ops() {
     t.add = cpu::add;
     t.add_scaled = cpu::add_scaled;
     t.dense_linear = cpu::dense_linear;
-    return t;  // switch_glu, moe_layer_into, gemma4_ffn_into, qwen3_moe_ffn_into: composed by the front
+    return t;  // gather_qmm_into, switch_glu(_into), moe_layer_into, gemma4_ffn_into, qwen3_moe_ffn_into: composed by the front
   }();
   return table;
 }

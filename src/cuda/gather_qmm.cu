@@ -162,6 +162,11 @@ Tensor gather_qmm(const detail::GatherQmmProblem& p) {
   return out;
 }
 
+// The backend table's entry (core/backend_ops.h): the op front has checked `out`.
+void gather_qmm_into(const detail::GatherQmmProblem& p, Tensor& out, Workspace* ws) {
+  gather_qmm_into(p, out.data(), ws);
+}
+
 std::vector<std::string> gather_qmm_route_names() { return route_names(kRoutes); }
 
 std::string gather_qmm_selected_route(const detail::GatherQmmProblem& p) { return pick_route(p, false).name; }

@@ -112,7 +112,8 @@ const int32_t* flat_ids(const Tensor& indices) {
 
 }  // namespace
 
-Tensor switch_glu(const Tensor& x, const Tensor& indices, const SwitchGLUWeights& weights) {
+void switch_glu_into(Tensor& out, const Tensor& x, const Tensor& indices, const SwitchGLUWeights& weights,
+                     Workspace& ws) {
   EXPERTQMM_CHECK(x.device() == Device::cuda && indices.device() == Device::cuda, "switch_glu",
                   "cuda::switch_glu needs device tensors, got x ", x.describe(), " and indices ", indices.describe());
   EXPERTQMM_CHECK(x.ndim() == 2 && indices.ndim() == 2 && indices.size(0) == x.size(0), "switch_glu",
@@ -120,12 +121,13 @@ Tensor switch_glu(const Tensor& x, const Tensor& indices, const SwitchGLUWeights
   const Tensor xc = x.contiguous();
   const Tensor ids = indices.contiguous();
   const ExpertShape shape = expert_shape(xc, ids.size(1), weights);
-  Tensor out = Tensor::empty({shape.T, shape.k, shape.D}, shape.out_dtype, Device::cuda);
-  if (shape.n == 0 || shape.D == 0) return out;
+  EXPERTQMM_CHECK(out.is_contiguous() && out.shape() == (Shape{shape.T, shape.k, shape.D}) &&
+                      out.dtype() == shape.out_dtype,
+                  "switch_glu", "out must be a contiguous ", dtype_name(shape.out_dtype), " [", shape.T, ", ", shape.k,
+                  ", ", shape.D, "], got ", out.describe());
+  if (shape.n == 0 || shape.D == 0) return;
   const int32_t* flat = flat_ids(ids);
   const LayerPlan p = plan_switch_glu(xc, ids, weights);
-
-  Workspace ws;  // the allocating public path: scratch for this call only
   const Arena a{ws.get(detail::kSlotLayerArena, p.scratch.bytes)};
   run_experts(p, xc, flat, flat, weights, a, out.data(), nullptr, nullptr, ws);
   if (p.shape.sorted) {
@@ -134,6 +136,13 @@ Tensor switch_glu(const Tensor& x, const Tensor& indices, const SwitchGLUWeights
     launch_gather_rows(a.at(p.scratch.y), p.shape.n, row_bytes, a.i32(p.scratch.inv_order), 1, p.shape.n, row_bytes,
                        out.data(), current_stream());
   }
+}
+
+Tensor switch_glu(const Tensor& x, const Tensor& indices, const SwitchGLUWeights& weights) {
+  const ExpertShape shape = expert_shape(x, indices.size(1), weights);
+  Tensor out = Tensor::empty({shape.T, shape.k, shape.D}, shape.out_dtype, Device::cuda);
+  Workspace ws;  // the allocating public path: scratch for this call only
+  cuda::switch_glu_into(out, x, indices, weights, ws);  // qualified: the public op has the same signature
   return out;
 }
 

@@ -303,6 +303,24 @@ Tensor switch_glu(const Tensor& x, const Tensor& indices, const SwitchGLUWeights
   return switch_glu_composed(x, indices, weights, d, k);
 }
 
+void switch_glu_into(Tensor& out, const Tensor& x, const Tensor& indices, const SwitchGLUWeights& weights,
+                     Workspace& ws) {
+  const char* op = "switch_glu_into";
+  const ExpertDims d = check_experts(op, x, weights);
+  const int64_t k = check_expert_indices(op, indices, d.T, d.E, x.device());
+  const Shape shape{d.T, k, d.D};
+  EXPERTQMM_CHECK(out.defined() && out.shape() == shape && out.dtype() == d.out_dtype, op, "out must be ",
+                  dtype_name(d.out_dtype), shape_str(shape), ", got ", out.describe());
+  EXPERTQMM_CHECK(out.is_contiguous(), op, "out must be contiguous, got ", out.describe());
+  check_on_device(op, "out", out, x.device());
+  if (d.T * k == 0) return;
+  const detail::BackendOps& be = backend_ops(op, x.device());
+  if (be.switch_glu_into) return be.switch_glu_into(out, x.contiguous(), indices.contiguous(), weights, ws);
+  // Composed (the CPU reference): allocates as it goes.
+  const Tensor result = switch_glu_composed(x, indices, weights, d, k);
+  std::memcpy(out.data(), result.data(), result.nbytes());
+}
+
 Tensor moe_layer(const Tensor& h, const Tensor& x, const MoeWeights& weights) {
   const char* op = "moe_layer";
   const ExpertDims d = check_moe(op, h, x, weights);

@@ -63,6 +63,27 @@ Tensor gather_qmm(const Tensor& x, const Tensor& w, const Tensor& scales, const 
   return backend_ops("gather_qmm", p.device).gather_qmm(p);
 }
 
+void gather_qmm_into(Tensor& out, const Tensor& x, const Tensor& w, const Tensor& scales, const Tensor& biases,
+                     const Tensor& lhs_indices, const Tensor& rhs_indices, bool transpose, int group_size, int bits,
+                     bool sorted_indices, QuantMode mode, Workspace* ws) {
+  const char* op = "gather_qmm_into";
+  const detail::GatherQmmProblem p = detail::make_gather_qmm_problem(
+      x, w, scales, biases, lhs_indices, rhs_indices, transpose, group_size, bits, sorted_indices, mode);
+  Shape out_shape = p.batch;
+  out_shape.push_back(p.M);
+  out_shape.push_back(p.N);
+  EXPERTQMM_CHECK(out.defined() && out.shape() == out_shape && out.dtype() == p.dtype, op, "out must be ",
+                  dtype_name(p.dtype), shape_str(out_shape), ", got ", out.describe());
+  EXPERTQMM_CHECK(out.is_contiguous(), op, "out must be contiguous, got ", out.describe());
+  check_same_device(op, "x", x, "out", out);
+  if (p.M == 0 || p.N == 0 || p.B == 0) return;
+  const detail::BackendOps& be = backend_ops(op, p.device);
+  if (p.K > 0 && be.gather_qmm_into) return be.gather_qmm_into(p, out, ws);
+  // Composed (the CPU reference, and empty dot products): compute, then copy in.
+  const Tensor result = p.K == 0 ? zeros(out_shape, p.dtype, p.device) : be.gather_qmm(p);
+  std::memcpy(out.data(), result.data(), result.nbytes());
+}
+
 Tensor gather_qmm(const Tensor& x, const QuantizedWeight& q, const Tensor& lhs_indices, const Tensor& rhs_indices,
                   bool transpose, bool sorted_indices) {
   EXPERTQMM_CHECK(!q.global_scale.defined(), "gather_qmm",
