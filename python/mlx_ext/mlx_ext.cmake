@@ -59,9 +59,6 @@ endif()
 set_target_properties(_mlx PROPERTIES CXX_STANDARD 20 CXX_STANDARD_REQUIRED ON BUILD_WITH_INSTALL_RPATH ON
                       INSTALL_RPATH "$ORIGIN/../mlx/lib;${EXPERTQMM_MLX_DIR}/lib")
 target_compile_options(_mlx PRIVATE -Wall -Wextra)
-# As _core (python/CMakeLists.txt says why): the static archives it links stay private to it.
-if(CMAKE_SYSTEM_NAME STREQUAL "Linux")
-  target_link_options(_mlx PRIVATE -Wl,--exclude-libs,ALL)
-endif()
+expertqmm_private_static_archives(_mlx)  # python/CMakeLists.txt says why
 install(TARGETS _mlx LIBRARY DESTINATION expertqmm)
 add_dependencies(expertqmm_python _mlx)
