@@ -16,6 +16,22 @@ const char* cuda_device_name();  // "" when unavailable
 void set_cuda_stream(void* stream);
 void* cuda_stream();
 
+// For its lifetime, this thread's expertqmm CUDA work goes to `stream` on CUDA device `device_id`
+// (a framework's current stream and device: torch's, MLX's); both are restored on exit. The device
+// is set in the library's own CUDA runtime, which a static build does not share with the caller's.
+// In a build without CUDA only the stream is set.
+class CudaStreamScope {
+ public:
+  CudaStreamScope(int device_id, void* stream);
+  ~CudaStreamScope();
+  CudaStreamScope(const CudaStreamScope&) = delete;
+  CudaStreamScope& operator=(const CudaStreamScope&) = delete;
+
+ private:
+  int previous_device_;
+  void* previous_stream_;
+};
+
 // Synchronizes the stream and throws expertqmm::Error for faults the kernels recorded on the
 // device (expert ids out of range). Every call that copies a result to the host also checks.
 void cuda_check();

@@ -1,11 +1,6 @@
 #include "bridge.h"
 
-#include "expertqmm/backend.h"
 #include "expertqmm/error.h"
-
-#ifdef EXPERTQMM_HAVE_CUDA
-#include <cuda_runtime_api.h>
-#endif
 
 namespace expertqmm::python {
 
@@ -107,31 +102,6 @@ nb::ndarray<nb::array_api> to_ndarray(nb::handle self, bool bits_only) {
   const int device_type = t.device() == Device::cuda ? nb::device::cuda::value : nb::device::cpu::value;
   return nb::ndarray<nb::array_api>(t.data(), shape.size(), shape.data(), self, t.strides().data(), d, device_type,
                        p.device_id);
-}
-
-CudaScope::CudaScope(Device device, [[maybe_unused]] int device_id, uintptr_t stream) {
-  if (device != Device::cuda) return;
-#ifdef EXPERTQMM_HAVE_CUDA
-  // Our CUDA runtime is our own (static): its current device is not the caller's framework's.
-  cudaGetDevice(&previous_device_);
-  if (previous_device_ != device_id) {
-    const cudaError_t e = cudaSetDevice(device_id);
-    EXPERTQMM_CHECK(e == cudaSuccess, kOp, "cudaSetDevice(", device_id, "): ", cudaGetErrorString(e));
-  }
-#endif
-  previous_stream_ = cuda_stream();
-  set_cuda_stream(reinterpret_cast<void*>(stream));
-  active_ = true;
-}
-
-CudaScope::~CudaScope() {
-  if (!active_) return;
-  set_cuda_stream(previous_stream_);
-#ifdef EXPERTQMM_HAVE_CUDA
-  int now = 0;
-  cudaGetDevice(&now);
-  if (now != previous_device_) cudaSetDevice(previous_device_);
-#endif
 }
 
 }  // namespace expertqmm::python

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "expertqmm/backend.h"
 #include "expertqmm/tensor.h"
 
 namespace expertqmm::python {
@@ -40,16 +41,13 @@ DType parse_dtype(const std::string& name, const char* op);
 // nothing for the CPU. Never synchronizes.
 class CudaScope {
  public:
-  CudaScope(Device device, int device_id, uintptr_t stream);
+  CudaScope(Device device, int device_id, uintptr_t stream) {
+    if (device == Device::cuda) scope_.emplace(device_id, reinterpret_cast<void*>(stream));
+  }
   CudaScope(const PyTensor& like, uintptr_t stream) : CudaScope(like.tensor.device(), like.device_id, stream) {}
-  ~CudaScope();
-  CudaScope(const CudaScope&) = delete;
-  CudaScope& operator=(const CudaScope&) = delete;
 
  private:
-  bool active_ = false;
-  int previous_device_ = 0;
-  void* previous_stream_ = nullptr;
+  std::optional<CudaStreamScope> scope_;  // the library's scope (expertqmm/backend.h)
 };
 
 // Optional tensor arguments arrive as None or a PyTensor.

@@ -19,5 +19,8 @@ namespace expertqmm::detail {
 bool device_usable();             // a CUDA device can be used now
 const char* device_description();  // name of device 0, or ""
 void device_check();               // sync the stream, throw recorded device faults
+// Makes `device` the calling thread's current CUDA device and returns the one it replaced (without
+// CUDA: returns `device`, nothing to switch).
+int device_exchange(int device);
 
 }  // namespace expertqmm::detail

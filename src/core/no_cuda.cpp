@@ -21,6 +21,7 @@ void device_zero(void*, size_t) { missing("device_zero"); }
 bool device_usable() { return false; }
 const char* device_description() { return ""; }
 void device_check() {}
+int device_exchange(int device) { return device; }
 const BackendOps* cuda_backend_ops() { return nullptr; }
 
 }  // namespace expertqmm::detail

@@ -101,6 +101,16 @@ bool device_usable() {
   return usable;
 }
 
+int device_exchange(int device) {
+  int previous = 0;
+  EXPERTQMM_CUDA_CHECK(cudaGetDevice(&previous));
+  if (previous != device) {
+    const cudaError_t e = cudaSetDevice(device);
+    EXPERTQMM_CHECK(e == cudaSuccess, "cuda", "cudaSetDevice(", device, "): ", cudaGetErrorString(e));
+  }
+  return previous;
+}
+
 const char* device_description() {
   static const std::string name = [] {
     cudaDeviceProp prop{};

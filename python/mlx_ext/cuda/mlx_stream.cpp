@@ -63,29 +63,6 @@ class RelaxedCapture {
   cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
 };
 
-// expertqmm's stream (and CUDA device) for the duration of a launch.
-class LibraryStream {
- public:
-  LibraryStream(cudaStream_t s, int device) : previous_(cuda_stream()) {
-    cudaGetDevice(&previous_device_);
-    if (previous_device_ != device) {
-      const cudaError_t e = cudaSetDevice(device);
-      EXPERTQMM_CHECK(e == cudaSuccess, kOp, "cudaSetDevice(", device, "): ", cudaGetErrorString(e));
-    }
-    set_cuda_stream(s);
-  }
-  ~LibraryStream() {
-    set_cuda_stream(previous_);
-    int now = 0;
-    cudaGetDevice(&now);
-    if (now != previous_device_) cudaSetDevice(previous_device_);
-  }
-
- private:
-  void* previous_;
-  int previous_device_ = 0;
-};
-
 }  // namespace
 
 void eval_on_cuda(const mx::Stream& s, const std::vector<mx::array>& inputs, mx::array& out, Body body) {
@@ -106,7 +83,7 @@ void eval_on_cuda(const mx::Stream& s, const std::vector<mx::array>& inputs, mx:
   auto capture = encoder.capture_context();
   try {
     RelaxedCapture relaxed;
-    LibraryStream stream(encoder.stream(), encoder.device().cuda_device());
+    CudaStreamScope stream(encoder.device().cuda_device(), encoder.stream());  // expertqmm/backend.h
     body(views, o, &state.workspace);
   } catch (...) {
     capture.discard = true;  // a half-recorded graph must not run
