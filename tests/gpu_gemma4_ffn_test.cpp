@@ -72,6 +72,44 @@ TEST(GpuGemma4Ffn, MatchesTheCpuReferenceInBothProductModes) {
   set_product_mode(saved);
 }
 
+// The entry and exit norm kernels (gemma4_ffn_norms.cu) at row widths that take 2, 4 and 8 units
+// per thread, with the five norm weights in bf16 (16-byte units) and in f32 (two per unit), and a
+// norm weight one element off 16-byte alignment (element loads).
+TEST(GpuGemma4Ffn, NormKernelsHoldEveryRowWidthAndWeightLayout) {
+  EXPERTQMM_REQUIRE_GPU();
+  for (int64_t H : {256, 4160, 8256}) {  // units per thread 2, 4, 8 (512 / 1024 units per 256 threads)
+    Gemma4Config c = test::gemma4_config(H, 64, 64, 4, 2, 1);
+    const Gemma4FfnWeights base = synthetic_gemma4_layer(c, 0, 5);
+    for (int layout = 0; layout < 3; ++layout) {  // bf16 weights, f32 weights, a misaligned bf16 weight
+      Gemma4FfnWeights cpu_w = base;
+      std::vector<Tensor> keep;  // the misaligned weight's storage
+      for (Tensor* n : {&cpu_w.pre_feedforward_layernorm, &cpu_w.post_feedforward_layernorm_1,
+                        &cpu_w.pre_feedforward_layernorm_2, &cpu_w.post_feedforward_layernorm_2,
+                        &cpu_w.post_feedforward_layernorm}) {
+        if (layout == 1) *n = test::from_float(test::to_float(*n), {H}, DType::f32);
+      }
+      Gemma4FfnWeights gpu_w = cpu_w.to(Device::cuda);
+      if (layout == 2) {  // post_ff as the view [1, H + 1) of an H + 1 buffer: 2 bytes past 16-byte alignment
+        std::vector<float> v = test::to_float(cpu_w.post_feedforward_layernorm);
+        v.insert(v.begin(), 0.f);
+        keep.push_back(test::from_float(v, {H + 1}, cpu_w.post_feedforward_layernorm.dtype(), Device::cuda));
+        gpu_w.post_feedforward_layernorm =
+            Tensor::view(static_cast<char*>(keep.back().data()) + dtype_size(keep.back().dtype()), {H},
+                         keep.back().dtype(), Device::cuda);
+      }
+      for (int64_t T : {1, 3}) {
+        const std::string what = detail::cat("H=", H, " layout=", layout, " T=", T);
+        const Tensor h = test::random_tensor({T, H}, DType::bf16, 1.0f);
+        const Tensor expected = gemma4_ffn(h, cpu_w);
+        const Tensor got = gemma4_ffn(h.to(Device::cuda), gpu_w);
+        test::expect_close_where_routed_alike(expected, got, test::to_i32(route(h, cpu_w.moe.router).indices),
+                                              test::to_i32(route(h.to(Device::cuda), gpu_w.moe.router).indices),
+                                              cpu_w.moe.router.top_k, what);
+      }
+    }
+  }
+}
+
 TEST(GpuGemma4Ffn, ElementwiseOpsMatchTheCpu) {
   EXPERTQMM_REQUIRE_GPU();
   const Tensor x = test::random_tensor({37, 200}, DType::bf16, 2.0f);

@@ -100,37 +100,46 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
   const uint16_t* srow = kQuant ? a.proj.scales + static_cast<int64_t>(e) * a.proj.groups_per_row : nullptr;
   const uint16_t* brow = kQuant ? a.proj.biases + static_cast<int64_t>(e) * a.proj.groups_per_row : nullptr;
 
-  // 1. Weight loads first.
+  // 1. Weight loads first, as raw bits: a conversion inside the `c < Q` branch would make the next
+  //    load wait for this one (the scale and bias are converted where the dot uses them).
   uint4 wv[kRouterChunks];
-  float ws[kRouterChunks], wb[kRouterChunks];
+  uint32_t ws_raw[kRouterChunks], wb_raw[kRouterChunks];  // kFp: the low and high half's scale codes
   auto load_batch = [&](int c0) {
 #pragma unroll
     for (int i = 0; i < kRouterChunks; ++i) {
       const int c = c0 + kRouterThreads * i;
+      ws_raw[i] = 0u;
+      wb_raw[i] = 0u;
       if (c < Q) {
         wv[i] = __ldg(wrow + c);
         if constexpr (kFp) {
           const uint8_t* codes = a.proj.fp_scales + static_cast<int64_t>(e) * a.proj.groups_per_row;
-          const bool e4m3 = a.proj.fp_mode == static_cast<int>(QuantMode::nvfp4);
-          const uint8_t lo = __ldg(codes + ((c * kVals) >> a.proj.group_shift));
-          const uint8_t hi = __ldg(codes + ((c * kVals + kVals / 2) >> a.proj.group_shift));
-          ws[i] = e4m3 ? e4m3_value(lo) : e8m0_value(lo);
-          wb[i] = e4m3 ? e4m3_value(hi) : e8m0_value(hi);
+          ws_raw[i] = __ldg(codes + ((c * kVals) >> a.proj.group_shift));
+          wb_raw[i] = __ldg(codes + ((c * kVals + kVals / 2) >> a.proj.group_shift));
         } else if constexpr (kQuant) {
           const int g = (c * kVals) >> a.proj.group_shift;
-          ws[i] = raw_param<D>(__ldg(srow + g));
-          wb[i] = raw_param<D>(__ldg(brow + g));
+          ws_raw[i] = __ldg(srow + g);
+          wb_raw[i] = __ldg(brow + g);
         }
       } else {
         wv[i] = make_uint4(0u, 0u, 0u, 0u);
-        ws[i] = 0.f;
-        wb[i] = 0.f;
       }
+    }
+  };
+  // Chunk i's scale and bias (kFp: the two halves' scales) as floats.
+  auto chunk_params = [&](int i, float& s_lo, float& s_hi) {
+    if constexpr (kFp) {
+      const bool e4m3 = a.proj.fp_mode == static_cast<int>(QuantMode::nvfp4);
+      s_lo = e4m3 ? e4m3_value(static_cast<uint8_t>(ws_raw[i])) : e8m0_value(static_cast<uint8_t>(ws_raw[i]));
+      s_hi = e4m3 ? e4m3_value(static_cast<uint8_t>(wb_raw[i])) : e8m0_value(static_cast<uint8_t>(wb_raw[i]));
+    } else {
+      s_lo = raw_param<D>(static_cast<uint16_t>(ws_raw[i]));
+      s_hi = raw_param<D>(static_cast<uint16_t>(wb_raw[i]));
     }
   };
   load_batch(tid);
   const bool norm = !a.softmax_topk;  // softmax_topk: r = h (inv_rms and the scale row are 1)
-  const float pes_mine = norm && tid < a.E ? load_any(a.per_expert_scale, a.pes_dtype, tid) : 0.f;
+  const uint32_t pes_raw = norm && tid < a.E ? load_raw_any(a.per_expert_scale, a.pes_dtype, tid) : 0u;
 
   // 2. Norm inputs, batched: the norm weight's units and h's units, all loads before any use.
   const int U = a.H / 8;
@@ -203,7 +212,7 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
     inv_rms[tid] = norm ? __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(total, static_cast<float>(a.H)), a.eps)))
                         : 1.0f;
   }
-  if (tid < kRouterCachedScales) pes_s[tid] = pes_mine;
+  if (tid < kRouterCachedScales) pes_s[tid] = norm && tid < a.E ? raw_any_to_float(pes_raw, a.pes_dtype) : 0.f;
   __syncthreads();
 
   // 4. The expert's logit, token by token (a runtime loop, so the dot code exists once: the kernel
@@ -259,9 +268,13 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
             for (int v = 0; v < 8; ++v) dot += x[v] * Elem<D>::load(pv[v]);
           }
         }
-        if constexpr (kFp) acc += ws[i] * dot + wb[i] * dot_hi;
-        else if constexpr (kQuant) acc += ws[i] * dot + wb[i] * sx;
-        else acc += dot;
+        if constexpr (kQuant) {
+          float s_lo, s_hi;  // affine: scale, bias; kFp: the halves' scales
+          chunk_params(i, s_lo, s_hi);
+          acc += kFp ? s_lo * dot + s_hi * dot_hi : s_lo * dot + s_hi * sx;
+        } else {
+          acc += dot;
+        }
       }
       c0 += kRouterThreads * kRouterChunks;
       if (c0 - tid >= Q) break;  // CTA-uniform

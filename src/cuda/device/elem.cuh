@@ -76,6 +76,20 @@ __device__ __forceinline__ float load_any(const void* p, DType dtype, int64_t i)
   }
 }
 
+// load_any in two halves, for a run of loads that should all be in flight before the first use
+// (a conversion right after each load in a dtype switch makes every load wait for the one before):
+// the element's bits (zero-extended for 16-bit dtypes), then their value.
+__device__ __forceinline__ uint32_t load_raw_any(const void* p, DType dtype, int64_t i) {
+  return dtype == DType::f32 ? static_cast<const uint32_t*>(p)[i] : static_cast<const uint16_t*>(p)[i];
+}
+__device__ __forceinline__ float raw_any_to_float(uint32_t bits, DType dtype) {
+  switch (dtype) {
+    case DType::bf16: return bf16_to_float(static_cast<uint16_t>(bits));
+    case DType::f16: return f16_to_float(static_cast<uint16_t>(bits));
+    default: return __uint_as_float(bits);
+  }
+}
+
 // Elements per 16-byte vector.
 template <DType D>
 constexpr int kVec16 = 16 / static_cast<int>(sizeof(typename Elem<D>::storage));
