@@ -2,14 +2,13 @@
 import os
 
 # MLX's CUDA backend runs float32 matmuls (its dense gather_mm among them) in TF32 unless
-# MLX_ENABLE_TF32=0 (MLX's environment variables page), which puts MLX's own float32 output ~1e-3
-# from the exact result; the test_mlx float32 bounds (docs/numerics.md) compare against full float32.
-# Set before any test module imports mlx.
+# MLX_ENABLE_TF32=0 (MLX's environment variables page); the test_mlx float32 bounds (docs/numerics.md)
+# compare against full float32. Set before any test module imports mlx.
 os.environ.setdefault("MLX_ENABLE_TF32", "0")
 
 import pytest  # noqa: E402
 
-import expertqmm
+import expertqmm  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -5,16 +5,20 @@
 // launch_add_scaled in sequence (norm.cu) would store it; the sums of squares are fp32 as there,
 // in another order (docs/numerics.md: summation order only).
 //
-// Work split: one CTA per token row, kUnits 8-value units per thread (2 while H <= 4096: Gemma 4
-// 26B, H = 2816, is 352 units on 192 threads; 4 or 8 above, so that a CTA stays at <= 256 threads
-// and every value of the row in registers). Why this shape: at decode the block runs these on one
-// to eight rows, so each kernel is a chain of memory latencies, not a stream. Every load of the row
-// (activations and weights, 16-byte units where aligned) is issued as raw bits before the first use
-// and converted after the last one is in flight: a use inside the loop (a dtype switch per element,
-// a conversion per unit) made each load wait for the previous one (ncu, T = 1, cold L2: exit 15.9
-// us, entry 7.0 us for one 5.6 KB row; 48 and 32 dependent loads per thread). The exit kernel keeps
-// d, m and h in registers through its three reductions (d and m; then s = h1 + h2), one more
-// barrier each.
+// Work split: one CTA per token row. Two kinds of instance (launch_norm_kernel picks):
+//   16-byte: rows in 16-byte units and every norm weight in the activation dtype (what MLX
+//     checkpoints hold), one 8-value unit per thread (Gemma 4 26B, H = 2816: 352 threads), H <= 8192;
+//     the dtypes and the unit layout are template parameters, so the code holds one path;
+//   generic: any weight dtype and alignment, 2 / 4 / 8 units per thread by H (<= 256 threads, every
+//     value of the row in registers).
+// Why this shape: at decode the block runs these on one to eight rows, so each kernel is a chain of
+// latencies, not a stream. Every load of the row is issued as raw bits before the first use and
+// converted after the last one is in flight (a conversion inside a dtype switch per element made each
+// load wait for the one before: entry 7.0 -> 5.1 us, ncu T = 1). And the code is small: these
+// kernels' code is fetched cold at every layer (the weights stream 45 MB through the L2 between two
+// calls), and the exit kernel's 86-103 KB of SASS with every path unrolled cost 15.9 us for one 5.6 KB
+// row (bench/NOTES.md step 17). The exit kernel keeps d, m and h in registers through its three
+// reductions (d and m; then s = h1 + h2), one more barrier each.
 #include "cuda/moe_internal.h"
 #include "cuda/norm.h"
 
@@ -28,22 +32,52 @@ namespace expertqmm::cuda {
 
 namespace {
 
-constexpr int kThreadsMax = 256;
-constexpr int kUnitsMax = 8;  // 8-value units per thread at the largest H
+constexpr int kThreadsMax = 256;     // the generic instances: units per thread grow with H
+constexpr int kUnitsMax = 8;         // 8-value units per thread at the largest H
+constexpr int kFastThreadsMax = 1024;  // the 16-byte instances: one unit per thread
 constexpr int64_t kMaxHidden = int64_t{8} * kUnitsMax * kThreadsMax;
 
 using device::cta_sum;
 using device::inv_rms;
 
-// 8 values of a float row of a run-time dtype as raw bits, loaded without being used. `vec` (16-byte
-// aligned rows, H % 8 == 0): one 16-byte load (16-bit dtypes, lo) or two (f32, lo and hi); else one
-// load per element into the eight words (zero-extended; 0 past H).
+// 8 values of a float row as raw bits, loaded without being used (converted once every load of the
+// kernel is in flight).
 struct RawUnit {
   uint4 lo, hi;
 };
 
-__device__ __forceinline__ void load_raw_unit(const void* row, DType dt, int64_t u, int64_t H, bool vec, RawUnit& r) {
-  if (vec) {
+// How a kernel instance reads a row (activations or a norm weight), a compile-time choice so that
+// the common case carries no other path in its code (the code of these one-CTA-per-row kernels is
+// fetched cold at every layer: bench/NOTES.md step 17):
+//   Units16<W>  the row in 16-byte units of dtype W (16-bit: one load per unit), fixed at compile time;
+//   UnitsAny    a run-time dtype per row, 16-byte units when `vec` (16-bit: one load, f32: two), else
+//               one load per element into the eight words (zero-extended; 0 past H).
+template <DType W>
+struct Units16 {};
+struct UnitsAny {
+  bool vec;
+};
+template <DType W>
+__device__ __forceinline__ constexpr bool in_units(Units16<W>) { return true; }
+__device__ __forceinline__ bool in_units(UnitsAny l) { return l.vec; }
+
+template <DType W>
+__device__ __forceinline__ void load_unit(Units16<W>, const void* row, DType, int64_t u, int64_t, RawUnit& r) {
+  static_assert(sizeof(typename Elem<W>::storage) == 2, "Units16 is for 16-bit rows");
+  r.lo = __ldg(static_cast<const uint4*>(row) + u);
+}
+template <DType W>
+__device__ __forceinline__ void unit_values(Units16<W>, const RawUnit& r, DType, float (&v)[8]) {
+  const uint32_t w[4] = {r.lo.x, r.lo.y, r.lo.z, r.lo.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = Elem<W>::load(static_cast<uint16_t>(w[i] & 0xffffu));
+    v[2 * i + 1] = Elem<W>::load(static_cast<uint16_t>(w[i] >> 16));
+  }
+}
+
+__device__ __forceinline__ void load_unit(UnitsAny l, const void* row, DType dt, int64_t u, int64_t H, RawUnit& r) {
+  if (l.vec) {
     if (dt == DType::f32) {
       const uint4* q = static_cast<const uint4*>(row) + 2 * u;
       r.lo = __ldg(q);
@@ -62,12 +96,10 @@ __device__ __forceinline__ void load_raw_unit(const void* row, DType dt, int64_t
   r.lo = make_uint4(e[0], e[1], e[2], e[3]);
   r.hi = make_uint4(e[4], e[5], e[6], e[7]);
 }
-
-// The 8 values of a RawUnit as floats (0 past H: their bits are 0 on the element path, and on the
-// 16-byte path H % 8 == 0).
-__device__ __forceinline__ void unit_floats(const RawUnit& r, DType dt, bool vec, float (&v)[8]) {
+// (0 past H: their bits are 0 on the element path, and on the 16-byte path H % 8 == 0.)
+__device__ __forceinline__ void unit_values(UnitsAny l, const RawUnit& r, DType dt, float (&v)[8]) {
   const uint32_t w[8] = {r.lo.x, r.lo.y, r.lo.z, r.lo.w, r.hi.x, r.hi.y, r.hi.z, r.hi.w};
-  if (vec && dt != DType::f32) {
+  if (l.vec && dt != DType::f32) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       v[2 * i] = raw_any_to_float(w[i] & 0xffffu, dt);
@@ -98,10 +130,13 @@ __device__ __forceinline__ void store_row_unit(void* row, int64_t u, int64_t H, 
     if (8 * u + e < H) p[e] = Elem<D>::store(v[e]);
 }
 
-// h, x1, x2: (T, H) row-major in D. vec: the rows in 16-byte units; wvec: the weights likewise.
-template <DType D, int kUnits>
-__global__ void __launch_bounds__(kThreadsMax) ffn_entry_norms_kernel(Gemma4NormArgs a, bool vec, bool wvec) {
-  __shared__ float warp_sums[kThreadsMax / 32];
+// h, x1, x2: (T, H) row-major in D. Rows: how h, x1, x2 are read and written (Units16<D> or UnitsAny);
+// Weights: how the norm weights are read.
+template <DType D, int kUnits, class Rows, class Weights>
+__global__ void __launch_bounds__(kUnits == 1 ? kFastThreadsMax : kThreadsMax)
+    ffn_entry_norms_kernel(Gemma4NormArgs a, Rows rows, Weights weights) {
+  const bool vec = in_units(rows);  // rows stored in 16-byte units too
+  __shared__ float warp_sums[kFastThreadsMax / 32];
   __shared__ float total;
   const int64_t H = a.H, U = (H + 7) / 8, row = blockIdx.x;
   constexpr int64_t kBytes = sizeof(typename Elem<D>::storage);
@@ -111,9 +146,9 @@ __global__ void __launch_bounds__(kThreadsMax) ffn_entry_norms_kernel(Gemma4Norm
   for (int j = 0; j < kUnits; ++j) {
     const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
     if (u < U) {
-      load_raw_unit(hr, D, u, H, vec, rh[j]);
-      load_raw_unit(a.pre_ff, a.pre_ff_dtype, u, H, wvec, r1[j]);
-      load_raw_unit(a.pre_ff_2, a.pre_ff_2_dtype, u, H, wvec, r2[j]);
+      load_unit(rows, hr, D, u, H, rh[j]);
+      load_unit(weights, a.pre_ff, a.pre_ff_dtype, u, H, r1[j]);
+      load_unit(weights, a.pre_ff_2, a.pre_ff_2_dtype, u, H, r2[j]);
     }
   }
   float hv[kUnits][8];
@@ -121,7 +156,7 @@ __global__ void __launch_bounds__(kThreadsMax) ffn_entry_norms_kernel(Gemma4Norm
 #pragma unroll
   for (int j = 0; j < kUnits; ++j) {
     if (threadIdx.x + static_cast<int64_t>(j) * blockDim.x >= U) continue;
-    unit_floats(rh[j], D, vec, hv[j]);
+    unit_values(rows, rh[j], D, hv[j]);
 #pragma unroll
     for (int e = 0; e < 8; ++e) sum_sq += hv[j][e] * hv[j][e];
   }
@@ -133,8 +168,8 @@ __global__ void __launch_bounds__(kThreadsMax) ffn_entry_norms_kernel(Gemma4Norm
     const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
     if (u >= U) continue;
     float w1[8], w2[8], o1[8], o2[8];
-    unit_floats(r1[j], a.pre_ff_dtype, wvec, w1);
-    unit_floats(r2[j], a.pre_ff_2_dtype, wvec, w2);
+    unit_values(weights, r1[j], a.pre_ff_dtype, w1);
+    unit_values(weights, r2[j], a.pre_ff_2_dtype, w2);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       const float v = hv[j][e] * inv;
@@ -146,10 +181,12 @@ __global__ void __launch_bounds__(kThreadsMax) ffn_entry_norms_kernel(Gemma4Norm
   }
 }
 
-// d, m, h, out: (T, H) row-major in D. vec / wvec as in the entry kernel.
-template <DType D, int kUnits>
-__global__ void __launch_bounds__(kThreadsMax) ffn_exit_kernel(Gemma4NormArgs a, bool vec, bool wvec) {
-  __shared__ float warp_sums[kThreadsMax / 32];
+// d, m, h, out: (T, H) row-major in D. Rows / Weights as in the entry kernel.
+template <DType D, int kUnits, class Rows, class Weights>
+__global__ void __launch_bounds__(kUnits == 1 ? kFastThreadsMax : kThreadsMax)
+    ffn_exit_kernel(Gemma4NormArgs a, Rows rows, Weights weights) {
+  const bool vec = in_units(rows);
+  __shared__ float warp_sums[kFastThreadsMax / 32];
   __shared__ float total;
   const int64_t H = a.H, U = (H + 7) / 8, row = blockIdx.x;
   const int64_t off = row * H * static_cast<int64_t>(sizeof(typename Elem<D>::storage));  // bytes
@@ -158,12 +195,12 @@ __global__ void __launch_bounds__(kThreadsMax) ffn_exit_kernel(Gemma4NormArgs a,
   for (int j = 0; j < kUnits; ++j) {
     const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
     if (u < U) {
-      load_raw_unit(static_cast<const char*>(a.d) + off, D, u, H, vec, rd[j]);
-      load_raw_unit(static_cast<const char*>(a.m) + off, D, u, H, vec, rm[j]);
-      load_raw_unit(static_cast<const char*>(a.h) + off, D, u, H, vec, rh[j]);
-      load_raw_unit(a.post_ff_1, a.post_ff_1_dtype, u, H, wvec, r1[j]);
-      load_raw_unit(a.post_ff_2, a.post_ff_2_dtype, u, H, wvec, r2[j]);
-      load_raw_unit(a.post_ff, a.post_ff_dtype, u, H, wvec, r3[j]);
+      load_unit(rows, static_cast<const char*>(a.d) + off, D, u, H, rd[j]);
+      load_unit(rows, static_cast<const char*>(a.m) + off, D, u, H, rm[j]);
+      load_unit(rows, static_cast<const char*>(a.h) + off, D, u, H, rh[j]);
+      load_unit(weights, a.post_ff_1, a.post_ff_1_dtype, u, H, r1[j]);
+      load_unit(weights, a.post_ff_2, a.post_ff_2_dtype, u, H, r2[j]);
+      load_unit(weights, a.post_ff, a.post_ff_dtype, u, H, r3[j]);
     }
   }
   const uint32_t scalar_bits = load_raw_any(a.layer_scalar, a.layer_scalar_dtype, 0);
@@ -172,8 +209,8 @@ __global__ void __launch_bounds__(kThreadsMax) ffn_exit_kernel(Gemma4NormArgs a,
 #pragma unroll
   for (int j = 0; j < kUnits; ++j) {
     if (threadIdx.x + static_cast<int64_t>(j) * blockDim.x >= U) continue;  // its units are never used
-    unit_floats(rd[j], D, vec, dv[j]);
-    unit_floats(rm[j], D, vec, mv[j]);
+    unit_values(rows, rd[j], D, dv[j]);
+    unit_values(rows, rm[j], D, mv[j]);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       ss_d += dv[j][e] * dv[j][e];
@@ -188,8 +225,8 @@ __global__ void __launch_bounds__(kThreadsMax) ffn_exit_kernel(Gemma4NormArgs a,
   for (int j = 0; j < kUnits; ++j) {
     if (threadIdx.x + static_cast<int64_t>(j) * blockDim.x >= U) continue;
     float w1[8], w2[8];
-    unit_floats(r1[j], a.post_ff_1_dtype, wvec, w1);
-    unit_floats(r2[j], a.post_ff_2_dtype, wvec, w2);
+    unit_values(weights, r1[j], a.post_ff_1_dtype, w1);
+    unit_values(weights, r2[j], a.post_ff_2_dtype, w2);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       const float h1 = round_to<D>(dv[j][e] * inv_d * w1[e]);
@@ -205,8 +242,8 @@ __global__ void __launch_bounds__(kThreadsMax) ffn_exit_kernel(Gemma4NormArgs a,
     const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
     if (u >= U) continue;
     float w3[8], hv[8], o[8];
-    unit_floats(r3[j], a.post_ff_dtype, wvec, w3);
-    unit_floats(rh[j], D, vec, hv);
+    unit_values(weights, r3[j], a.post_ff_dtype, w3);
+    unit_values(rows, rh[j], D, hv);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       const float f = round_to<D>(dv[j][e] * inv_s * w3[e]);
@@ -262,36 +299,63 @@ void with_units(int64_t H, F&& f) {
   }
 }
 
+// Launches kernel<D, units, Rows, Weights> for the row: the 16-byte instance (one unit per thread,
+// Units16<D> for rows and weights) when the rows are in 16-byte units, every norm weight is in D and
+// 16-byte aligned and H <= 8 * 1024; else the generic one (run-time weight dtypes, element loads
+// where unaligned, units per thread by H).
+template <template <DType, int, class, class> class Kernel>
+void launch_norm_kernel(DType dtype, const Gemma4NormArgs& a, bool rows_vec, bool weights_vec,
+                        std::initializer_list<DType> weight_dtypes) {
+  bool fast = rows_vec && weights_vec && (a.H + 7) / 8 <= kFastThreadsMax;
+  for (DType w : weight_dtypes) fast = fast && w == dtype;
+  dispatch_float(dtype, "gemma4_ffn", [&](auto tag) {
+    constexpr DType D = decltype(tag)::value;
+    const unsigned grid = static_cast<unsigned>(a.T);
+    if constexpr (sizeof(typename Elem<D>::storage) == 2) {
+      if (fast) {
+        const unsigned threads = static_cast<unsigned>(((a.H + 7) / 8 + 31) / 32 * 32);
+        Kernel<D, 1, Units16<D>, Units16<D>>::launch(grid, threads, a, Units16<D>{}, Units16<D>{});
+        return;
+      }
+    }
+    with_units(a.H, [&](auto units) {
+      Kernel<D, decltype(units)::value, UnitsAny, UnitsAny>::launch(grid, threads_for(a.H), a, UnitsAny{rows_vec},
+                                                                    UnitsAny{weights_vec});
+    });
+  });
+}
+
+// The kernels as class templates, so that launch_norm_kernel picks the instance.
+template <DType D, int kUnits, class Rows, class Weights>
+struct EntryNorms {
+  static void launch(unsigned grid, unsigned threads, const Gemma4NormArgs& a, Rows rows, Weights weights) {
+    ffn_entry_norms_kernel<D, kUnits, Rows, Weights><<<grid, threads, 0, current_stream()>>>(a, rows, weights);
+    EXPERTQMM_CUDA_CHECK_LAUNCH(ffn_entry_norms_kernel);
+  }
+};
+template <DType D, int kUnits, class Rows, class Weights>
+struct Exit {
+  static void launch(unsigned grid, unsigned threads, const Gemma4NormArgs& a, Rows rows, Weights weights) {
+    ffn_exit_kernel<D, kUnits, Rows, Weights><<<grid, threads, 0, current_stream()>>>(a, rows, weights);
+    EXPERTQMM_CUDA_CHECK_LAUNCH(ffn_exit_kernel);
+  }
+};
+
 }  // namespace
 
 void launch_gemma4_entry_norms(DType dtype, const Gemma4NormArgs& a) {
   if (a.T == 0 || a.H == 0) return;
   check_shape(a);
-  const bool vec = rows_in_units(dtype, a, {a.h, a.x1, a.x2});
-  const bool wvec = weights_in_units(a, {a.pre_ff, a.pre_ff_2});
-  dispatch_float(dtype, "gemma4_ffn", [&](auto tag) {
-    constexpr DType D = decltype(tag)::value;
-    with_units(a.H, [&](auto units) {
-      ffn_entry_norms_kernel<D, decltype(units)::value>
-          <<<static_cast<unsigned>(a.T), threads_for(a.H), 0, current_stream()>>>(a, vec, wvec);
-      EXPERTQMM_CUDA_CHECK_LAUNCH(ffn_entry_norms_kernel);
-    });
-  });
+  launch_norm_kernel<EntryNorms>(dtype, a, rows_in_units(dtype, a, {a.h, a.x1, a.x2}),
+                                 weights_in_units(a, {a.pre_ff, a.pre_ff_2}), {a.pre_ff_dtype, a.pre_ff_2_dtype});
 }
 
 void launch_gemma4_exit(DType dtype, const Gemma4NormArgs& a) {
   if (a.T == 0 || a.H == 0) return;
   check_shape(a);
-  const bool vec = rows_in_units(dtype, a, {a.d, a.m, a.h, a.out});
-  const bool wvec = weights_in_units(a, {a.post_ff_1, a.post_ff_2, a.post_ff});
-  dispatch_float(dtype, "gemma4_ffn", [&](auto tag) {
-    constexpr DType D = decltype(tag)::value;
-    with_units(a.H, [&](auto units) {
-      ffn_exit_kernel<D, decltype(units)::value>
-          <<<static_cast<unsigned>(a.T), threads_for(a.H), 0, current_stream()>>>(a, vec, wvec);
-      EXPERTQMM_CUDA_CHECK_LAUNCH(ffn_exit_kernel);
-    });
-  });
+  launch_norm_kernel<Exit>(dtype, a, rows_in_units(dtype, a, {a.d, a.m, a.h, a.out}),
+                           weights_in_units(a, {a.post_ff_1, a.post_ff_2, a.post_ff}),
+                           {a.post_ff_1_dtype, a.post_ff_2_dtype, a.post_ff_dtype});
 }
 
 }  // namespace expertqmm::cuda

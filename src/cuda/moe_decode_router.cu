@@ -76,7 +76,10 @@ __device__ __forceinline__ void scale_unit_floats(const ScaleUnit& s, DType dt, 
 // (16 4-bit or 8 8-bit values) each lie in one group of 16 or 32, so ws / wb hold the decoded
 // scales of the low and high half instead of scale and bias, and acc[t] += s_lo * dot_lo + s_hi *
 // dot_hi with fp_word_dot's E2M1 / E4M3 values (qmv's fp arithmetic: s * sum(x * v) per group part).
-template <DType D, int kProj, bool kFp = false>
+// kSoftmaxTopk: the router kind (RouterArgs::softmax_topk) as a template parameter, so that each
+// instance holds one top-k's code (the kernel's code is fetched cold by every SM at every layer:
+// bench/NOTES.md step 17).
+template <DType D, int kProj, bool kFp, bool kSoftmaxTopk>
 __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArgs a) {
   using S = typename Elem<D>::storage;
   constexpr bool kQuant = kProj != 0;
@@ -138,7 +141,7 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
     }
   };
   load_batch(tid);
-  const bool norm = !a.softmax_topk;  // softmax_topk: r = h (inv_rms and the scale row are 1)
+  constexpr bool norm = !kSoftmaxTopk;  // softmax_topk: r = h (inv_rms and the scale row are 1)
   const uint32_t pes_raw = norm && tid < a.E ? load_raw_any(a.per_expert_scale, a.pes_dtype, tid) : 0u;
 
   // 2. Norm inputs, batched: the norm weight's units and h's units, all loads before any use.
@@ -301,7 +304,7 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
     const float* lrow = a.logits + t * a.E;
     uint16_t* wrow_out = a.weights + t * a.k;
     auto store = [&](int slot, float w) { wrow_out[slot] = Elem<D>::store(w); };
-    if (a.softmax_topk)
+    if constexpr (kSoftmaxTopk)
       device::warp_softmax_topk([&](int64_t x) { return __ldcg(lrow + x); }, a.E, a.k, a.renormalize,
                                 [](float v) { return round_to<D>(v); }, ids + t * a.k, store);
     else
@@ -319,6 +322,7 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
   if (tid < n) {
     mine = ids[tid];
     a.indices[tid] = mine;
+#pragma unroll 1
     for (int b = 0; b < n; ++b) {
       const int32_t other = ids[b];
       less += other < mine;
@@ -333,6 +337,7 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
   const int groups = __syncthreads_count(tid < n && before == 0);
   if (tid < n && before == 0) {
     int g = 0;
+#pragma unroll 1
     for (int b = 0; b < n; ++b) g += first_of_expert[b] && ids[b] < mine;
     a.plan->expert[g] = mine;
     a.plan->begin[g] = less;
@@ -355,10 +360,29 @@ void launch_router(DType dtype, int proj_bits, const RouterArgs& a, size_t smem,
     EXPERTQMM_CUDA_CHECK_LAUNCH(decode_router_kernel);
   };
   const bool bf16 = dtype == DType::bf16;
-  if (fp) launch(proj_bits == 4 ? decode_router_kernel<DType::bf16, 4, true> : decode_router_kernel<DType::bf16, 8, true>);
-  else if (proj_bits == 0) launch(bf16 ? decode_router_kernel<DType::bf16, 0> : decode_router_kernel<DType::f16, 0>);
-  else if (proj_bits == 4) launch(bf16 ? decode_router_kernel<DType::bf16, 4> : decode_router_kernel<DType::f16, 4>);
-  else launch(bf16 ? decode_router_kernel<DType::bf16, 8> : decode_router_kernel<DType::f16, 8>);
+  auto with_kind = [&](auto dtag, auto ptag, auto fptag) {
+    constexpr DType DT = decltype(dtag)::value;
+    constexpr int P = decltype(ptag)::value;
+    constexpr bool F = decltype(fptag)::value;
+    if (a.softmax_topk) launch(decode_router_kernel<DT, P, F, true>);
+    else launch(decode_router_kernel<DT, P, F, false>);
+  };
+  using BF16 = std::integral_constant<DType, DType::bf16>;
+  using F16 = std::integral_constant<DType, DType::f16>;
+  using Affine = std::false_type;
+  auto with_bits = [&](auto dtag, auto fptag) {
+    if (proj_bits == 0) with_kind(dtag, std::integral_constant<int, 0>{}, fptag);
+    else if (proj_bits == 4) with_kind(dtag, std::integral_constant<int, 4>{}, fptag);
+    else with_kind(dtag, std::integral_constant<int, 8>{}, fptag);
+  };
+  if (fp) {  // bf16, 4- or 8-bit codes (supports_decode_layer)
+    if (proj_bits == 4) with_kind(BF16{}, std::integral_constant<int, 4>{}, std::true_type{});
+    else with_kind(BF16{}, std::integral_constant<int, 8>{}, std::true_type{});
+  } else if (bf16) {
+    with_bits(BF16{}, Affine{});
+  } else {
+    with_bits(F16{}, Affine{});
+  }
 }
 
 }  // namespace expertqmm::cuda::decode
