@@ -43,6 +43,7 @@ TEST(Settings, UnsetEnvironmentGivesTheDefaults) {
   const EnvSettings s = parse({});
   EXPECT_EQ(s.expert_tiles, RouteSwitch::automatic);
   EXPECT_EQ(s.decode_layer, RouteSwitch::automatic);
+  EXPECT_EQ(s.decode_one_launch, RouteSwitch::automatic);
   EXPECT_EQ(s.deterministic, RouteSwitch::automatic);
   EXPECT_EQ(s.wgmma, RouteSwitch::automatic);
   EXPECT_EQ(s.wgmma_width, 0);
@@ -58,6 +59,12 @@ TEST(Settings, DecodeLayerVariable) {
   EXPECT_EQ(parse({{"EXPERTQMM_DECODE_LAYER", "0"}}).decode_layer, RouteSwitch::off);
   EXPECT_EQ(parse({{"EXPERTQMM_DECODE_LAYER", "1"}}).decode_layer, RouteSwitch::on);
   for (const char* bad : kSwitchBad) expect_rejected("EXPERTQMM_DECODE_LAYER", bad);
+}
+
+TEST(Settings, DecodeOneLaunchVariable) {
+  EXPECT_EQ(parse({{"EXPERTQMM_DECODE_ONE_LAUNCH", "0"}}).decode_one_launch, RouteSwitch::off);
+  EXPECT_EQ(parse({{"EXPERTQMM_DECODE_ONE_LAUNCH", "1"}}).decode_one_launch, RouteSwitch::on);
+  for (const char* bad : kSwitchBad) expect_rejected("EXPERTQMM_DECODE_ONE_LAUNCH", bad);
 }
 
 TEST(Settings, DeterministicVariable) {
@@ -80,7 +87,7 @@ TEST(Settings, WgmmaWidthVariable) {
 // Every variable of the table is parsed (a bad value of each is caught), and nothing else is.
 TEST(Settings, TableListsEveryVariableAndEachIsValidated) {
   const std::vector<SettingInfo> table = settings_table();
-  ASSERT_EQ(table.size(), 5u);
+  ASSERT_EQ(table.size(), 6u);
   for (const SettingInfo& row : table) {
     EXPECT_EQ(row.variable.rfind("EXPERTQMM_", 0), 0u) << row.variable;
     EXPECT_FALSE(row.values.empty() || row.current.empty() || row.what.empty()) << row.variable;
@@ -119,6 +126,12 @@ TEST(Settings, ApiOverridesAndRejectsBadValues) {
   EXPECT_EQ(decode_layer_setting(), RouteSwitch::off);
   EXPECT_THROW(set_decode_layer(static_cast<RouteSwitch>(3)), Error);
   set_decode_layer(decode_before);
+
+  const RouteSwitch one_launch_before = decode_one_launch_setting();
+  set_decode_one_launch(RouteSwitch::on);
+  EXPECT_EQ(decode_one_launch_setting(), RouteSwitch::on);
+  EXPECT_THROW(set_decode_one_launch(static_cast<RouteSwitch>(3)), Error);
+  set_decode_one_launch(one_launch_before);
 
   EXPECT_THROW(set_product_mode(static_cast<ProductMode>(5)), Error);
 

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <vector>
 
 #ifdef EXPERTQMM_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -61,4 +62,78 @@ TEST(GpuMoeDecode, CapturedInACudaGraphAsThreeKernels) {
     test::expect_replays_match(graph, stream.get(), replayed, expected, 3, what);
   }
 #endif
+}
+
+// EXPERTQMM_DECODE_ONE_LAUNCH: gate/up and down as one launch (src/cuda/moe_decode_one_launch.cu)
+// run the same tile code in the same order, so the output is bit-identical to the two kernels', on
+// every geometry it takes (bf16 / f16, groups 32 / 64 / 128, both activations, both router kinds,
+// mxfp4), at every decode size, twice in a row (its counters are zero again after each call); and a
+// captured call is two kernel nodes (router, experts) that replay to the same bytes.
+TEST(GpuMoeDecode, OneLaunchMatchesTheTwoKernelsBitForBit) {
+  EXPERTQMM_REQUIRE_GPU();
+  test::DecodeSwitchGuard decode(RouteSwitch::on);
+  const test::MoeGeometry geometries[] = {
+      {2816, 704, 16, 8, 4, 64, 8, false, Activation::geglu, DType::bf16},
+      {320, 96, 16, 4, 4, 32, 8, false, Activation::swiglu, DType::f16},
+      {512, 128, 8, 2, 4, 128, 8, true, Activation::geglu, DType::bf16},
+      {256, 128, 12, 3, 4, 64, 4, false, Activation::swiglu, DType::bf16, RouterKind::softmax_topk},
+      {256, 128, 8, 2, 4, 32, 8, false, Activation::geglu, DType::bf16, RouterKind::gemma4, true, QuantMode::mxfp4},
+  };
+  for (const test::MoeGeometry& g : geometries) {
+    const test::Layer l = test::make_layer(g);
+    for (int64_t T : {1, 2, 3, 8}) {
+      const std::string what = detail::cat(g.name(), " T=", T);
+      const Tensor h = test::random_tensor({T, g.H}, g.dtype, 1.0f, Device::cuda);
+      const Tensor x = test::random_tensor({T, g.H}, g.dtype, 1.0f, Device::cuda);
+      Workspace ws;
+      std::vector<uint8_t> two_kernels;
+      {
+        test::OneLaunchGuard off(RouteSwitch::off);
+        two_kernels = test::run_layer(h, x, l.gpu, ws).to_host_bytes();
+      }
+      test::OneLaunchGuard on(RouteSwitch::on);
+      const uint64_t before = test::decode_hits();
+      for (int call = 0; call < 2; ++call)
+        EXPECT_EQ(test::run_layer(h, x, l.gpu, ws).to_host_bytes(), two_kernels) << what << " call " << call;
+      cuda_check();
+      EXPECT_EQ(test::decode_hits(), before + 2) << what;
+    }
+  }
+#ifdef EXPERTQMM_HAVE_CUDA
+  const test::MoeGeometry g = geometries[0];
+  const test::Layer l = test::make_layer(g);
+  const test::CaptureStream stream;
+  test::OneLaunchGuard on(RouteSwitch::on);
+  Workspace ws;
+  for (int64_t T : {1, 8}) {
+    const std::string what = detail::cat("captured T=", T);
+    const Tensor h = test::random_tensor({T, g.H}, g.dtype, 1.0f, Device::cuda);
+    const Tensor expected = test::run_layer(h, h, l.gpu, ws);
+    cuda_check();
+    Tensor replayed = Tensor::empty({T, g.H}, g.dtype, Device::cuda);
+    cudaGraph_t graph = test::capture_graph(stream.get(), [&] { moe_layer_into(replayed, h, h, l.gpu, ws); }, what);
+    ASSERT_NE(graph, nullptr) << what;
+    EXPECT_EQ(test::kernel_nodes(graph), 2) << what << ": router + one experts kernel";
+    test::expect_replays_match(graph, stream.get(), replayed, expected, 3, what);
+  }
+#endif
+}
+
+// The sanitizer subset's run of the one-launch kernel (gpu-check runs Sanitize* under memcheck and
+// racecheck): a small geometry, T = 1 and 3, against the two kernels.
+TEST(SanitizeDecodeOneLaunch, SmallLayerMatchesTheTwoKernels) {
+  EXPERTQMM_REQUIRE_GPU();
+  test::DecodeSwitchGuard decode(RouteSwitch::on);
+  const test::Layer l = test::make_layer({256, 128, 8, 2, 4, 64, 8, false, Activation::geglu, DType::bf16});
+  for (int64_t T : {1, 3}) {
+    const Tensor h = test::random_tensor({T, 256}, DType::bf16, 1.0f, Device::cuda);
+    Workspace ws;
+    std::vector<uint8_t> two_kernels;
+    {
+      test::OneLaunchGuard off(RouteSwitch::off);
+      two_kernels = test::run_layer(h, h, l.gpu, ws).to_host_bytes();
+    }
+    test::OneLaunchGuard on(RouteSwitch::on);
+    EXPECT_EQ(test::run_layer(h, h, l.gpu, ws).to_host_bytes(), two_kernels) << "T=" << T;
+  }
 }

@@ -26,6 +26,12 @@ RouteSwitch expert_tiles_setting();
 void set_decode_layer(RouteSwitch s);
 RouteSwitch decode_layer_setting();
 
+// EXPERTQMM_DECODE_ONE_LAUNCH=0|1: the decode layer's gate/up and down kernels (4-bit experts) as one
+// launch whose down tiles copy their weights while gate/up runs (src/cuda/moe_decode_one_launch.cu);
+// `automatic` is off until bench/NOTES.md step 19 measures it.
+void set_decode_one_launch(RouteSwitch s);
+RouteSwitch decode_one_launch_setting();
+
 // EXPERTQMM_DETERMINISTIC=0|1: the same output bits on every run. Off (the default), the CUDA MoE
 // layer may add each expert's down output into its token's fp32 output row with atomics inside the
 // down GEMM (no [T*k, H] buffer, no combine pass), so the order of the k additions varies between
