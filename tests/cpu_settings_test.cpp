@@ -44,6 +44,7 @@ TEST(Settings, UnsetEnvironmentGivesTheDefaults) {
   EXPECT_EQ(s.expert_tiles, RouteSwitch::automatic);
   EXPECT_EQ(s.decode_layer, RouteSwitch::automatic);
   EXPECT_EQ(s.decode_one_launch, RouteSwitch::automatic);
+  EXPECT_EQ(s.chained_launch, RouteSwitch::automatic);
   EXPECT_EQ(s.deterministic, RouteSwitch::automatic);
   EXPECT_EQ(s.wgmma, RouteSwitch::automatic);
   EXPECT_EQ(s.wgmma_width, 0);
@@ -67,6 +68,12 @@ TEST(Settings, DecodeOneLaunchVariable) {
   for (const char* bad : kSwitchBad) expect_rejected("EXPERTQMM_DECODE_ONE_LAUNCH", bad);
 }
 
+TEST(Settings, ChainedLaunchVariable) {
+  EXPECT_EQ(parse({{"EXPERTQMM_CHAINED_LAUNCH", "0"}}).chained_launch, RouteSwitch::off);
+  EXPECT_EQ(parse({{"EXPERTQMM_CHAINED_LAUNCH", "1"}}).chained_launch, RouteSwitch::on);
+  for (const char* bad : kSwitchBad) expect_rejected("EXPERTQMM_CHAINED_LAUNCH", bad);
+}
+
 TEST(Settings, DeterministicVariable) {
   EXPECT_EQ(parse({{"EXPERTQMM_DETERMINISTIC", "0"}}).deterministic, RouteSwitch::off);
   EXPECT_EQ(parse({{"EXPERTQMM_DETERMINISTIC", "1"}}).deterministic, RouteSwitch::on);
@@ -87,7 +94,7 @@ TEST(Settings, WgmmaWidthVariable) {
 // Every variable of the table is parsed (a bad value of each is caught), and nothing else is.
 TEST(Settings, TableListsEveryVariableAndEachIsValidated) {
   const std::vector<SettingInfo> table = settings_table();
-  ASSERT_EQ(table.size(), 6u);
+  ASSERT_EQ(table.size(), 7u);
   for (const SettingInfo& row : table) {
     EXPECT_EQ(row.variable.rfind("EXPERTQMM_", 0), 0u) << row.variable;
     EXPECT_FALSE(row.values.empty() || row.current.empty() || row.what.empty()) << row.variable;
@@ -132,6 +139,12 @@ TEST(Settings, ApiOverridesAndRejectsBadValues) {
   EXPECT_EQ(decode_one_launch_setting(), RouteSwitch::on);
   EXPECT_THROW(set_decode_one_launch(static_cast<RouteSwitch>(3)), Error);
   set_decode_one_launch(one_launch_before);
+
+  const RouteSwitch chained_before = chained_launch_setting();
+  set_chained_launch(RouteSwitch::on);
+  EXPECT_EQ(chained_launch_setting(), RouteSwitch::on);
+  EXPECT_THROW(set_chained_launch(static_cast<RouteSwitch>(3)), Error);
+  set_chained_launch(chained_before);
 
   EXPECT_THROW(set_product_mode(static_cast<ProductMode>(5)), Error);
 

@@ -32,6 +32,13 @@ RouteSwitch decode_layer_setting();
 void set_decode_one_launch(RouteSwitch s);
 RouteSwitch decode_one_launch_setting();
 
+// EXPERTQMM_CHAINED_LAUNCH=0|1: programmatic dependent launches (sm_90) at the Gemma 4 block's two
+// boundaries that allow them at decode sizes: the router (which reads the block's input, not the
+// entry norms' output) starts while the entry norms run, and the exit kernel loads its other inputs
+// while the experts' down kernel finishes. `automatic` is off until bench/NOTES.md step 20 measures it.
+void set_chained_launch(RouteSwitch s);
+RouteSwitch chained_launch_setting();
+
 // EXPERTQMM_DETERMINISTIC=0|1: the same output bits on every run. Off (the default), the CUDA MoE
 // layer may add each expert's down output into its token's fp32 output row with atomics inside the
 // down GEMM (no [T*k, H] buffer, no combine pass), so the order of the k additions varies between

@@ -86,6 +86,9 @@ void gemma4_ffn_into(Tensor& out, const Tensor& h, const Gemma4FfnWeights& w, Wo
   na.layer_scalar_dtype = scalar.dtype();
   na.out = out.data();
 
+  // EXPERTQMM_CHAINED_LAUNCH: the router starts while the entry norms run (it reads h, they write x1
+  // and x2), and the exit loads h, d and its weights while the experts' last kernel finishes.
+  const bool chained = chained_launch_setting() == RouteSwitch::on;
   launch_gemma4_entry_norms(dt, na);
   // Dense branch on the side stream: d = down(geglu(gate(x1), up(x1))), with its own scratch.
   StreamBranch branch;
@@ -108,9 +111,9 @@ void gemma4_ffn_into(Tensor& out, const Tensor& h, const Gemma4FfnWeights& w, Wo
   // experts x2. Then the exit waits for both.
   const Tensor x2 = Tensor::view(at(x2_off), {T, H}, dt, Device::cuda);
   Tensor moe_out = Tensor::view(at(moe_off), {T, H}, dt, Device::cuda);
-  cuda::moe_layer_into(moe_out, h, x2, w.moe, ws);
+  cuda::moe_layer_into_chained(moe_out, h, x2, w.moe, ws, /*router_overlaps_previous=*/chained);
   branch.join();
-  launch_gemma4_exit(dt, na);
+  launch_gemma4_exit(dt, na, chained);
 }
 
 }  // namespace expertqmm::cuda

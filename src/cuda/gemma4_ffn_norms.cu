@@ -25,6 +25,7 @@
 #include <initializer_list>
 #include <type_traits>
 
+#include "cuda/device/pdl.cuh"
 #include "cuda/device/reduce.cuh"
 #include "cuda/device/staging.cuh"
 
@@ -135,6 +136,7 @@ __device__ __forceinline__ void store_row_unit(void* row, int64_t u, int64_t H, 
 template <DType D, int kUnits, class Rows, class Weights>
 __global__ void __launch_bounds__(kUnits == 1 ? kFastThreadsMax : kThreadsMax)
     ffn_entry_norms_kernel(Gemma4NormArgs a, Rows rows, Weights weights) {
+  device::pdl_launch_dependents();  // the router may start now: it reads h, not x1 / x2
   const bool vec = in_units(rows);  // rows stored in 16-byte units too
   __shared__ float warp_sums[kFastThreadsMax / 32];
   __shared__ float total;
@@ -196,12 +198,19 @@ __global__ void __launch_bounds__(kUnits == 1 ? kFastThreadsMax : kThreadsMax)
     const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
     if (u < U) {
       load_unit(rows, static_cast<const char*>(a.d) + off, D, u, H, rd[j]);
-      load_unit(rows, static_cast<const char*>(a.m) + off, D, u, H, rm[j]);
       load_unit(rows, static_cast<const char*>(a.h) + off, D, u, H, rh[j]);
       load_unit(weights, a.post_ff_1, a.post_ff_1_dtype, u, H, r1[j]);
       load_unit(weights, a.post_ff_2, a.post_ff_2_dtype, u, H, r2[j]);
       load_unit(weights, a.post_ff, a.post_ff_dtype, u, H, r3[j]);
     }
+  }
+  // m, the experts' output, last: a chained launch (EXPERTQMM_CHAINED_LAUNCH) starts while the
+  // kernel that writes it still runs (d is the dense branch's, joined before this launch).
+  device::pdl_wait();
+#pragma unroll
+  for (int j = 0; j < kUnits; ++j) {
+    const int64_t u = threadIdx.x + static_cast<int64_t>(j) * blockDim.x;
+    if (u < U) load_unit(rows, static_cast<const char*>(a.m) + off, D, u, H, rm[j]);
   }
   const uint32_t scalar_bits = load_raw_any(a.layer_scalar, a.layer_scalar_dtype, 0);
   float dv[kUnits][8], mv[kUnits][8];
@@ -305,7 +314,7 @@ void with_units(int64_t H, F&& f) {
 // where unaligned, units per thread by H).
 template <template <DType, int, class, class> class Kernel>
 void launch_norm_kernel(DType dtype, const Gemma4NormArgs& a, bool rows_vec, bool weights_vec,
-                        std::initializer_list<DType> weight_dtypes) {
+                        std::initializer_list<DType> weight_dtypes, bool chained = false) {
   bool fast = rows_vec && weights_vec && (a.H + 7) / 8 <= kFastThreadsMax;
   for (DType w : weight_dtypes) fast = fast && w == dtype;
   dispatch_float(dtype, "gemma4_ffn", [&](auto tag) {
@@ -314,30 +323,31 @@ void launch_norm_kernel(DType dtype, const Gemma4NormArgs& a, bool rows_vec, boo
     if constexpr (sizeof(typename Elem<D>::storage) == 2) {
       if (fast) {
         const unsigned threads = static_cast<unsigned>(((a.H + 7) / 8 + 31) / 32 * 32);
-        Kernel<D, 1, Units16<D>, Units16<D>>::launch(grid, threads, a, Units16<D>{}, Units16<D>{});
+        Kernel<D, 1, Units16<D>, Units16<D>>::launch(grid, threads, a, Units16<D>{}, Units16<D>{}, chained);
         return;
       }
     }
     with_units(a.H, [&](auto units) {
       Kernel<D, decltype(units)::value, UnitsAny, UnitsAny>::launch(grid, threads_for(a.H), a, UnitsAny{rows_vec},
-                                                                    UnitsAny{weights_vec});
+                                                                    UnitsAny{weights_vec}, chained);
     });
   });
 }
 
 // The kernels as class templates, so that launch_norm_kernel picks the instance.
+// (chained: a programmatic dependent launch, runtime.cuh launch_maybe_chained.)
 template <DType D, int kUnits, class Rows, class Weights>
 struct EntryNorms {
-  static void launch(unsigned grid, unsigned threads, const Gemma4NormArgs& a, Rows rows, Weights weights) {
-    ffn_entry_norms_kernel<D, kUnits, Rows, Weights><<<grid, threads, 0, current_stream()>>>(a, rows, weights);
-    EXPERTQMM_CUDA_CHECK_LAUNCH(ffn_entry_norms_kernel);
+  static void launch(unsigned grid, unsigned threads, const Gemma4NormArgs& a, Rows rows, Weights weights, bool chained) {
+    launch_maybe_chained(ffn_entry_norms_kernel<D, kUnits, Rows, Weights>, grid, threads, 0, current_stream(), chained,
+                         a, rows, weights);
   }
 };
 template <DType D, int kUnits, class Rows, class Weights>
 struct Exit {
-  static void launch(unsigned grid, unsigned threads, const Gemma4NormArgs& a, Rows rows, Weights weights) {
-    ffn_exit_kernel<D, kUnits, Rows, Weights><<<grid, threads, 0, current_stream()>>>(a, rows, weights);
-    EXPERTQMM_CUDA_CHECK_LAUNCH(ffn_exit_kernel);
+  static void launch(unsigned grid, unsigned threads, const Gemma4NormArgs& a, Rows rows, Weights weights, bool chained) {
+    launch_maybe_chained(ffn_exit_kernel<D, kUnits, Rows, Weights>, grid, threads, 0, current_stream(), chained, a,
+                         rows, weights);
   }
 };
 
@@ -350,12 +360,12 @@ void launch_gemma4_entry_norms(DType dtype, const Gemma4NormArgs& a) {
                                  weights_in_units(a, {a.pre_ff, a.pre_ff_2}), {a.pre_ff_dtype, a.pre_ff_2_dtype});
 }
 
-void launch_gemma4_exit(DType dtype, const Gemma4NormArgs& a) {
+void launch_gemma4_exit(DType dtype, const Gemma4NormArgs& a, bool chained) {
   if (a.T == 0 || a.H == 0) return;
   check_shape(a);
   launch_norm_kernel<Exit>(dtype, a, rows_in_units(dtype, a, {a.d, a.m, a.h, a.out}),
                            weights_in_units(a, {a.post_ff_1, a.post_ff_2, a.post_ff}),
-                           {a.post_ff_1_dtype, a.post_ff_2_dtype, a.post_ff_dtype});
+                           {a.post_ff_1_dtype, a.post_ff_2_dtype, a.post_ff_dtype}, chained);
 }
 
 }  // namespace expertqmm::cuda

@@ -309,7 +309,10 @@ constexpr uint32_t kTcOnePair = D == DType::bf16 ? 0x3F803F80u : 0x3C003C00u;
 // Kernel 1 (moe_decode_router.cu); proj_bits 0: a dense projection in D, else 4 or 8; fp: an fp
 // mode's projection (mxfp4 / nvfp4 4-bit, mxfp8 8-bit; bf16).
 size_t router_smem(int64_t T, int64_t H);
-void launch_router(DType dtype, int proj_bits, const RouterArgs& a, size_t smem, cudaStream_t stream, bool fp = false);
+// chained: a programmatic dependent launch (the kernel ahead of it on the stream writes nothing the
+// router reads; the router waits for it before it ends).
+void launch_router(DType dtype, int proj_bits, const RouterArgs& a, size_t smem, cudaStream_t stream, bool fp = false,
+                   bool chained = false);
 // Kernel 2 on tensor cores, 4-bit experts, group G in {32, 64, 128} (moe_decode_gate_up.cu); n = T*k.
 // fp: an fp4 mode's codes (mxfp4 / nvfp4, bf16; G is then the mode's group: 32 or 16).
 size_t gate_up_mma_smem(int64_t H, int G, bool fp = false);

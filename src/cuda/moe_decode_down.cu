@@ -1,5 +1,6 @@
 // Kernel 3 of the decode layer (moe_decode.h) on tensor cores, for 4-bit experts: each token's k
 // down GEMVs, weighted and summed in slot order.
+#include "cuda/device/pdl.cuh"
 #include "cuda/moe_decode_tiles.cuh"
 
 namespace expertqmm::cuda::decode {
@@ -9,6 +10,7 @@ namespace {
 template <DType D, int G, bool kFp = false>
 __global__ void __launch_bounds__(kThreads, 2) decode_down_combine_mma_kernel(DownArgs a) {
   extern __shared__ __align__(16) unsigned char tc_smem[];
+  device::pdl_launch_dependents();  // a chained exit kernel may load its other inputs meanwhile
   down_combine_mma_tile<D, G, kFp>(a, blockIdx.x, blockIdx.y, tc_smem, NoWait{});
 }
 

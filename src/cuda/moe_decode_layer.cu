@@ -205,7 +205,7 @@ DecodeScratch decode_scratch(int64_t T, int64_t k, int64_t E, int64_t I) {
 }
 
 void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, const Tensor& h, const Tensor& x,
-                       const MoeWeights& w, Workspace& ws) {
+                       const MoeWeights& w, Workspace& ws, bool chain_router) {
   const RouterWeights& rt = w.router;
   const SwitchGLUWeights& ex = w.experts;
   const int T = static_cast<int>(x.size(0)), H = static_cast<int>(x.size(1)), k = rt.top_k;
@@ -279,7 +279,8 @@ void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, 
   // scalar kernels.
   const int proj_bits = quantized ? rt.proj.bits : 0;
   const bool fp_gate = gate.mode != QuantMode::affine, fp_down = ex.down.mode != QuantMode::affine;
-  launch_router(D, proj_bits, ra, router_smem(T, H), stream, quantized && rt.proj.mode != QuantMode::affine);
+  launch_router(D, proj_bits, ra, router_smem(T, H), stream, quantized && rt.proj.mode != QuantMode::affine,
+                chain_router);
   // Gate/up and down as one launch (the plan's setting, off until measured): 4-bit experts, one group
   // size and mode.
   if (sc.one_launch && gate.bits == 4 && ex.down.bits == 4 &&

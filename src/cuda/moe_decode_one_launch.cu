@@ -16,6 +16,7 @@
 // Occupancy (Gemma, bf16, G = 64): dynamic shared memory max(gate/up 52 KB, down 72 KB), 72-80
 // registers: 3 CTAs per SM (396 slots); T = 1: 352 gate/up + 176 down tiles, the first 44 down tiles
 // resident while gate/up runs.
+#include "cuda/device/pdl.cuh"
 #include "cuda/moe_decode_tiles.cuh"
 
 namespace expertqmm::cuda::decode {
@@ -46,6 +47,7 @@ __global__ void __launch_bounds__(kThreads, 2)
                                      int gate_up_tiles, int tokens, int down_tiles) {
   extern __shared__ __align__(16) unsigned char tc_smem[];
   __shared__ int ticket;
+  device::pdl_launch_dependents();  // a chained exit kernel may load its other inputs meanwhile
   if (threadIdx.x == 0) ticket = static_cast<int>(atomicAdd(&sync->ticket, 1u));
   __syncthreads();
   const int tile = ticket;

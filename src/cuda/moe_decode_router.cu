@@ -1,5 +1,6 @@
 // Kernel 1 of the decode layer (moe_decode.h): the router with top-k, softmax and the expert plan.
 #include "cuda/moe_decode.h"
+#include "cuda/device/pdl.cuh"
 #include "cuda/device/route_topk.cuh"
 
 namespace expertqmm::cuda::decode {
@@ -297,7 +298,12 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
   __syncthreads();
   if (tid == 0) is_last = atomicAdd(a.counter, 1u) == gridDim.x - 1;
   __syncthreads();
-  if (!is_last) return;
+  // A chained launch (EXPERTQMM_CHAINED_LAUNCH) started beside the kernel ahead of it, which wrote
+  // nothing this one reads; wait for it before ending, so the kernels after this one find it done.
+  if (!is_last) {
+    device::pdl_wait();
+    return;
+  }
   __threadfence();
   if (tid == 0) atomicExch(a.counter, 0u);  // ready for the next call (graph replays)
   for (int t = warp; t < a.T; t += kRouterWarps) {
@@ -344,6 +350,7 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
     a.plan->count[g] = same;
   }
   if (tid == 0) a.plan->groups = groups;
+  device::pdl_wait();
 }
 
 
@@ -353,11 +360,11 @@ size_t router_smem(int64_t T, int64_t H) {
   return static_cast<size_t>((T + 1) * round_up4(padded(static_cast<int>(H)))) * 4;  // scale row + T h rows
 }
 
-void launch_router(DType dtype, int proj_bits, const RouterArgs& a, size_t smem, cudaStream_t stream, bool fp) {
+void launch_router(DType dtype, int proj_bits, const RouterArgs& a, size_t smem, cudaStream_t stream, bool fp,
+                   bool chained) {
   auto launch = [&](auto kernel) {
     allow_smem(reinterpret_cast<const void*>(kernel));
-    kernel<<<static_cast<unsigned>(a.E), kRouterThreads, smem, stream>>>(a);
-    EXPERTQMM_CUDA_CHECK_LAUNCH(decode_router_kernel);
+    launch_maybe_chained(kernel, static_cast<unsigned>(a.E), kRouterThreads, smem, stream, chained, a);
   };
   const bool bf16 = dtype == DType::bf16;
   auto with_kind = [&](auto dtag, auto ptag, auto fptag) {

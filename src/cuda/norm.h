@@ -33,6 +33,9 @@ struct Gemma4NormArgs {
   void* out = nullptr;
 };
 void launch_gemma4_entry_norms(DType dtype, const Gemma4NormArgs& a);
-void launch_gemma4_exit(DType dtype, const Gemma4NormArgs& a);
+// chained: a programmatic dependent launch (EXPERTQMM_CHAINED_LAUNCH): it may start before the
+// kernel ahead of it on the stream ends and reads m only after that kernel has (d and h must be
+// complete before this launch).
+void launch_gemma4_exit(DType dtype, const Gemma4NormArgs& a, bool chained = false);
 
 }  // namespace expertqmm::cuda

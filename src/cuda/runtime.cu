@@ -152,6 +152,13 @@ uint32_t* device_faults() {
   return faults;
 }
 
+bool chained_launch_available() {
+  int device = 0, major = 0;
+  EXPERTQMM_CUDA_CHECK(cudaGetDevice(&device));
+  EXPERTQMM_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  return major >= 9;
+}
+
 }  // namespace expertqmm::cuda
 
 namespace expertqmm::cuda {

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <utility>
 
 #include "core/route_counters.h"
 #include "cuda/check.cuh"
@@ -56,5 +57,28 @@ __device__ __forceinline__ bool gathered_element(const A& a, int64_t idx, Gather
 }
 
 inline unsigned ceil_div(int64_t a, int64_t b) { return static_cast<unsigned>((a + b - 1) / b); }
+
+// Whether the current device takes programmatic dependent launches (compute capability 9.0 and up).
+bool chained_launch_available();
+
+// kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent launch when `chained`
+// and the device takes it (device/pdl.cuh says what the kernel must then do).
+template <class... Params, class... Args>
+void launch_maybe_chained(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                          bool chained, Args&&... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  if (chained && chained_launch_available()) {
+    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attribute;
+    config.numAttrs = 1;
+  }
+  EXPERTQMM_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
 
 }  // namespace expertqmm::cuda
