@@ -5,21 +5,22 @@
 // executing: the same number of executed FFMA instructions (N, in 8 independent chains, no memory
 // access) either as straight-line code (N * 16 bytes of SASS) or as a loop over a 64-instruction body
 // (~1 KB), launched as one CTA of 192 threads (the exit kernel's shape at Gemma 4's H) and as 128 CTAs
-// of 256 threads (the router's), each cold (a 256 MB memset before each replay: the L2 holds none of
+// of 256 threads (the router's), each cold (a memset of 2 x the L2 before each replay: the L2 holds none of
 // the code) and warm (no memset). If fetching the code is what those kernels pay, the straight-line
 // cold time grows with N * 16 bytes far above the loop's.
 //
-// Measured like decode_chain (bench/README.md): CUDA graph replays, the time between events around
-// the graph launch only; median of 60 replays. Prints JSON. Built as code_fetch_probe with the CUDA build.
+// Measured with the bench's own protocol pieces (tools/expertqmm/replay_timing.h: graph capture, timed
+// replays behind host gates, a flush of 2 x the L2 before each cold replay); median of 60 replays.
+// Prints JSON. Built as code_fetch_probe with the CUDA build.
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdio>
-#include <vector>
 
 #include "probe_check.cuh"
+#include "replay_timing.h"
 
-constexpr size_t kFlushBytes = size_t{256} << 20;
+namespace timing = expertqmm::timing;
+
 constexpr int kBody = 64;  // FFMA per loop trip (8 chains x 8)
 
 // 8 independent FFMA chains, kBody instructions, kept by asm volatile (no folding, no reordering).
@@ -47,41 +48,25 @@ __global__ void fma_kernel(float* out, float c) {
   if (s == 12345.f) out[threadIdx.x] = s;  // keeps the chains live; never true for these inputs
 }
 
+// Median µs of 60 replays of launch(stream) as a graph, each after a memset of `flush` (cold: 2 x the
+// L2; warm: 16 bytes, so both rows carry the same memset node).
 template <class Launch>
-double time_graph(float* flush, bool cold, Launch launch, int replays) {
+double median_us(const timing::DeviceBuffer& flush, Launch launch) {
   cudaStream_t s;
   CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cudaGraph_t g;
-  cudaGraphExec_t ge;
-  CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  launch(s);
-  CHECK(cudaStreamEndCapture(s, &g));
-  CHECK(cudaGraphInstantiate(&ge, g, 0));
-  cudaEvent_t e0, e1;
-  CHECK(cudaEventCreate(&e0));
-  CHECK(cudaEventCreate(&e1));
-  std::vector<float> ms;
-  for (int r = 0; r < replays + 3; ++r) {
-    if (cold) CHECK(cudaMemsetAsync(flush, r & 0xff, kFlushBytes, s));
-    CHECK(cudaEventRecord(e0, s));
-    CHECK(cudaGraphLaunch(ge, s));
-    CHECK(cudaEventRecord(e1, s));
-    CHECK(cudaEventSynchronize(e1));
-    float t = 0;
-    CHECK(cudaEventElapsedTime(&t, e0, e1));
-    if (r >= 3) ms.push_back(t);
+  double us = 0;
+  {
+    timing::Graphs g;
+    timing::capture_into(g, s, "the code-fetch kernel", [&] { launch(s); });
+    CHECK(cudaGraphLaunch(g.execs[0], s));  // warm-up replay
+    us = timing::stats_of(timing::timed_replays(g.execs, 60, s, flush)).median;
   }
-  std::sort(ms.begin(), ms.end());
-  CHECK(cudaGraphExecDestroy(ge));
-  CHECK(cudaGraphDestroy(g));
-  CHECK(cudaEventDestroy(e0));
-  CHECK(cudaEventDestroy(e1));
   CHECK(cudaStreamDestroy(s));
-  return ms[ms.size() / 2] * 1e3;
+  return us;
 }
 
 template <int N>
-void row(float* out, float* flush, bool& first) {
+void row(float* out, const timing::DeviceBuffer (&flush)[2], bool& first) {
   struct Shape {
     const char* name;
     int ctas, threads;
@@ -91,11 +76,11 @@ void row(float* out, float* flush, bool& first) {
     double us[2][2];  // [straight?][cold?]
     for (int straight = 0; straight < 2; ++straight)
       for (int cold = 0; cold < 2; ++cold)
-        us[straight][cold] = time_graph(flush, cold, [&](cudaStream_t s) {
+        us[straight][cold] = median_us(flush[cold], [&](cudaStream_t s) {
           if (straight) fma_kernel<N, true><<<sh.ctas, sh.threads, 0, s>>>(out, 1.0001f);
           else fma_kernel<N, false><<<sh.ctas, sh.threads, 0, s>>>(out, 1.0001f);
           CHECK(cudaGetLastError());
-        }, 60);
+        });
     std::printf("%s  {\"ffma\": %d, \"straight_code_KB\": %.0f, \"shape\": \"%s\", \"straight_cold_us\": %.2f, "
                 "\"straight_warm_us\": %.2f, \"loop_cold_us\": %.2f, \"loop_warm_us\": %.2f}",
                 first ? "" : ",\n", N, N * 16 / 1024.0, sh.name, us[1][1], us[1][0], us[0][1], us[0][0]);
@@ -104,9 +89,9 @@ void row(float* out, float* flush, bool& first) {
 }
 
 int main() {
-  float *out, *flush;
+  float* out;
   CHECK(cudaMalloc(&out, 1024 * sizeof(float)));
-  CHECK(cudaMalloc(&flush, kFlushBytes));
+  const timing::DeviceBuffer flush[2] = {timing::DeviceBuffer(16), timing::DeviceBuffer(timing::l2_flush_bytes())};
   std::printf("{\"probe\": \"code_fetch\", \"rows\": [\n");
   bool first = true;
   row<1024>(out, flush, first);
