@@ -122,29 +122,23 @@ TEST(Settings, ApiOverridesAndRejectsBadValues) {
   EXPECT_EQ(wgmma_width(), 64);
   set_wgmma_width(width_before);
 
-  const RouteSwitch wgmma_before = wgmma_setting();
-  set_wgmma(RouteSwitch::off);
-  EXPECT_EQ(wgmma_setting(), RouteSwitch::off);
-  EXPECT_THROW(set_wgmma(static_cast<RouteSwitch>(9)), Error);
-  set_wgmma(wgmma_before);
-
-  const RouteSwitch decode_before = decode_layer_setting();
-  set_decode_layer(RouteSwitch::off);
-  EXPECT_EQ(decode_layer_setting(), RouteSwitch::off);
-  EXPECT_THROW(set_decode_layer(static_cast<RouteSwitch>(3)), Error);
-  set_decode_layer(decode_before);
-
-  const RouteSwitch one_launch_before = decode_one_launch_setting();
-  set_decode_one_launch(RouteSwitch::on);
-  EXPECT_EQ(decode_one_launch_setting(), RouteSwitch::on);
-  EXPECT_THROW(set_decode_one_launch(static_cast<RouteSwitch>(3)), Error);
-  set_decode_one_launch(one_launch_before);
-
-  const RouteSwitch chained_before = chained_launch_setting();
-  set_chained_launch(RouteSwitch::on);
-  EXPECT_EQ(chained_launch_setting(), RouteSwitch::on);
-  EXPECT_THROW(set_chained_launch(static_cast<RouteSwitch>(3)), Error);
-  set_chained_launch(chained_before);
+  // Each route switch: the set value is in force, a bad one is refused, the old one comes back.
+  struct SwitchApi {
+    RouteSwitch (*get)();
+    void (*set)(RouteSwitch);
+    RouteSwitch value;
+  };
+  const SwitchApi switches[] = {{wgmma_setting, set_wgmma, RouteSwitch::off},
+                                {decode_layer_setting, set_decode_layer, RouteSwitch::off},
+                                {decode_one_launch_setting, set_decode_one_launch, RouteSwitch::on},
+                                {chained_launch_setting, set_chained_launch, RouteSwitch::on}};
+  for (const SwitchApi& api : switches) {
+    const RouteSwitch before = api.get();
+    api.set(api.value);
+    EXPECT_EQ(api.get(), api.value);
+    EXPECT_THROW(api.set(static_cast<RouteSwitch>(3)), Error);
+    api.set(before);
+  }
 
   EXPECT_THROW(set_product_mode(static_cast<ProductMode>(5)), Error);
 

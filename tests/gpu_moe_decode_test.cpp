@@ -64,6 +64,17 @@ TEST(GpuMoeDecode, CapturedInACudaGraphAsThreeKernels) {
 #endif
 }
 
+namespace {
+
+// The decode layer's bytes with the one-launch experts kernel off or on (the workspace is shared).
+std::vector<uint8_t> layer_bytes(RouteSwitch one_launch, const Tensor& h, const Tensor& x, const MoeWeights& w,
+                                 Workspace& ws) {
+  test::OneLaunchGuard guard(one_launch);
+  return test::run_layer(h, x, w, ws).to_host_bytes();
+}
+
+}  // namespace
+
 // EXPERTQMM_DECODE_ONE_LAUNCH: gate/up and down as one launch (src/cuda/moe_decode_one_launch.cu)
 // run the same tile code in the same order, so the output is bit-identical to the two kernels', on
 // every geometry it takes (bf16 / f16, groups 32 / 64 / 128, both activations, both router kinds,
@@ -86,15 +97,10 @@ TEST(GpuMoeDecode, OneLaunchMatchesTheTwoKernelsBitForBit) {
       const Tensor h = test::random_tensor({T, g.H}, g.dtype, 1.0f, Device::cuda);
       const Tensor x = test::random_tensor({T, g.H}, g.dtype, 1.0f, Device::cuda);
       Workspace ws;
-      std::vector<uint8_t> two_kernels;
-      {
-        test::OneLaunchGuard off(RouteSwitch::off);
-        two_kernels = test::run_layer(h, x, l.gpu, ws).to_host_bytes();
-      }
-      test::OneLaunchGuard on(RouteSwitch::on);
+      const std::vector<uint8_t> two_kernels = layer_bytes(RouteSwitch::off, h, x, l.gpu, ws);
       const uint64_t before = test::decode_hits();
       for (int call = 0; call < 2; ++call)
-        EXPECT_EQ(test::run_layer(h, x, l.gpu, ws).to_host_bytes(), two_kernels) << what << " call " << call;
+        EXPECT_EQ(layer_bytes(RouteSwitch::on, h, x, l.gpu, ws), two_kernels) << what << " call " << call;
       cuda_check();
       EXPECT_EQ(test::decode_hits(), before + 2) << what;
     }
@@ -128,12 +134,6 @@ TEST(SanitizeDecodeOneLaunch, SmallLayerMatchesTheTwoKernels) {
   for (int64_t T : {1, 3}) {
     const Tensor h = test::random_tensor({T, 256}, DType::bf16, 1.0f, Device::cuda);
     Workspace ws;
-    std::vector<uint8_t> two_kernels;
-    {
-      test::OneLaunchGuard off(RouteSwitch::off);
-      two_kernels = test::run_layer(h, h, l.gpu, ws).to_host_bytes();
-    }
-    test::OneLaunchGuard on(RouteSwitch::on);
-    EXPECT_EQ(test::run_layer(h, h, l.gpu, ws).to_host_bytes(), two_kernels) << "T=" << T;
+    EXPECT_EQ(layer_bytes(RouteSwitch::on, h, h, l.gpu, ws), layer_bytes(RouteSwitch::off, h, h, l.gpu, ws)) << "T=" << T;
   }
 }

@@ -27,6 +27,7 @@
 
 #include "cuda/device/pdl.cuh"
 #include "cuda/device/reduce.cuh"
+#include "cuda/device/row_units.cuh"
 #include "cuda/device/staging.cuh"
 
 namespace expertqmm::cuda {
@@ -41,76 +42,12 @@ constexpr int64_t kMaxHidden = int64_t{8} * kUnitsMax * kThreadsMax;
 using device::cta_sum;
 using device::inv_rms;
 
-// 8 values of a float row as raw bits, loaded without being used (converted once every load of the
-// kernel is in flight).
-struct RawUnit {
-  uint4 lo, hi;
-};
-
-// How a kernel instance reads a row (activations or a norm weight), a compile-time choice so that
-// the common case carries no other path in its code (the code of these one-CTA-per-row kernels is
-// fetched cold at every layer: bench/NOTES.md step 17):
-//   Units16<W>  the row in 16-byte units of dtype W (16-bit: one load per unit), fixed at compile time;
-//   UnitsAny    a run-time dtype per row, 16-byte units when `vec` (16-bit: one load, f32: two), else
-//               one load per element into the eight words (zero-extended; 0 past H).
-template <DType W>
-struct Units16 {};
-struct UnitsAny {
-  bool vec;
-};
-template <DType W>
-__device__ __forceinline__ constexpr bool in_units(Units16<W>) { return true; }
-__device__ __forceinline__ bool in_units(UnitsAny l) { return l.vec; }
-
-template <DType W>
-__device__ __forceinline__ void load_unit(Units16<W>, const void* row, DType, int64_t u, int64_t, RawUnit& r) {
-  static_assert(sizeof(typename Elem<W>::storage) == 2, "Units16 is for 16-bit rows");
-  r.lo = __ldg(static_cast<const uint4*>(row) + u);
-}
-template <DType W>
-__device__ __forceinline__ void unit_values(Units16<W>, const RawUnit& r, DType, float (&v)[8]) {
-  const uint32_t w[4] = {r.lo.x, r.lo.y, r.lo.z, r.lo.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    v[2 * i] = Elem<W>::load(static_cast<uint16_t>(w[i] & 0xffffu));
-    v[2 * i + 1] = Elem<W>::load(static_cast<uint16_t>(w[i] >> 16));
-  }
-}
-
-__device__ __forceinline__ void load_unit(UnitsAny l, const void* row, DType dt, int64_t u, int64_t H, RawUnit& r) {
-  if (l.vec) {
-    if (dt == DType::f32) {
-      const uint4* q = static_cast<const uint4*>(row) + 2 * u;
-      r.lo = __ldg(q);
-      r.hi = __ldg(q + 1);
-    } else {
-      r.lo = __ldg(static_cast<const uint4*>(row) + u);
-    }
-    return;
-  }
-  uint32_t e[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int64_t idx = 8 * u + i;
-    e[i] = idx < H ? load_raw_any(row, dt, idx) : 0u;
-  }
-  r.lo = make_uint4(e[0], e[1], e[2], e[3]);
-  r.hi = make_uint4(e[4], e[5], e[6], e[7]);
-}
-// (0 past H: their bits are 0 on the element path, and on the 16-byte path H % 8 == 0.)
-__device__ __forceinline__ void unit_values(UnitsAny l, const RawUnit& r, DType dt, float (&v)[8]) {
-  const uint32_t w[8] = {r.lo.x, r.lo.y, r.lo.z, r.lo.w, r.hi.x, r.hi.y, r.hi.z, r.hi.w};
-  if (l.vec && dt != DType::f32) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      v[2 * i] = raw_any_to_float(w[i] & 0xffffu, dt);
-      v[2 * i + 1] = raw_any_to_float(w[i] >> 16, dt);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = raw_any_to_float(w[i], dt);
-  }
-}
+using device::in_units;
+using device::load_unit;
+using device::RawUnit;
+using device::unit_values;
+using device::Units16;
+using device::UnitsAny;
 
 template <DType D>
 __device__ __forceinline__ void store_row_unit(void* row, int64_t u, int64_t H, bool vec, const float (&v)[8]) {
@@ -275,21 +212,17 @@ unsigned threads_for(int64_t H) {
   return static_cast<unsigned>(threads < 32 ? 32 : threads);
 }
 
-// Whether every row (activations in `dtype`: 16-bit only, stored in 16-byte units too) is read in
-// 16-byte units.
-bool rows_in_units(DType dtype, const Gemma4NormArgs& a, std::initializer_list<const void*> rows) {
-  if (dtype_size(dtype) != 2 || a.H % 8 != 0) return false;  // a unit of 8 values is 16 bytes
-  for (const void* p : rows)
+// Whether every array (a norm weight of any float dtype: loads only) is read in 16-byte units.
+bool weights_in_units(const Gemma4NormArgs& a, std::initializer_list<const void*> weights) {
+  if (a.H % 8 != 0) return false;  // a unit of 8 values is 16 bytes (32 for f32)
+  for (const void* p : weights)
     if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
   return true;
 }
 
-// Whether every norm weight (any float dtype, loads only) is read in 16-byte units.
-bool weights_in_units(const Gemma4NormArgs& a, std::initializer_list<const void*> weights) {
-  if (a.H % 8 != 0) return false;
-  for (const void* p : weights)
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
-  return true;
+// Whether every activation row (in `dtype`, also stored in 16-byte units: 16-bit only) is.
+bool rows_in_units(DType dtype, const Gemma4NormArgs& a, std::initializer_list<const void*> rows) {
+  return dtype_size(dtype) == 2 && weights_in_units(a, rows);
 }
 
 void check_shape(const Gemma4NormArgs& a) {

@@ -2,6 +2,7 @@
 #include "cuda/moe_decode.h"
 #include "cuda/device/pdl.cuh"
 #include "cuda/device/route_topk.cuh"
+#include "cuda/device/row_units.cuh"
 
 namespace expertqmm::cuda::decode {
 
@@ -13,36 +14,6 @@ constexpr int kRouterChunks = 2;      // 16-byte weight chunks per thread per ba
 constexpr int kRouterUnits = 12;      // 16-byte h units per thread per staging batch
 constexpr int kRouterScaleUnits = 2;  // norm-weight units (8 values) per thread per staging batch
 constexpr int kRouterCachedScales = kRouterThreads;  // per_expert_scale prefetched for e < 256
-
-// 8 norm-weight values of unit u as float (bf16/f16: one 16-byte load, f32: two).
-struct ScaleUnit {
-  uint4 lo, hi;
-};
-__device__ __forceinline__ void load_scale_unit(const void* p, DType dt, int u, ScaleUnit& s) {
-  if (dt == DType::f32) {
-    const uint4* q = static_cast<const uint4*>(p) + 2 * u;
-    s.lo = __ldg(q);
-    s.hi = __ldg(q + 1);
-  } else {
-    s.lo = __ldg(static_cast<const uint4*>(p) + u);
-    s.hi = make_uint4(0u, 0u, 0u, 0u);
-  }
-}
-__device__ __forceinline__ void scale_unit_floats(const ScaleUnit& s, DType dt, float (&v)[8]) {
-  if (dt == DType::f32) {
-    const float* f0 = reinterpret_cast<const float*>(&s.lo);
-    const float* f1 = reinterpret_cast<const float*>(&s.hi);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      v[i] = f0[i];
-      v[4 + i] = f1[i];
-    }
-  } else {
-    const uint16_t* e = reinterpret_cast<const uint16_t*>(&s.lo);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = dt == DType::bf16 ? bf16_to_float(e[i]) : f16_to_float(e[i]);
-  }
-}
 
 // softmax_topk (Qwen3-MoE): the same kernel with the norm made the identity (inv_rms = 1, the scale
 // row 1 and root_size 1, so r = D(h) = h) and the last CTA routing by device::warp_softmax_topk.
@@ -153,11 +124,11 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
   for (int t = 0; t < kDecodeMaxTokens; ++t) sq[t] = 0.f;
   for (int base = 0, sbase = 0; base < TU || sbase < U;
        base += kRouterThreads * kRouterUnits, sbase += kRouterThreads * kRouterScaleUnits) {
-    ScaleUnit su[kRouterScaleUnits];
+    device::RawUnit su[kRouterScaleUnits];  // the norm weight in 16-byte units (supports_decode_layer)
 #pragma unroll
     for (int j = 0; j < kRouterScaleUnits; ++j) {
       const int u = sbase + tid + kRouterThreads * j;
-      if (norm && u < U) load_scale_unit(a.scale, a.scale_dtype, u, su[j]);
+      if (norm && u < U) device::load_unit(device::UnitsAny{true}, a.scale, a.scale_dtype, u, a.H, su[j]);
     }
     uint4 hv[kRouterUnits];
 #pragma unroll
@@ -173,7 +144,7 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
       const int u = sbase + tid + kRouterThreads * j;
       if (u < U) {
         float v[8] = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f};
-        if (norm) scale_unit_floats(su[j], a.scale_dtype, v);
+        if (norm) device::unit_values(device::UnitsAny{true}, su[j], a.scale_dtype, v);
         float4* dst = reinterpret_cast<float4*>(sr + padded(8 * u));
         dst[0] = make_float4(__fmul_rn(v[0], a.root_size), __fmul_rn(v[1], a.root_size),
                              __fmul_rn(v[2], a.root_size), __fmul_rn(v[3], a.root_size));

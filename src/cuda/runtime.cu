@@ -1,5 +1,6 @@
 // Device memory (a caching allocator: freed blocks return to per-size free lists, so steady-state
 // calls never reach cudaMalloc/cudaFree), device queries and the fault record.
+#include <atomic>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -153,9 +154,15 @@ uint32_t* device_faults() {
 }
 
 bool chained_launch_available() {
-  int device = 0, major = 0;
+  // Asked at every chained launch: the compute capability is read once per device.
+  constexpr int kDevices = 64;
+  static std::atomic<int8_t> known[kDevices] = {};  // 0 unknown, 1 no, 2 yes
+  int device = 0;
   EXPERTQMM_CUDA_CHECK(cudaGetDevice(&device));
+  if (device < kDevices && known[device].load(std::memory_order_relaxed) != 0) return known[device].load() == 2;
+  int major = 0;
   EXPERTQMM_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  if (device < kDevices) known[device].store(major >= 9 ? 2 : 1, std::memory_order_relaxed);
   return major >= 9;
 }
 

@@ -67,20 +67,13 @@ __host__ __device__ __forceinline__ float round_to(float f) {
   return Elem<D>::load(Elem<D>::store(f));
 }
 
-// Element i of a float array of any float dtype, as float (a dtype known only at run time).
-__device__ __forceinline__ float load_any(const void* p, DType dtype, int64_t i) {
-  switch (dtype) {
-    case DType::bf16: return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
-    case DType::f16: return f16_to_float(static_cast<const uint16_t*>(p)[i]);
-    default: return static_cast<const float*>(p)[i];
-  }
-}
-
-// load_any in two halves, for a run of loads that should all be in flight before the first use
-// (a conversion right after each load in a dtype switch makes every load wait for the one before):
-// the element's bits (zero-extended for 16-bit dtypes), then their value.
+// Element i of a float array of any float dtype, in two halves for a run of loads that should all
+// be in flight before the first use (a conversion right after each load in a dtype switch makes
+// every load wait for the one before): the element's bits (zero-extended for 16-bit dtypes), then
+// their value.
 __device__ __forceinline__ uint32_t load_raw_any(const void* p, DType dtype, int64_t i) {
-  return dtype == DType::f32 ? static_cast<const uint32_t*>(p)[i] : static_cast<const uint16_t*>(p)[i];
+  return dtype == DType::bf16 || dtype == DType::f16 ? static_cast<const uint16_t*>(p)[i]
+                                                      : static_cast<const uint32_t*>(p)[i];
 }
 __device__ __forceinline__ float raw_any_to_float(uint32_t bits, DType dtype) {
   switch (dtype) {
@@ -88,6 +81,11 @@ __device__ __forceinline__ float raw_any_to_float(uint32_t bits, DType dtype) {
     case DType::f16: return f16_to_float(static_cast<uint16_t>(bits));
     default: return __uint_as_float(bits);
   }
+}
+
+// Element i of a float array of any float dtype, as float (a dtype known only at run time).
+__device__ __forceinline__ float load_any(const void* p, DType dtype, int64_t i) {
+  return raw_any_to_float(load_raw_any(p, dtype, i), dtype);
 }
 
 // Elements per 16-byte vector.
