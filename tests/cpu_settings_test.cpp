@@ -43,7 +43,6 @@ TEST(Settings, UnsetEnvironmentGivesTheDefaults) {
   const EnvSettings s = parse({});
   EXPECT_EQ(s.expert_tiles, RouteSwitch::automatic);
   EXPECT_EQ(s.decode_layer, RouteSwitch::automatic);
-  EXPECT_EQ(s.decode_one_launch, RouteSwitch::automatic);
   EXPECT_EQ(s.chained_launch, RouteSwitch::automatic);
   EXPECT_EQ(s.deterministic, RouteSwitch::automatic);
   EXPECT_EQ(s.wgmma, RouteSwitch::automatic);
@@ -60,12 +59,6 @@ TEST(Settings, DecodeLayerVariable) {
   EXPECT_EQ(parse({{"EXPERTQMM_DECODE_LAYER", "0"}}).decode_layer, RouteSwitch::off);
   EXPECT_EQ(parse({{"EXPERTQMM_DECODE_LAYER", "1"}}).decode_layer, RouteSwitch::on);
   for (const char* bad : kSwitchBad) expect_rejected("EXPERTQMM_DECODE_LAYER", bad);
-}
-
-TEST(Settings, DecodeOneLaunchVariable) {
-  EXPECT_EQ(parse({{"EXPERTQMM_DECODE_ONE_LAUNCH", "0"}}).decode_one_launch, RouteSwitch::off);
-  EXPECT_EQ(parse({{"EXPERTQMM_DECODE_ONE_LAUNCH", "1"}}).decode_one_launch, RouteSwitch::on);
-  for (const char* bad : kSwitchBad) expect_rejected("EXPERTQMM_DECODE_ONE_LAUNCH", bad);
 }
 
 TEST(Settings, ChainedLaunchVariable) {
@@ -130,7 +123,6 @@ TEST(Settings, ApiOverridesAndRejectsBadValues) {
   };
   const SwitchApi switches[] = {{wgmma_setting, set_wgmma, RouteSwitch::off},
                                 {decode_layer_setting, set_decode_layer, RouteSwitch::off},
-                                {decode_one_launch_setting, set_decode_one_launch, RouteSwitch::on},
                                 {chained_launch_setting, set_chained_launch, RouteSwitch::on}};
   for (const SwitchApi& api : switches) {
     const RouteSwitch before = api.get();

@@ -26,12 +26,6 @@ RouteSwitch expert_tiles_setting();
 void set_decode_layer(RouteSwitch s);
 RouteSwitch decode_layer_setting();
 
-// EXPERTQMM_DECODE_ONE_LAUNCH=0|1: the decode layer's gate/up and down kernels (4-bit experts) as one
-// launch whose down tiles copy their weights while gate/up runs (src/cuda/moe_decode_one_launch.cu);
-// `automatic` is off until bench/NOTES.md step 19 measures it.
-void set_decode_one_launch(RouteSwitch s);
-RouteSwitch decode_one_launch_setting();
-
 // EXPERTQMM_CHAINED_LAUNCH=0|1: programmatic dependent launches (sm_90) at the Gemma 4 block's two
 // boundaries that allow them at decode sizes: the router (which reads the block's input, not the
 // entry norms' output) starts while the entry norms run, and the exit kernel loads its other inputs

@@ -48,9 +48,6 @@ const Variable kVariables[] = {
     {"EXPERTQMM_DECODE_LAYER", "0|1", "the three-kernel decode MoE layer off or on (unset: on)",
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.decode_layer = parse_switch(n, v); },
      [] { return std::string(switch_text(decode_layer_setting())); }},
-    {"EXPERTQMM_DECODE_ONE_LAUNCH", "0|1", "the decode layer's gate/up and down as one launch (unset: off)",
-     [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.decode_one_launch = parse_switch(n, v); },
-     [] { return std::string(switch_text(decode_one_launch_setting())); }},
     {"EXPERTQMM_CHAINED_LAUNCH", "0|1", "programmatic dependent launches at the Gemma 4 block's decode boundaries (unset: off)",
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.chained_launch = parse_switch(n, v); },
      [] { return std::string(switch_text(chained_launch_setting())); }},
@@ -87,7 +84,7 @@ const EnvSettings& env() { return process_env().settings; }
 
 // API overrides: -1 = none (the environment decides), else the value.
 constexpr int kNone = -1;
-std::atomic<int> g_expert_tiles{kNone}, g_decode_layer{kNone}, g_decode_one_launch{kNone}, g_chained_launch{kNone}, g_deterministic{kNone}, g_wgmma{kNone},
+std::atomic<int> g_expert_tiles{kNone}, g_decode_layer{kNone}, g_chained_launch{kNone}, g_deterministic{kNone}, g_wgmma{kNone},
     g_wgmma_width{kNone};
 std::atomic<ProductMode> g_product_mode{ProductMode::fused};
 
@@ -126,8 +123,6 @@ RouteSwitch expert_tiles_setting() { return read_switch(g_expert_tiles, env().ex
 
 void set_decode_layer(RouteSwitch s) { set_switch(g_decode_layer, s, "set_decode_layer"); }
 RouteSwitch decode_layer_setting() { return read_switch(g_decode_layer, env().decode_layer); }
-void set_decode_one_launch(RouteSwitch s) { set_switch(g_decode_one_launch, s, "set_decode_one_launch"); }
-RouteSwitch decode_one_launch_setting() { return read_switch(g_decode_one_launch, env().decode_one_launch); }
 void set_chained_launch(RouteSwitch s) { set_switch(g_chained_launch, s, "set_chained_launch"); }
 RouteSwitch chained_launch_setting() { return read_switch(g_chained_launch, env().chained_launch); }
 

@@ -13,7 +13,6 @@ namespace expertqmm::detail {
 struct EnvSettings {
   RouteSwitch expert_tiles = RouteSwitch::automatic;
   RouteSwitch decode_layer = RouteSwitch::automatic;
-  RouteSwitch decode_one_launch = RouteSwitch::automatic;
   RouteSwitch chained_launch = RouteSwitch::automatic;
   RouteSwitch deterministic = RouteSwitch::automatic;  // automatic = off
   RouteSwitch wgmma = RouteSwitch::automatic;          // automatic = on where available

@@ -9,11 +9,10 @@
 //                                   summed in slot order in fp32, one rounding -> out [T, H]
 // Kernels 2 and 3 exist twice: on tensor cores for 4-bit experts (the Gemma layer) and scalar for
 // 8-bit experts (8-bit MLX checkpoints, bench preset gemma4-26b-a4b-q8).
-// The tensor-core kernels 2 and 3 are tile functions (moe_decode_tiles.cuh), which
-// EXPERTQMM_DECODE_ONE_LAUNCH also runs as one grid (moe_decode_one_launch.cu, off by default).
+// The tensor-core kernels 2 and 3 are tile functions (moe_decode_tiles.cuh).
 // Files: this header (the arguments, the plan and what the kernels share), moe_decode_router.cu,
 // moe_decode_tiles.cuh with moe_decode_gate_up.cu and moe_decode_down.cu (tensor cores),
-// moe_decode_one_launch.cu, moe_decode_scalar.cu (8-bit), and moe_decode_layer.cu (the host: support
+// moe_decode_scalar.cu (8-bit), and moe_decode_layer.cu (the host: support
 // check and launches).
 // Numerics are the general path's (src/cuda/moe.cu): the router rounds r and the logits to h's
 // dtype and routes with device/route_topk.cuh (the same code as route_into); gate and up are
@@ -324,15 +323,6 @@ void launch_gate_up_mma(DType dtype, int G, Activation act, const GateUpArgs& a,
 // Kernel 3 on tensor cores, 4-bit experts (moe_decode_down.cu).
 size_t down_mma_smem(int64_t k, int64_t I, int G, bool fp = false);
 void launch_down_mma(DType dtype, int G, const DownArgs& a, int T, size_t smem, cudaStream_t stream, bool fp = false);
-// Kernels 2 and 3 in one launch, 4-bit experts with one group size and mode for gate/up and down
-// (moe_decode_one_launch.cu; EXPERTQMM_DECODE_ONE_LAUNCH). sync: three zeroed counters, zero again
-// when the kernel ends.
-struct OneLaunchSync {
-  unsigned ticket, gate_up_done, down_done;
-};
-size_t one_launch_smem(int64_t H, int64_t k, int64_t I, int G, bool fp = false);
-void launch_experts_one_launch(DType dtype, int G, Activation act, const GateUpArgs& ga, const DownArgs& da, int n,
-                               int T, OneLaunchSync* sync, size_t smem, cudaStream_t stream, bool fp = false);
 // Kernels 2 and 3 for 8-bit experts (moe_decode_scalar.cu).
 int gate_up_scalar_rows_per_pass(int64_t T);  // GateUpArgs::rows_per_pass
 size_t gate_up_scalar_smem(int64_t T, int64_t H);

@@ -11,7 +11,7 @@ template <DType D, int G, bool kFp = false>
 __global__ void __launch_bounds__(kThreads, 2) decode_down_combine_mma_kernel(DownArgs a) {
   extern __shared__ __align__(16) unsigned char tc_smem[];
   device::pdl_launch_dependents();  // a chained exit kernel may load its other inputs meanwhile
-  down_combine_mma_tile<D, G, kFp>(a, blockIdx.x, blockIdx.y, tc_smem, NoWait{});
+  down_combine_mma_tile<D, G, kFp>(a, blockIdx.x, blockIdx.y, tc_smem);
 }
 
 }  // namespace

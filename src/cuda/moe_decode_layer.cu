@@ -281,17 +281,6 @@ void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, 
   const bool fp_gate = gate.mode != QuantMode::affine, fp_down = ex.down.mode != QuantMode::affine;
   launch_router(D, proj_bits, ra, router_smem(T, H), stream, quantized && rt.proj.mode != QuantMode::affine,
                 chain_router);
-  // Gate/up and down as one launch (the plan's setting, off until measured): 4-bit experts, one group
-  // size and mode.
-  if (sc.one_launch && gate.bits == 4 && ex.down.bits == 4 &&
-      gate.group_size == ex.down.group_size && gate.mode == ex.down.mode) {
-    const size_t smem = one_launch_smem(H, k, I, gate.group_size, fp_gate);
-    if (smem <= kDecodeMaxSmem) {
-      launch_experts_one_launch(D, gate.group_size, ex.activation, ga, da, n, T, reinterpret_cast<OneLaunchSync*>(counter + 1),
-                                smem, stream, fp_gate);
-      return;
-    }
-  }
   if (gate.bits == 4)
     launch_gate_up_mma(D, gate.group_size, ex.activation, ga, n, gate_up_mma_smem(H, gate.group_size, fp_gate), stream,
                        fp_gate);

@@ -1,7 +1,6 @@
 // The decode layer's tensor-core tiles (moe_decode.h has the layer's story) as device functions of
-// one CTA: the gate/up + GLU tile and the down + combine tile. Their own kernels
-// (moe_decode_gate_up.cu, moe_decode_down.cu) call them with the CTA's grid coordinates; the one-launch
-// kernel (moe_decode_one_launch.cu) calls both from one grid.
+// one CTA: the gate/up + GLU tile and the down + combine tile. Their kernels (moe_decode_gate_up.cu,
+// moe_decode_down.cu) call them with the CTA's grid coordinates.
 #pragma once
 #include "cuda/moe_decode.h"
 #include "cuda/device/cp_async.cuh"
@@ -40,13 +39,6 @@ struct DownTcLayout {
     sx = xs + (static_cast<size_t>(tc_x_row_elems(I)) * sizeof(uint16_t) + 15) / 16 * 16;
     per_warp = (sx + groups * sizeof(float) + 15) / 16 * 16;
   }
-};
-
-// The down tile's wait between its weight copies and its hidden row: none in its own kernel (the
-// gate/up kernel has finished; the hidden row's first batch is requested before the expert id).
-struct NoWait {
-  static constexpr bool kHiddenAfter = false;
-  __device__ void operator()() const {}
 };
 
 // Work split: grid (ceil(I / 16), min(n, E)), 256 threads, __launch_bounds__(256, 2). CTA (x, g)
@@ -223,8 +215,7 @@ __device__ __forceinline__ void gate_up_glu_mma_tile(const GateUpArgs& a, int co
 }
 
 // Work split: grid (T, ceil(H / 16)), 256 threads, __launch_bounds__(256, 2) (tok, col_block: the CTA's
-// coordinates in that grid; wait: called by every thread between the weight copies and the hidden
-// row, NoWait in the kernel of its own); tokens vary fastest
+// coordinates in that grid); tokens vary fastest
 // so CTAs reading one expert's rows run close together (L2 reuse). CTA (t, y) computes
 // out[t, 16y .. 16y+16): warp j < k takes slot j (row t*k + j, expert indices[t*k + j]) with its
 // own shared region: the slot's hidden row (requested first: it does not depend on the expert id)
@@ -239,9 +230,8 @@ __device__ __forceinline__ void gate_up_glu_mma_tile(const GateUpArgs& a, int co
 // 176 CTAs in one wave, 45 KB of codes each.
 // kFp (mxfp4 / nvfp4, bf16; G = kTcFpLayoutGroup): the scale codes staged raw in the scales region
 // (16 rows of I / group bytes), A holds value * scale (tc_fp4_block_dot), no bias term.
-template <DType D, int G, bool kFp, class Wait>
-__device__ __forceinline__ void down_combine_mma_tile(const DownArgs& a, int tok, int col_block, unsigned char* tc_smem,
-                                                      Wait wait) {
+template <DType D, int G, bool kFp>
+__device__ __forceinline__ void down_combine_mma_tile(const DownArgs& a, int tok, int col_block, unsigned char* tc_smem) {
   __shared__ float partial[kWarps][kTcRows];
   __shared__ float slot_weight[kWarps];
   __shared__ int slot_ok[kWarps];
@@ -260,22 +250,15 @@ __device__ __forceinline__ void down_combine_mma_tile(const DownArgs& a, int tok
   const int U = a.I / 8;
   constexpr int kUnits = 4;  // units per lane per batch (Gemma: 88 units, one batch)
   uint4 hv[kUnits];
-  // The hidden row's first batch: ahead of the expert id when it is already written (NoWait), else
-  // after the wait below (Wait::kHiddenAfter: the one-launch kernel, whose gate/up tiles write it, read
-  // from the L2 since other CTAs of the same launch wrote it).
-  auto load_hidden = [&](int u) {
-    const uint4* p = reinterpret_cast<const uint4*>(a.hidden + b * a.I + 8 * u);
-    if constexpr (Wait::kHiddenAfter) return __ldcg(p);
-    else return *p;
-  };
-  auto load_first_batch = [&] {
+  // The hidden row's first batch, ahead of the expert id (the gate/up kernel has finished).
+  auto load_hidden = [&](int u) { return *reinterpret_cast<const uint4*>(a.hidden + b * a.I + 8 * u); };
+  if (slot_warp) {
 #pragma unroll
     for (int i = 0; i < kUnits; ++i) {
       const int u = lane + 32 * i;
       hv[i] = u < U ? load_hidden(u) : make_uint4(0u, 0u, 0u, 0u);
     }
-  };
-  if (!Wait::kHiddenAfter && slot_warp) load_first_batch();
+  }
   int e = 0;
   float wj = 0.f;
   bool ok = false;
@@ -309,9 +292,7 @@ __device__ __forceinline__ void down_combine_mma_tile(const DownArgs& a, int tok
     }
     device::cp_async_commit();
   }
-  wait();  // CTA-wide (every thread calls it)
   if (slot_warp) {
-    if (Wait::kHiddenAfter) load_first_batch();
     for (int ubase = 0; ubase < U; ubase += 32 * kUnits) {
 #pragma unroll
       for (int i = 0; i < kUnits; ++i) {

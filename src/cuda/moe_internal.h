@@ -104,16 +104,15 @@ constexpr int64_t kDecodeMaxRows = 64;  // T*k; also T <= 8 and k <= 8 (moe_deco
 struct DecodeScratch {
   size_t logits = 0, indices = 0, weights = 0, plan = 0, hidden = 0;  // offsets in the arena
   size_t bytes = 0;
-  bool one_launch = false;  // kernels 2 and 3 as one launch where the experts allow (EXPERTQMM_DECODE_ONE_LAUNCH)
 };
 RouteSupport supports_decode_layer(const Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& weights);
 DecodeScratch decode_scratch(int64_t T, int64_t k, int64_t E, int64_t I);
 // counter: kLayerCounterBytes of ws's kSlotCounters, zeroed, zero again when the kernels finish (one
 // per workspace, as the arena: a workspace serves one call at a time): the router's count of finished
-// CTAs, then the one-launch kernel's three counters (decode::OneLaunchSync).
+// CTAs.
 // chain_router: launch the router as a programmatic dependent launch (the caller's promise: the
 // kernel ahead of it on the stream writes nothing the router reads).
-constexpr size_t kLayerCounterBytes = 4 * sizeof(unsigned);
+constexpr size_t kLayerCounterBytes = sizeof(unsigned);
 void call_decode_layer(const DecodeScratch& scratch, unsigned* counter, Tensor& out, const Tensor& h, const Tensor& x,
                        const MoeWeights& weights, Workspace& ws, bool chain_router = false);
 

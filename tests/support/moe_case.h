@@ -28,7 +28,6 @@ class SettingGuard {
 };
 using ProductModeGuard = SettingGuard<ProductMode, product_mode, set_product_mode>;
 using DecodeSwitchGuard = SettingGuard<RouteSwitch, decode_layer_setting, set_decode_layer>;
-using OneLaunchGuard = SettingGuard<RouteSwitch, decode_one_launch_setting, set_decode_one_launch>;
 using ChainedLaunchGuard = SettingGuard<RouteSwitch, chained_launch_setting, set_chained_launch>;
 
 // A router over E experts choosing k, on the host, in `dtype`: a proj_bits-bit projection (CPU-
