@@ -27,6 +27,7 @@ const GatherQmmRoute kRoutes[] = {
 
 // Routes reachable only through the test hook.
 const GatherQmmRoute kTestRoutes[] = {
+    {"qmv_one_row", supports_qmv, call_qmv_one_row},
     {"expert_tiles_mma_sync", supports_expert_tiles, call_expert_tiles_mma_sync},
     {"expert_tiles_wgmma", supports_expert_tiles_wgmma, call_expert_tiles_wgmma},
     {"rhs_tiles_bm16", supports_rhs_tiles, call_rhs_tiles_bm16},

@@ -32,6 +32,12 @@ constexpr int kQmvChunksPerLane = 2;  // chunks per column a lane loads before a
 constexpr int kQmvPartials = kQmvWarps * kQmvColsPerWarp;  // split-K partial sums per CTA
 constexpr int kQmvStageVals = 8;      // x values one thread stages at a time (one 16-byte load)
 constexpr int64_t kQmvMaxK = 8192;    // x row staged as float in shared memory: <= 48 KB in all
+// Several rows of one batch element per CTA (rows_per_cta > 1: a dense linear's M = T tokens, one
+// weight matrix): the weights are loaded once for all of them instead of once per row. 2 CTAs per SM
+// (register cap 128: 8 rows x 4 columns of accumulators beside the batch), each row's staged x in
+// shared memory, so at most kQmvMultiRowMaxSmem per CTA (K <= 3,968 at 8 rows, 8,064 at 4).
+constexpr int kQmvMultiRowCtasPerSm = 2;
+constexpr size_t kQmvMultiRowMaxSmem = 113 * 1024;
 
 struct QmvArgs {
   const void* x;           // x_batch matrices of (M, K) T, x_batch_stride elements apart
@@ -44,23 +50,24 @@ struct QmvArgs {
   int M, N, K, E;
   int num_chunks;  // chunks per weight row (K / values per chunk)
   int k_split;     // warps that share one set of columns, each summing a slice of the chunks
+  int row_blocks;  // CTA rows per batch element: ceil(M / kRows)
   bool x_vec;      // every x row starts 16-byte aligned: stage with 16-byte loads
 };
 
 // x is staged as float with 4 floats of padding after every 32 (device/staging.cuh: padded), so
 // that lanes reading consecutive chunks (8 to 32 values each) start in different bank groups.
 
-// One lane's weights for a batch: kQmvChunksPerLane chunks of each of the warp's 4 columns, with
+// One lane's weights for a batch: kChunks chunks of each of the warp's 4 columns, with
 // the scale and bias of each chunk's group. Columns past N and chunks past the row read nothing and
 // hold zero codes, scale and bias, so they add exactly 0.
 // Scales per chunk: one, except nvfp4's 16-value groups under a 32-value chunk (two).
 constexpr int scales_per_chunk(int fp, int vals_per_chunk) { return fp == 2 && vals_per_chunk > 16 ? vals_per_chunk / 16 : 1; }
 
-template <class T, int kVecWords, int kFp = 0, int kScales = 1>
+template <class T, int kVecWords, int kFp = 0, int kScales = 1, int kChunks = kQmvChunksPerLane>
 struct QmvBatch {
-  uint32_t words[kQmvChunksPerLane][kQmvColsPerWarp][kVecWords];
-  float scale[kQmvChunksPerLane][kQmvColsPerWarp][kScales];
-  float bias[kQmvChunksPerLane][kQmvColsPerWarp];
+  uint32_t words[kChunks][kQmvColsPerWarp][kVecWords];
+  float scale[kChunks][kQmvColsPerWarp][kScales];
+  float bias[kChunks][kQmvColsPerWarp];
 
   // chunk0: the lane's first chunk of this batch; consecutive chunks of a lane are chunk_stride apart.
   // w_col0, scale_col0, bias_col0: column col0's weight row and its first scale and bias; the
@@ -70,7 +77,7 @@ struct QmvBatch {
                                        const uint16_t* bias_col0, const uint8_t* fp_col0, int cols_left, int chunk0,
                                        int chunk_stride, int vals_per_chunk) {
 #pragma unroll
-    for (int it = 0; it < kQmvChunksPerLane; ++it) {
+    for (int it = 0; it < kChunks; ++it) {
       const int c = chunk0 + it * chunk_stride;
       const int group = (c * vals_per_chunk) >> a.q.group_shift;
 #pragma unroll
@@ -110,35 +117,40 @@ struct QmvBatch {
   }
 };
 
-// Kernel: grid (ceil(N / cols_per_cta), rows), 256 threads = 8 warps, at least 3 CTAs per SM.
-// CTA (x, y) computes problem row y (expert rhs[y / M], x row lhs[y / M], m = y % M) for
-// cols_per_cta = (8 / k_split) * 4 consecutive columns from x * cols_per_cta.
-//   xs         (K padded,) float: the x row, pre-divided by 16^(k % 4) for 4-bit (see word_dot)
-//   unit_sum   (K / 8 or K / 4,) float: sum of each staged unit of x (8 values, 4 for 8-bit
+// Kernel: grid (ceil(N / cols_per_cta), B * row_blocks), 256 threads = 8 warps, at least 3 CTAs per
+// SM (kRows = 1; 2 for kRows > 1). CTA (x, y) takes batch element b = y / row_blocks (expert rhs[b],
+// x batch lhs[b]) and its rows m0 = (y % row_blocks) * kRows .. m0 + rows - 1 (rows = min(kRows,
+// M - m0)), for cols_per_cta = (8 / k_split) * 4 consecutive columns from x * cols_per_cta. With
+// kRows > 1 every weight batch a lane loads serves all of the CTA's rows, each row's sums in the
+// one-row kernel's order (the same bits at the same k_split).
+//   xs         (rows, K padded) float: the x rows, pre-divided by 16^(k % 4) for 4-bit (see word_dot)
+//   unit_sum   (rows, K / 4 padded) float: sum of each staged unit of x (8 values, 4 for 8-bit
 //              single-word chunks); a chunk's sum(x) is the sum of its units
-//   partial    (k_split, cols_per_cta) float: split-K partial sums
+//   partial    (k_split, kRows, cols_per_cta) float: split-K partial sums
 // Warp w works on column set w / k_split (4 columns) and chunk slice w % k_split: lane l takes
 // chunks l + 32 * (slice + k_split * i), a chunk being kVecWords consecutive words of a weight
 // row (uint4 = 32 4-bit or 16 8-bit codes when rows are 16-byte aligned, else one word).
 // Latency is what decode pays, so the order is: read the expert id, issue the first batch of
-// weight loads (2 chunks x 4 columns per lane: 8 x 16 bytes in flight per lane, ~96 KB per SM),
+// weight loads (2 chunks x 4 columns per lane: 8 x 16 bytes in flight per lane, ~96 KB per SM; one
+// chunk with kRows > 1, whose registers hold kRows x 4 sums),
 // only then stage x (its loads overlap the weights'), then the math. Later batches (K beyond
 // 64 chunks per slice) load and compute in turn. Lanes reduce with xor shuffles; with
 // k_split > 1 the slices meet in shared memory.
-template <class T, int kBits, int kVecWords, int kFp>
-__global__ void __launch_bounds__(kQmvThreads, kQmvMinCtasPerSm) qmv_kernel(QmvArgs a) {
+template <class T, int kBits, int kVecWords, int kFp, int kRows>
+__global__ void __launch_bounds__(kQmvThreads, kRows == 1 ? kQmvMinCtasPerSm : kQmvMultiRowCtasPerSm)
+    qmv_kernel(QmvArgs a) {
   constexpr int kValsPerChunk = kVecWords * (32 / kBits);
   constexpr int kScales = scales_per_chunk(kFp, kValsPerChunk);
   constexpr int kUnit = kValsPerChunk < kQmvStageVals ? kValsPerChunk : kQmvStageVals;  // values per staged unit
   constexpr int kUnitsPerChunk = kValsPerChunk / kUnit;
   extern __shared__ __align__(16) float qmv_smem[];
-  float* xs = qmv_smem;                                    // padded (K,) float
-  float* unit_sum = xs + round_up4(padded(a.K));     // (K / kUnit,) float
-  float* partial = unit_sum + round_up4(a.K / kUnit);      // (k_split, cols_per_cta) float
-
-  const int row = blockIdx.y;
-  const int b = row / a.M;
-  const int m = row - b * a.M;
+  const int b = blockIdx.y / a.row_blocks;
+  const int m0 = (blockIdx.y - b * a.row_blocks) * kRows;
+  const int rows = min(kRows, a.M - m0);
+  const int xs_stride = round_up4(padded(a.K)), unit_stride = round_up4(a.K / 4);  // qmv_smem_bytes
+  float* xs = qmv_smem;                                    // (rows, K padded) float
+  float* unit_sum = xs + rows * xs_stride;                 // (rows, K / kUnit) float, rows K / 4 apart
+  float* partial = unit_sum + rows * unit_stride;          // (k_split, kRows, cols_per_cta) float
   const int64_t expert = a.rhs ? static_cast<int64_t>(a.rhs[b]) : b;
   const int64_t xb = a.lhs ? static_cast<int64_t>(a.lhs[b]) : b;
   if (expert < 0 || expert >= a.E) {
@@ -164,16 +176,23 @@ __global__ void __launch_bounds__(kQmvThreads, kQmvMinCtasPerSm) qmv_kernel(QmvA
   const uint16_t* bias_col0 = kFp ? nullptr : a.q.biases + group_row0;
   const uint8_t* fp_col0 = kFp ? a.q.fp_scales + group_row0 : nullptr;
   const int chunk_stride = 32 * a.k_split;  // between one lane's consecutive chunks
-  const int batch_stride = kQmvChunksPerLane * chunk_stride;
+  // Several rows per CTA: one chunk per column in a batch, the registers going to the rows' sums
+  // (8 rows x 4 columns) instead; the rows' math per batch covers the next batch's load.
+  constexpr int kChunks = kRows == 1 ? kQmvChunksPerLane : 1;
+  const int batch_stride = kChunks * chunk_stride;
 
-  QmvBatch<T, kVecWords, kFp, kScales> batch;
+  QmvBatch<T, kVecWords, kFp, kScales, kChunks> batch;
   int chunk0 = slice * 32 + lane;
   batch.load(a, w_col0, scale_col0, bias_col0, fp_col0, cols_left, chunk0, chunk_stride, kValsPerChunk);
 
-  // Stage x: thread u takes units u, u + 256, ...; 16-byte loads when the row is aligned.
-  const T* xrow = static_cast<const T*>(a.x) + xb * a.x_batch_stride + static_cast<int64_t>(m) * a.K;
+  // Stage x: thread i takes units i, i + 256, ... of the rows' units laid end to end; 16-byte loads
+  // when the rows are aligned.
+  const T* x0 = static_cast<const T*>(a.x) + xb * a.x_batch_stride + static_cast<int64_t>(m0) * a.K;
   const int units = a.K / kUnit;
-  for (int u = threadIdx.x; u < units; u += kQmvThreads) {
+  for (int i = threadIdx.x; i < rows * units; i += kQmvThreads) {
+    const int r = kRows == 1 ? 0 : i / units, u = i - r * units;
+    const T* xrow = x0 + static_cast<int64_t>(r) * a.K;
+    float* xs_r = xs + r * xs_stride;
     float xv[kUnit];
     if (kUnit == 8 && a.x_vec) {
       const uint4 raw = *reinterpret_cast<const uint4*>(xrow + u * kUnit);
@@ -189,61 +208,70 @@ __global__ void __launch_bounds__(kQmvThreads, kQmvMinCtasPerSm) qmv_kernel(QmvA
     for (int v = 0; v < kUnit; ++v) {
       sum += xv[v];
       // kUnit is 4 or 8, so value v sits at k % 4 == v % 4 (the affine nibble trick; fp: x as it is).
-      xs[padded(u * kUnit + v)] =
+      xs_r[padded(u * kUnit + v)] =
           kBits == 4 && kFp == 0 ? xv[v] * (1.0f / static_cast<float>(1 << (4 * (v & 3)))) : xv[v];
     }
-    unit_sum[u] = sum;
+    unit_sum[r * unit_stride + u] = sum;
   }
   __syncthreads();
 
-  float acc[kQmvColsPerWarp];
+  float acc[kRows][kQmvColsPerWarp];
 #pragma unroll
-  for (int i = 0; i < kQmvColsPerWarp; ++i) acc[i] = 0.f;
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int i = 0; i < kQmvColsPerWarp; ++i) acc[r][i] = 0.f;
 
   for (;;) {
 #pragma unroll
-    for (int it = 0; it < kQmvChunksPerLane; ++it) {
+    for (int it = 0; it < kChunks; ++it) {
       const int c = chunk0 + it * chunk_stride;
       if (c >= a.num_chunks) break;  // later chunks of the lane are past the row too
       // One word's x values at a time (8 or 4 floats), shared by the 4 columns: keeps the x
-      // registers to one word's worth while the batch's weights are live.
-      const float* xc = xs + padded(c * kValsPerChunk);
+      // registers to one word's worth while the batch's weights are live. Rows one after another,
+      // each with the one-row kernel's arithmetic.
       constexpr int kValsPerWord = 32 / kBits;
-      if constexpr (kFp != 0) {
-        // One scale per kVecWords / kScales words: sum x * v over them, then times the scale.
-        constexpr int kWordsPerScale = kVecWords / kScales;
 #pragma unroll
-        for (int s = 0; s < kScales; ++s) {
+      for (int r = 0; r < kRows; ++r) {
+        if (r >= rows) break;  // CTA-uniform
+        const float* xc = xs + r * xs_stride + padded(c * kValsPerChunk);
+        if constexpr (kFp != 0) {
+          // One scale per kVecWords / kScales words: sum x * v over them, then times the scale.
+          constexpr int kWordsPerScale = kVecWords / kScales;
+#pragma unroll
+          for (int s = 0; s < kScales; ++s) {
+            float dot[kQmvColsPerWarp];
+#pragma unroll
+            for (int i = 0; i < kQmvColsPerWarp; ++i) dot[i] = 0.f;
+#pragma unroll
+            for (int wj = 0; wj < kWordsPerScale; ++wj) {
+              float xv[kValsPerWord];
+              word_x<kBits>(xc, s * kWordsPerScale + wj, xv);
+#pragma unroll
+              for (int i = 0; i < kQmvColsPerWarp; ++i)
+                dot[i] = device::fp_word_dot<kBits>(batch.words[it][i][s * kWordsPerScale + wj], xv, dot[i]);
+            }
+#pragma unroll
+            for (int i = 0; i < kQmvColsPerWarp; ++i) acc[r][i] = fmaf(batch.scale[it][i][s], dot[i], acc[r][i]);
+          }
+        } else {
           float dot[kQmvColsPerWarp];
 #pragma unroll
           for (int i = 0; i < kQmvColsPerWarp; ++i) dot[i] = 0.f;
 #pragma unroll
-          for (int wj = 0; wj < kWordsPerScale; ++wj) {
+          for (int wi = 0; wi < kVecWords; ++wi) {
             float xv[kValsPerWord];
-            word_x<kBits>(xc, s * kWordsPerScale + wj, xv);
+            word_x<kBits>(xc, wi, xv);
 #pragma unroll
-            for (int i = 0; i < kQmvColsPerWarp; ++i)
-              dot[i] = device::fp_word_dot<kBits>(batch.words[it][i][s * kWordsPerScale + wj], xv, dot[i]);
+            for (int i = 0; i < kQmvColsPerWarp; ++i) dot[i] = word_dot<kBits>(batch.words[it][i][wi], xv, dot[i]);
           }
+          const float* us = unit_sum + r * unit_stride + c * kUnitsPerChunk;
+          float sx = 0.f;
 #pragma unroll
-          for (int i = 0; i < kQmvColsPerWarp; ++i) acc[i] = fmaf(batch.scale[it][i][s], dot[i], acc[i]);
+          for (int u = 0; u < kUnitsPerChunk; ++u) sx += us[u];
+#pragma unroll
+          for (int i = 0; i < kQmvColsPerWarp; ++i)
+            acc[r][i] += batch.scale[it][i][0] * dot[i] + batch.bias[it][i] * sx;
         }
-      } else {
-        float dot[kQmvColsPerWarp];
-#pragma unroll
-        for (int i = 0; i < kQmvColsPerWarp; ++i) dot[i] = 0.f;
-#pragma unroll
-        for (int wi = 0; wi < kVecWords; ++wi) {
-          float xv[kValsPerWord];
-          word_x<kBits>(xc, wi, xv);
-#pragma unroll
-          for (int i = 0; i < kQmvColsPerWarp; ++i) dot[i] = word_dot<kBits>(batch.words[it][i][wi], xv, dot[i]);
-        }
-        float sx = 0.f;
-#pragma unroll
-        for (int u = 0; u < kUnitsPerChunk; ++u) sx += unit_sum[c * kUnitsPerChunk + u];
-#pragma unroll
-        for (int i = 0; i < kQmvColsPerWarp; ++i) acc[i] += batch.scale[it][i][0] * dot[i] + batch.bias[it][i] * sx;
       }
     }
     chunk0 += batch_stride;
@@ -252,48 +280,66 @@ __global__ void __launch_bounds__(kQmvThreads, kQmvMinCtasPerSm) qmv_kernel(QmvA
   }
 
 #pragma unroll
-  for (int i = 0; i < kQmvColsPerWarp; ++i)
+  for (int r = 0; r < kRows; ++r)
 #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) acc[i] += __shfl_xor_sync(0xffffffffu, acc[i], offset);
+    for (int i = 0; i < kQmvColsPerWarp; ++i)
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) acc[r][i] += __shfl_xor_sync(0xffffffffu, acc[r][i], offset);
 
-  T* out = static_cast<T*>(a.out) + static_cast<int64_t>(row) * a.N;
+  T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(b) * a.M + m0) * a.N;  // the CTA's first row
   if (a.k_split == 1) {
     if (lane == 0) {
 #pragma unroll
-      for (int i = 0; i < kQmvColsPerWarp; ++i)
-        if (i < cols_left) out[col0 + i] = Elem<T>::from_float(acc[i]);
+      for (int r = 0; r < kRows; ++r)
+#pragma unroll
+        for (int i = 0; i < kQmvColsPerWarp; ++i)
+          if (r < rows && i < cols_left) out[static_cast<int64_t>(r) * a.N + col0 + i] = Elem<T>::from_float(acc[r][i]);
     }
     return;
   }
   if (lane == 0) {
 #pragma unroll
-    for (int i = 0; i < kQmvColsPerWarp; ++i)
-      partial[slice * cols_per_cta + col_set * kQmvColsPerWarp + i] = acc[i];
+    for (int r = 0; r < kRows; ++r)
+#pragma unroll
+      for (int i = 0; i < kQmvColsPerWarp; ++i)
+        partial[(slice * kRows + r) * cols_per_cta + col_set * kQmvColsPerWarp + i] = acc[r][i];
   }
   __syncthreads();
-  for (int c = threadIdx.x; c < cols_per_cta; c += kQmvThreads) {
+  for (int j = threadIdx.x; j < rows * cols_per_cta; j += kQmvThreads) {
+    const int r = kRows == 1 ? 0 : j / cols_per_cta, c = j - r * cols_per_cta;
     const int n = blockIdx.x * cols_per_cta + c;
     if (n >= a.N) continue;
     float sum = 0.f;
-    for (int s = 0; s < a.k_split; ++s) sum += partial[s * cols_per_cta + c];
-    out[n] = Elem<T>::from_float(sum);
+    for (int s = 0; s < a.k_split; ++s) sum += partial[(s * kRows + r) * cols_per_cta + c];
+    out[static_cast<int64_t>(r) * a.N + n] = Elem<T>::from_float(sum);
   }
 }
 
-template <class T, int kBits, int kVecWords, int kFp = 0>
+template <class T, int kBits, int kVecWords, int kFp = 0, int kRows = 1>
 void launch_qmv(const QmvArgs& a, dim3 grid, size_t smem) {
-  qmv_kernel<T, kBits, kVecWords, kFp><<<grid, kQmvThreads, smem, current_stream()>>>(a);
+  auto* kernel = qmv_kernel<T, kBits, kVecWords, kFp, kRows>;
+  static const bool smem_configured = [kernel] {  // the multi-row kernels stage up to 113 KB
+    if (kRows > 1)
+      EXPERTQMM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                static_cast<int>(kQmvMultiRowMaxSmem)));
+    return true;
+  }();
+  (void)smem_configured;
+  kernel<<<grid, kQmvThreads, smem, current_stream()>>>(a);
   EXPERTQMM_CUDA_CHECK_LAUNCH("qmv_kernel");
 }
 
-// The qmv kernels by (dtype, mode, bits, words per chunk): 16-byte loads when every weight row
-// starts 16-byte aligned, single words otherwise (K % 8 == 0 is all qmv asks of K).
+// The qmv kernels by (dtype, mode, bits, words per chunk, rows per CTA): 16-byte loads when every
+// weight row starts 16-byte aligned, single words otherwise (K % 8 == 0 is all qmv asks of K);
+// several rows per CTA for 8-bit affine 16-byte rows (the dense MLP's and other single-matrix calls;
+// 4-bit ones spill at 128 registers even with one chunk per batch: 328 B at 4 rows, 624 at 8).
 struct QmvVariant {
   DType dtype;
   QuantMode mode;
   int bits;
   int vec_words;
   void (*launch)(const QmvArgs&, dim3, size_t);
+  int rows_per_cta = 1;
 };
 constexpr QuantMode kAffine = QuantMode::affine, kMxfp4 = QuantMode::mxfp4, kMxfp8 = QuantMode::mxfp8,
                     kNvfp4 = QuantMode::nvfp4;
@@ -308,12 +354,35 @@ const QmvVariant kQmvVariants[] = {
     {DType::f16, kMxfp4, 4, 4, launch_qmv<__half, 4, 4, 1>},         {DType::f16, kMxfp4, 4, 1, launch_qmv<__half, 4, 1, 1>},
     {DType::f16, kMxfp8, 8, 4, launch_qmv<__half, 8, 4, 1>},         {DType::f16, kMxfp8, 8, 1, launch_qmv<__half, 8, 1, 1>},
     {DType::f16, kNvfp4, 4, 4, launch_qmv<__half, 4, 4, 2>},         {DType::f16, kNvfp4, 4, 1, launch_qmv<__half, 4, 1, 2>},
+    {DType::bf16, kAffine, 8, 4, launch_qmv<__nv_bfloat16, 8, 4, 0, 4>, 4}, {DType::bf16, kAffine, 8, 4, launch_qmv<__nv_bfloat16, 8, 4, 0, 8>, 8},
+    {DType::f16, kAffine, 8, 4, launch_qmv<__half, 8, 4, 0, 4>, 4},         {DType::f16, kAffine, 8, 4, launch_qmv<__half, 8, 4, 0, 8>, 8},
 };
 
-// xs, unit_sum (at most K / 4 units: 8-bit single-word chunks) and the split-K partials.
-size_t qmv_smem_bytes(int64_t K) {
-  return sizeof(float) * (round_up4(padded(static_cast<int>(K))) + round_up4(static_cast<int>(K / 4)) +
-                          kQmvPartials);
+// Per staged row: xs and unit_sum (at most K / 4 units: 8-bit single-word chunks); then the split-K
+// partials of rows_per_cta rows. staged_rows: the most rows a CTA stages (min(rows_per_cta, M)).
+size_t qmv_smem_bytes(int64_t K, int staged_rows = 1, int rows_per_cta = 1) {
+  const int64_t per_row = round_up4(padded(static_cast<int>(K))) + round_up4(static_cast<int>(K / 4));
+  return sizeof(float) * (staged_rows * per_row + kQmvPartials * rows_per_cta);
+}
+
+// Rows per CTA: several where they share one weight matrix (M >= 2 rows of a batch element: a dense
+// linear's tokens) and a multi-row kernel exists (8-bit affine, 16-byte weight rows), as long as the grid
+// still gives every SM a CTA at k_split 2 and the staged rows fit kQmvMultiRowMaxSmem. So the
+// router's projection (N = 128: 8 column blocks) stays at one row per CTA up to qmv's 64 rows, and
+// Gemma 4's 8-bit dense MLP takes 4 rows per CTA in gate and up (K = 2,816: 8 rows would stage 124
+// KB) and 8 in down (K = 2,112: 93 KB) from T = 5, 4 at T = 2-4.
+int qmv_rows_per_cta(const detail::GatherQmmProblem& p, int vec_words) {
+  if (p.M < 2 || p.mode != QuantMode::affine || p.bits != 8 || vec_words != 4) return 1;
+  constexpr int64_t kColsAtSplit2 = (kQmvWarps / 2) * kQmvColsPerWarp;
+  const int64_t col_blocks = (p.N + kColsAtSplit2 - 1) / kColsAtSplit2;
+  for (int r : {8, 4}) {
+    if (r == 8 && p.M < 5) continue;
+    const int64_t row_blocks = (p.M + r - 1) / r;
+    const int staged = static_cast<int>(std::min<int64_t>(r, p.M));
+    if (p.B * row_blocks * col_blocks >= device_sm_count() && qmv_smem_bytes(p.K, staged, r) <= kQmvMultiRowMaxSmem)
+      return r;
+  }
+  return 1;
 }
 
 }  // namespace
@@ -335,7 +404,10 @@ RouteSupport supports_qmv(const detail::GatherQmmProblem& p) {
   return route_ok();
 }
 
-void call_qmv(const detail::GatherQmmProblem& p, void* out, Workspace*) {
+namespace {
+
+// rows_per_cta: 0 for qmv_rows_per_cta's choice, else that many (1: the one-row kernel).
+void run_qmv(const detail::GatherQmmProblem& p, void* out, int rows_per_cta) {
   const RouteSupport s = supports_qmv(p);
   EXPERTQMM_CHECK(s.ok, "gather_qmm", "qmv does not support ", p.describe(), " (", fallback_name(s.reason), ")");
   QmvArgs a{};
@@ -355,24 +427,34 @@ void call_qmv(const detail::GatherQmmProblem& p, void* out, Workspace*) {
   a.num_chunks = a.q.words_per_row / vec_words;
   a.x_vec = is_aligned(p.x.data(), 16) && p.x_batch_stride % 8 == 0;  // K % 8 == 0: every row aligned
 
-  // Split K across warps while the grid would not fill the resident CTA slots (3 per SM), as long
-  // as every lane of every slice still gets at least one chunk.
-  const int64_t rows = p.B * p.M;
-  const int64_t target_ctas = kQmvMinCtasPerSm * static_cast<int64_t>(device_sm_count());
+  const int r = rows_per_cta > 0 ? rows_per_cta : qmv_rows_per_cta(p, vec_words);
+  a.row_blocks = static_cast<int>((p.M + r - 1) / r);
+
+  // Split K across warps while the grid would not fill the resident CTA slots (3 per SM; 2 for
+  // several rows per CTA), as long as every lane of every slice still gets at least two chunks.
+  const int64_t cta_rows = p.B * a.row_blocks;
+  const int64_t target_ctas = (r == 1 ? kQmvMinCtasPerSm : kQmvMultiRowCtasPerSm) * static_cast<int64_t>(device_sm_count());
   int k_split = 1;
-  auto ctas = [&](int ks) { return rows * ((p.N + (kQmvWarps / ks) * kQmvColsPerWarp - 1) / ((kQmvWarps / ks) * kQmvColsPerWarp)); };
+  auto ctas = [&](int ks) { return cta_rows * ((p.N + (kQmvWarps / ks) * kQmvColsPerWarp - 1) / ((kQmvWarps / ks) * kQmvColsPerWarp)); };
   while (k_split < kQmvWarps && ctas(k_split) < target_ctas && a.num_chunks >= 32 * 2 * k_split) k_split *= 2;
   a.k_split = k_split;
 
   const int cols_per_cta = (kQmvWarps / k_split) * kQmvColsPerWarp;
-  const dim3 grid(ceil_div(p.N, cols_per_cta), static_cast<unsigned>(rows));
-  const size_t smem = qmv_smem_bytes(p.K);
+  const dim3 grid(ceil_div(p.N, cols_per_cta), static_cast<unsigned>(cta_rows));
+  const size_t smem = qmv_smem_bytes(p.K, static_cast<int>(std::min<int64_t>(r, p.M)), r);
   for (const QmvVariant& v : kQmvVariants) {
-    if (v.dtype != p.dtype || v.mode != p.mode || v.bits != p.bits || v.vec_words != vec_words) continue;
+    if (v.dtype != p.dtype || v.mode != p.mode || v.bits != p.bits || v.vec_words != vec_words || v.rows_per_cta != r)
+      continue;
     v.launch(a, grid, smem);
     return;
   }
-  throw Error("gather_qmm", detail::cat("qmv has no kernel for dtype=", dtype_name(p.dtype), " bits=", p.bits));
+  throw Error("gather_qmm", detail::cat("qmv has no kernel for dtype=", dtype_name(p.dtype), " bits=", p.bits,
+                                        " rows per CTA=", r));
 }
+
+}  // namespace
+
+void call_qmv(const detail::GatherQmmProblem& p, void* out, Workspace*) { run_qmv(p, out, 0); }
+void call_qmv_one_row(const detail::GatherQmmProblem& p, void* out, Workspace*) { run_qmv(p, out, 1); }
 
 }  // namespace expertqmm::cuda

@@ -39,6 +39,8 @@ constexpr int64_t kQmvMaxRows = 64;  // 8 tokens x top-8; why: supports_qmv in g
 constexpr int64_t kExpertTilesMinRows = kQmvMaxRows + 1;
 RouteSupport supports_qmv(const detail::GatherQmmProblem& p);
 void call_qmv(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
+// The test hook's qmv_one_row: one row per CTA whatever M (the multi-row kernels' comparison).
+void call_qmv_one_row(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
 
 // --- rhs_tiles: the generic tensor-core route (gather_qmm_rhs_tiles.cu) ------------------------
 // Operand checks shared by every route built on device/tile_gemm.cuh (dtype, bits, group size,
