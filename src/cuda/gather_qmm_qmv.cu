@@ -227,14 +227,15 @@ __global__ void __launch_bounds__(kQmvThreads, kRows == 1 ? kQmvMinCtasPerSm : k
       const int c = chunk0 + it * chunk_stride;
       if (c >= a.num_chunks) break;  // later chunks of the lane are past the row too
       // One word's x values at a time (8 or 4 floats), shared by the 4 columns: keeps the x
-      // registers to one word's worth while the batch's weights are live. Rows one after another,
-      // each with the one-row kernel's arithmetic.
+      // registers to one word's worth while the batch's weights are live. Several rows: each word
+      // goes to every row before the next word (rows inner, so that only one word of x per row is
+      // live), each row's sums in the one-row kernel's order.
       constexpr int kValsPerWord = 32 / kBits;
+      if constexpr (kFp != 0) {
 #pragma unroll
-      for (int r = 0; r < kRows; ++r) {
-        if (r >= rows) break;  // CTA-uniform
-        const float* xc = xs + r * xs_stride + padded(c * kValsPerChunk);
-        if constexpr (kFp != 0) {
+        for (int r = 0; r < kRows; ++r) {
+          if (r >= rows) break;  // CTA-uniform
+          const float* xc = xs + r * xs_stride + padded(c * kValsPerChunk);
           // One scale per kVecWords / kScales words: sum x * v over them, then times the scale.
           constexpr int kWordsPerScale = kVecWords / kScales;
 #pragma unroll
@@ -253,24 +254,35 @@ __global__ void __launch_bounds__(kQmvThreads, kRows == 1 ? kQmvMinCtasPerSm : k
 #pragma unroll
             for (int i = 0; i < kQmvColsPerWarp; ++i) acc[r][i] = fmaf(batch.scale[it][i][s], dot[i], acc[r][i]);
           }
-        } else {
-          float dot[kQmvColsPerWarp];
+        }
+      } else {
+        const int x_off = padded(c * kValsPerChunk);
+        float dot[kRows][kQmvColsPerWarp];
 #pragma unroll
-          for (int i = 0; i < kQmvColsPerWarp; ++i) dot[i] = 0.f;
+        for (int r = 0; r < kRows; ++r)
 #pragma unroll
-          for (int wi = 0; wi < kVecWords; ++wi) {
+          for (int i = 0; i < kQmvColsPerWarp; ++i) dot[r][i] = 0.f;
+#pragma unroll
+        for (int wi = 0; wi < kVecWords; ++wi) {
+#pragma unroll
+          for (int r = 0; r < kRows; ++r) {
+            if (r >= rows) break;  // CTA-uniform
             float xv[kValsPerWord];
-            word_x<kBits>(xc, wi, xv);
+            word_x<kBits>(xs + r * xs_stride + x_off, wi, xv);
 #pragma unroll
-            for (int i = 0; i < kQmvColsPerWarp; ++i) dot[i] = word_dot<kBits>(batch.words[it][i][wi], xv, dot[i]);
+            for (int i = 0; i < kQmvColsPerWarp; ++i) dot[r][i] = word_dot<kBits>(batch.words[it][i][wi], xv, dot[r][i]);
           }
+        }
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          if (r >= rows) break;
           const float* us = unit_sum + r * unit_stride + c * kUnitsPerChunk;
           float sx = 0.f;
 #pragma unroll
           for (int u = 0; u < kUnitsPerChunk; ++u) sx += us[u];
 #pragma unroll
           for (int i = 0; i < kQmvColsPerWarp; ++i)
-            acc[r][i] += batch.scale[it][i][0] * dot[i] + batch.bias[it][i] * sx;
+            acc[r][i] += batch.scale[it][i][0] * dot[r][i] + batch.bias[it][i] * sx;
         }
       }
     }
@@ -331,8 +343,8 @@ void launch_qmv(const QmvArgs& a, dim3 grid, size_t smem) {
 
 // The qmv kernels by (dtype, mode, bits, words per chunk, rows per CTA): 16-byte loads when every
 // weight row starts 16-byte aligned, single words otherwise (K % 8 == 0 is all qmv asks of K);
-// several rows per CTA for 8-bit affine 16-byte rows (the dense MLP's and other single-matrix calls;
-// 4-bit ones spill at 128 registers even with one chunk per batch: 328 B at 4 rows, 624 at 8).
+// several rows per CTA for affine 16-byte rows (the dense MLP's and other single-matrix calls).
+// ptxas (sm_90a): 120-128 registers; 4-bit at 8 rows spills 28 B, the others none.
 struct QmvVariant {
   DType dtype;
   QuantMode mode;
@@ -354,7 +366,9 @@ const QmvVariant kQmvVariants[] = {
     {DType::f16, kMxfp4, 4, 4, launch_qmv<__half, 4, 4, 1>},         {DType::f16, kMxfp4, 4, 1, launch_qmv<__half, 4, 1, 1>},
     {DType::f16, kMxfp8, 8, 4, launch_qmv<__half, 8, 4, 1>},         {DType::f16, kMxfp8, 8, 1, launch_qmv<__half, 8, 1, 1>},
     {DType::f16, kNvfp4, 4, 4, launch_qmv<__half, 4, 4, 2>},         {DType::f16, kNvfp4, 4, 1, launch_qmv<__half, 4, 1, 2>},
+    {DType::bf16, kAffine, 4, 4, launch_qmv<__nv_bfloat16, 4, 4, 0, 4>, 4}, {DType::bf16, kAffine, 4, 4, launch_qmv<__nv_bfloat16, 4, 4, 0, 8>, 8},
     {DType::bf16, kAffine, 8, 4, launch_qmv<__nv_bfloat16, 8, 4, 0, 4>, 4}, {DType::bf16, kAffine, 8, 4, launch_qmv<__nv_bfloat16, 8, 4, 0, 8>, 8},
+    {DType::f16, kAffine, 4, 4, launch_qmv<__half, 4, 4, 0, 4>, 4},         {DType::f16, kAffine, 4, 4, launch_qmv<__half, 4, 4, 0, 8>, 8},
     {DType::f16, kAffine, 8, 4, launch_qmv<__half, 8, 4, 0, 4>, 4},         {DType::f16, kAffine, 8, 4, launch_qmv<__half, 8, 4, 0, 8>, 8},
 };
 
@@ -366,13 +380,14 @@ size_t qmv_smem_bytes(int64_t K, int staged_rows = 1, int rows_per_cta = 1) {
 }
 
 // Rows per CTA: several where they share one weight matrix (M >= 2 rows of a batch element: a dense
-// linear's tokens) and a multi-row kernel exists (8-bit affine, 16-byte weight rows), as long as the grid
+// linear's tokens) and a multi-row kernel exists (affine, 16-byte weight rows), as long as the grid
 // still gives every SM a CTA at k_split 2 and the staged rows fit kQmvMultiRowMaxSmem. So the
 // router's projection (N = 128: 8 column blocks) stays at one row per CTA up to qmv's 64 rows, and
-// Gemma 4's 8-bit dense MLP takes 4 rows per CTA in gate and up (K = 2,816: 8 rows would stage 124
-// KB) and 8 in down (K = 2,112: 93 KB) from T = 5, 4 at T = 2-4.
+// Gemma 4's dense MLP takes 4 rows per CTA in gate and up (K = 2,816: 8 rows would stage 124 KB) and
+// 8 in down (K = 2,112: 93 KB) from T = 5, 4 at T = 2-4 (a 4-bit one at T <= 8 runs gate and up on
+// the decode GLU kernel instead).
 int qmv_rows_per_cta(const detail::GatherQmmProblem& p, int vec_words) {
-  if (p.M < 2 || p.mode != QuantMode::affine || p.bits != 8 || vec_words != 4) return 1;
+  if (p.M < 2 || p.mode != QuantMode::affine || vec_words != 4) return 1;
   constexpr int64_t kColsAtSplit2 = (kQmvWarps / 2) * kQmvColsPerWarp;
   const int64_t col_blocks = (p.N + kColsAtSplit2 - 1) / kColsAtSplit2;
   for (int r : {8, 4}) {
