@@ -257,6 +257,33 @@ TEST_F(Cli, WriteCheckpointWithGroupSize128LeavesExpertsDownIn16Bit) {
   std::system(("rm -rf '" + dir + "'").c_str());
 }
 
+// --dense-mlp: the Gemma 4 dense MLP 8-bit g64 (the QAT upload, the default) or at the default
+// quantization (4-bit g64, mlx-community's upload) with the router still 8-bit; refused for Qwen3-MoE.
+TEST_F(Cli, WriteCheckpointDenseMlpQuantization) {
+  for (const char* dense : {"8bit", "default"}) {
+    char dir_template[] = "/tmp/expertqmm_cli_ckpt_XXXXXX";
+    ASSERT_NE(mkdtemp(dir_template), nullptr);
+    const std::string dir = dir_template;
+    Result r = run_cli(std::string("write-checkpoint --preset tiny --layers 1 --dense-mlp ") + dense + " --out " + dir);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const expertqmm::Gemma4FfnWeights w = expertqmm::Gemma4Checkpoint::open(dir).layer(0);
+    const int bits = std::string(dense) == "8bit" ? 8 : 4;
+    for (const expertqmm::Linear* l : {&w.mlp.gate, &w.mlp.up, &w.mlp.down}) {
+      ASSERT_TRUE(l->is_quantized()) << dense;
+      EXPECT_EQ(l->quantized.bits, bits) << dense;
+      EXPECT_EQ(l->quantized.group_size, 64) << dense;
+    }
+    EXPECT_EQ(w.moe.router.proj.bits, 8) << dense;
+    EXPECT_EQ(read_file(dir + "/config.json").find("mlp.gate_proj") != std::string::npos, bits == 8) << dense;
+    std::system(("rm -rf '" + dir + "'").c_str());
+  }
+  Result bad = run_cli("write-checkpoint --preset qwen3-tiny --dense-mlp default --out /nonexistent/x");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find("--dense-mlp: the Qwen3-MoE presets have no dense MLP"), std::string::npos) << bad.output;
+  Result odd = run_cli("write-checkpoint --preset tiny --dense-mlp 4bit --out /nonexistent/x");
+  EXPECT_NE(odd.output.find("--dense-mlp expects 8bit or default, got '4bit'"), std::string::npos) << odd.output;
+}
+
 // --quant: the experts in each of MLX's modes, run and checked against the float64 reference
 // (which decodes the fp codes itself), and a checkpoint whose config.json carries the mode.
 TEST_F(Cli, QuantModesRunAndWriteCheckpoints) {

@@ -79,7 +79,9 @@ struct Gemma4Config {
   QuantSetting quant_for(const std::string& module_path, int64_t in_features) const;
   // The 26B-A4B geometry with the QAT checkpoint's quantization: experts 4-bit gs64, dense MLP and
   // router.proj 8-bit gs64 (mlx-semantics 4.6), `layers` layers, overrides keyed under `prefix`.
-  static Gemma4Config gemma4_26b_a4b(int64_t layers, const std::string& prefix = "model.");
+  // dense_mlp_8bit = false: the dense MLP at the default quantization as every module but the
+  // router (mlx-community's 4-bit upload: spec/gemma4-moe.md).
+  static Gemma4Config gemma4_26b_a4b(int64_t layers, const std::string& prefix = "model.", bool dense_mlp_8bit = true);
   // Qwen3-30B-A3B's feed-forward geometry (hidden 2048, 128 experts of width 768, top-8,
   // norm_topk_prob) as mlx-community's 4-bit checkpoints quantize it: experts 4-bit gs64, the
   // router mlp.gate 8-bit gs64 (qwen3_moe.Model.quant_predicate).

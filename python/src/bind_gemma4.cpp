@@ -47,8 +47,9 @@ void write_synthetic(const std::string& dir, const Gemma4Config& config, int sha
 
 void bind_gemma4(nb::module_& m) {
   nb::class_<Gemma4Config>(m, "Gemma4Config", "The keys of a Gemma 4 config.json that the feed-forward part uses.")
-      .def_static("gemma4_26b_a4b", &Gemma4Config::gemma4_26b_a4b, arg("layers"), arg("prefix") = "model.",
-                  "The 26B-A4B geometry with the QAT checkpoint's quantization (experts 4-bit, group 64).")
+      .def_static("gemma4_26b_a4b", &Gemma4Config::gemma4_26b_a4b, arg("layers"), arg("prefix") = "model.", arg("dense_mlp_8bit") = true,
+                  "The 26B-A4B geometry with the QAT checkpoint's quantization (experts 4-bit, group 64; dense MLP and "
+                  "router 8-bit, or with dense_mlp_8bit=False the dense MLP 4-bit as mlx-community's upload).")
       .def_static("parse", [](const std::string& text) { return parse_gemma4_config(text, "config.json"); },
                   arg("text"), "Parse config.json text as mlx-lm does.")
       .def("to_json", &Gemma4Config::to_json, "config.json text, as mlx-lm writes it.")

@@ -268,7 +268,7 @@ Gemma4Config parse_gemma4_config(const std::string& text, const std::string& fil
   return c;
 }
 
-Gemma4Config Gemma4Config::gemma4_26b_a4b(int64_t layers, const std::string& prefix) {
+Gemma4Config Gemma4Config::gemma4_26b_a4b(int64_t layers, const std::string& prefix, bool dense_mlp_8bit) {
   Gemma4Config c;
   c.hidden_size = 2816;
   c.intermediate_size = 2112;
@@ -281,7 +281,7 @@ Gemma4Config Gemma4Config::gemma4_26b_a4b(int64_t layers, const std::string& pre
   c.default_quant = {4, 64};
   for (int64_t l = 0; l < layers; ++l)
     for (const char* m : {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "router.proj"})
-      c.overrides[layer_name(prefix, static_cast<int>(l), m)] = {8, 64};
+      if (dense_mlp_8bit || std::string(m) == "router.proj") c.overrides[layer_name(prefix, static_cast<int>(l), m)] = {8, 64};
   return c;
 }
 

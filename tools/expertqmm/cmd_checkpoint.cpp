@@ -21,9 +21,11 @@ void print_usage() {
       "usage: expertqmm write-checkpoint --out DIR [--preset gemma4-26b-a4b|tiny|qwen3-30b-a3b|qwen3-tiny]\n"
       "                                  [--layers 30|48] [--seed 1]\n"
       "                                  [--shards N] [--prefix model.] [--group-size 64]\n"
-      "                                  [--quant affine|mxfp4|mxfp8|nvfp4] [--force]\n"
+      "                                  [--quant affine|mxfp4|mxfp8|nvfp4] [--dense-mlp 8bit|default] [--force]\n"
       "Writes config.json and model.safetensors (or N shards and model.safetensors.index.json) with\n"
       "synthetic weights: experts 4-bit g64, dense MLP and router.proj 8-bit g64 (as the QAT checkpoint).\n"
+      "--dense-mlp default: the Gemma 4 dense MLP at the default quantization instead, the router alone\n"
+      "8-bit (as mlx-community's 4-bit upload).\n"
       "--group-size 32|64|128 sets the default (the experts'); as mlx-lm's quantize_model, a module whose\n"
       "input width is not a multiple of it stays bf16 (at 128: the experts' down_proj, 704 inputs).\n"
       "--quant sets the default's mode (the experts'; config.json quantization.mode): mxfp4 (4-bit\n"
@@ -43,7 +45,7 @@ void print_usage() {
 int run_write_checkpoint(int argc, char** argv) {
   Args args(argc, argv);
   if (args.has("help")) return print_usage(), 0;
-  args.check_known({"out", "preset", "layers", "seed", "shards", "prefix", "group-size", "quant", "force"});
+  args.check_known({"out", "preset", "layers", "seed", "shards", "prefix", "group-size", "quant", "dense-mlp", "force"});
   const std::string out = args.get_required("out", "DIR");
   const std::string preset =
       args.get_choice("preset", "gemma4-26b-a4b", {"gemma4-26b-a4b", "tiny", "qwen3-30b-a3b", "qwen3-tiny"});
@@ -58,7 +60,10 @@ int run_write_checkpoint(int argc, char** argv) {
   if (mode != QuantMode::affine && args.has("group-size"))
     usage_error(detail::cat("--group-size: mode ", quant_mode_name(mode), " has one group size (",
                             quant_mode_group_size(mode), "); give --group-size with --quant affine only"));
-  Gemma4Config c = qwen3 ? Gemma4Config::qwen3_30b_a3b(layers, prefix) : Gemma4Config::gemma4_26b_a4b(layers, prefix);
+  const bool dense_8bit = args.get_choice("dense-mlp", "8bit", {"8bit", "default"}) == "8bit";
+  if (qwen3 && args.has("dense-mlp")) usage_error("--dense-mlp: the Qwen3-MoE presets have no dense MLP");
+  Gemma4Config c =
+      qwen3 ? Gemma4Config::qwen3_30b_a3b(layers, prefix) : Gemma4Config::gemma4_26b_a4b(layers, prefix, dense_8bit);
   c.default_quant.group_size = int(group_size);
   if (mode != QuantMode::affine) c.default_quant = {quant_mode_bits(mode), quant_mode_group_size(mode), mode};
   if (tiny) {
