@@ -84,6 +84,16 @@ int device_sm_count() {
   return count;
 }
 
+size_t device_smem_optin() {
+  static const size_t bytes = [] {
+    int device = 0, optin = 0;
+    EXPERTQMM_CUDA_CHECK(cudaGetDevice(&device));
+    EXPERTQMM_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    return static_cast<size_t>(optin);
+  }();
+  return bytes;
+}
+
 device::QuantView quant_view(const detail::GatherQmmProblem& p) {
   device::QuantView q;
   q.w = static_cast<const uint32_t*>(p.w.data());

@@ -35,7 +35,8 @@ constexpr int64_t kQmvMaxK = 8192;    // x row staged as float in shared memory:
 // Several rows of one batch element per CTA (rows_per_cta > 1: a dense linear's M = T tokens, one
 // weight matrix): the weights are loaded once for all of them instead of once per row. 2 CTAs per SM
 // (register cap 128: 8 rows x 4 columns of accumulators beside the batch), each row's staged x in
-// shared memory, so at most kQmvMultiRowMaxSmem per CTA (K <= 3,968 at 8 rows, 8,064 at 4).
+// shared memory, so at most kQmvMultiRowMaxSmem per CTA (K <= 3,968 at 8 rows, 8,064 at 4), less
+// where the device allows less (qmv_multi_row_smem: 99 KB on sm_86 / sm_89).
 constexpr int kQmvMultiRowCtasPerSm = 2;
 constexpr size_t kQmvMultiRowMaxSmem = 113 * 1024;
 
@@ -327,13 +328,15 @@ __global__ void __launch_bounds__(kQmvThreads, kRows == 1 ? kQmvMinCtasPerSm : k
   }
 }
 
+size_t qmv_multi_row_smem() { return std::min(kQmvMultiRowMaxSmem, device_smem_optin()); }
+
 template <class T, int kBits, int kVecWords, int kFp = 0, int kRows = 1>
 void launch_qmv(const QmvArgs& a, dim3 grid, size_t smem) {
   auto* kernel = qmv_kernel<T, kBits, kVecWords, kFp, kRows>;
   static const bool smem_configured = [kernel] {  // the multi-row kernels stage up to 113 KB
     if (kRows > 1)
       EXPERTQMM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                static_cast<int>(kQmvMultiRowMaxSmem)));
+                                                static_cast<int>(qmv_multi_row_smem())));
     return true;
   }();
   (void)smem_configured;
@@ -381,7 +384,7 @@ size_t qmv_smem_bytes(int64_t K, int staged_rows = 1, int rows_per_cta = 1) {
 
 // Rows per CTA: several where they share one weight matrix (M >= 2 rows of a batch element: a dense
 // linear's tokens) and a multi-row kernel exists (affine, 16-byte weight rows), as long as the grid
-// still gives every SM a CTA at k_split 2 and the staged rows fit kQmvMultiRowMaxSmem. So the
+// still gives every SM a CTA at k_split 2 and the staged rows fit qmv_multi_row_smem(). So the
 // router's projection (N = 128: 8 column blocks) stays at one row per CTA up to qmv's 64 rows, and
 // Gemma 4's dense MLP takes 4 rows per CTA in gate and up (K = 2,816: 8 rows would stage 124 KB) and
 // 8 in down (K = 2,112: 93 KB) from T = 5, 4 at T = 2-4 (a 4-bit one at T <= 8 runs gate and up on
@@ -394,7 +397,7 @@ int qmv_rows_per_cta(const detail::GatherQmmProblem& p, int vec_words) {
     if (r == 8 && p.M < 5) continue;
     const int64_t row_blocks = (p.M + r - 1) / r;
     const int staged = static_cast<int>(std::min<int64_t>(r, p.M));
-    if (p.B * row_blocks * col_blocks >= device_sm_count() && qmv_smem_bytes(p.K, staged, r) <= kQmvMultiRowMaxSmem)
+    if (p.B * row_blocks * col_blocks >= device_sm_count() && qmv_smem_bytes(p.K, staged, r) <= qmv_multi_row_smem())
       return r;
   }
   return 1;
