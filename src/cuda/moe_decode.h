@@ -12,8 +12,7 @@
 // The tensor-core kernels 2 and 3 are tile functions (moe_decode_tiles.cuh).
 // Files: this header (the arguments, the plan and what the kernels share), moe_decode_router.cu,
 // moe_decode_tiles.cuh with moe_decode_gate_up.cu and moe_decode_down.cu (tensor cores),
-// moe_decode_scalar.cu (8-bit), and moe_decode_layer.cu (the host: support
-// check and launches).
+// moe_decode_scalar.cu (8-bit), and moe_decode_layer.cu (the host: support check and launches).
 // Numerics are the general path's (src/cuda/moe.cu): the router rounds r and the logits to h's
 // dtype and routes with device/route_topk.cuh (the same code as route_into); gate and up are
 // qmv dot products (MLX gather_qmv: sum over groups or chunks of s * sum(x * q) + b * sum(x) in
