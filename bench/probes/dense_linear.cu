@@ -1,0 +1,142 @@
+// Probe: the Gemma 4 block's dense linears alone (bench/NOTES.md step 21 and the issue-15 dense
+// plan). The block runs its dense MLP as gather_qmm on one weight matrix (x [T, K] @ W^T); this
+// times that call by itself, so that a route's cost is not hidden behind the experts it runs beside:
+//   T <= 64: the selector (qmv, several rows per CTA where it takes them) against the one-row kernel
+//            (the test hook's qmv_one_row): step 21's change in isolation;
+//   T > 64:  the single-matrix form (the selector: rhs_tiles) against the same linear as T rows of
+//            one expert (x [T, 1, K], ids all 0, sorted: the expert tile route, wgmma for 4-bit).
+// Shapes: gate / up [2112, 2816] and down [2816, 2112], 8-bit (the QAT upload) and 4-bit (mlx-community's)
+// g64, bf16. The bench's protocol pieces (tools/expertqmm/replay_timing.h): one call captured as a graph
+// after a warm-up call (so the workspace has grown), a flush of 2 x the L2 before each replay, median
+// of 50 replays. Prints JSON. Built as dense_linear_probe with the CUDA build; gpu-check's bench-extra
+// runs it (probe-dense-linear.json).
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/float16.h"
+#include "core/gather_qmm_problem.h"
+#include "cuda/gather_qmm.h"
+#include "expertqmm/backend.h"
+#include "expertqmm/moe.h"
+#include "expertqmm/quant.h"
+#include "probe_check.cuh"
+#include "replay_timing.h"
+
+namespace timing = expertqmm::timing;
+using namespace expertqmm;
+
+namespace {
+
+Tensor random_bf16(const Shape& shape, float stddev, uint32_t seed, Device device) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.f, stddev);
+  std::vector<uint16_t> v(static_cast<size_t>(n));
+  for (uint16_t& b : v) b = float_to_bf16(dist(rng));
+  return Tensor::from_host(v.data(), shape, DType::bf16, device);
+}
+
+QuantizedWeight device_weight(int64_t N, int64_t K, int bits, uint32_t seed) {
+  const QuantizedWeight q = quantize(random_bf16({N, K}, 0.02f, seed, Device::cpu), QuantSpec(bits, 64));
+  QuantizedWeight d = q;
+  d.w = q.w.to(Device::cuda);
+  d.scales = q.scales.to(Device::cuda);
+  d.biases = q.biases.to(Device::cuda);
+  return d;
+}
+
+// The same linear as T rows of one expert: x [T, 1, K], rhs = zeros [T] (sorted), lhs the identity.
+detail::GatherQmmProblem one_expert_rows(detail::GatherQmmProblem p, const Tensor& zero_ids) {
+  const int64_t T = p.M;
+  p.M = 1;
+  p.B = T;
+  p.batch = {T};
+  p.x_batch = T;
+  p.x_batch_stride = p.K;
+  p.rhs = zero_ids;
+  p.rhs_is_identity = false;
+  p.lhs_is_identity = true;
+  p.sorted_indices = true;
+  return p;
+}
+
+// Median µs of `call` as a graph replay after an L2 flush.
+template <class Call>
+double median_us(const timing::DeviceBuffer& flush, Call call) {
+  cudaStream_t s;
+  CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  double us = 0;
+  {
+    CudaStreamScope scope(0, s);
+    call();  // warm-up: the workspace grows here, not under capture
+    CHECK(cudaStreamSynchronize(s));
+    timing::Graphs g;
+    timing::capture_into(g, s, "the dense linear", call);
+    CHECK(cudaGraphLaunch(g.execs[0], s));
+    us = timing::stats_of(timing::timed_replays(g.execs, 50, s, flush)).median;
+  }
+  CHECK(cudaStreamDestroy(s));
+  return us;
+}
+
+}  // namespace
+
+int main() {
+  struct LinearShape {
+    const char* name;
+    int64_t N, K;
+  };
+  const LinearShape linears[] = {{"gate_up", 2112, 2816}, {"down", 2816, 2112}};
+  const int64_t tokens[] = {1, 2, 4, 8, 16, 32, 64, 512, 1024, 2048};
+  const timing::DeviceBuffer flush(timing::l2_flush_bytes());
+  const int64_t max_T = 2048;
+  std::vector<int32_t> zeros(max_T, 0);
+  const Tensor zero_ids = Tensor::from_host(zeros.data(), {max_T}, DType::i32, Device::cuda);
+  std::printf("{\"probe\": \"dense_linear\", \"rows\": [\n");
+  bool first = true;
+  uint32_t seed = 1;
+  for (int bits : {8, 4})
+    for (const LinearShape& l : linears) {
+      const QuantizedWeight q = device_weight(l.N, l.K, bits, seed++);
+      const double weight_mb = double(q.w.nbytes() + q.scales.nbytes() + q.biases.nbytes()) / 1e6;
+      const Tensor x = random_bf16({max_T, l.K}, 1.0f, seed++, Device::cuda);
+      Tensor out = Tensor::empty({max_T, l.N}, DType::bf16, Device::cuda);
+      for (int64_t T : tokens) {
+        const detail::GatherQmmProblem single = cuda::single_matrix_problem(x.data(), T, l.K, DType::bf16, q);
+        struct Variant {
+          const char* form;
+          detail::GatherQmmProblem p;
+          std::string route;  // empty: the selector
+        };
+        std::vector<Variant> variants;
+        if (T <= 64) {
+          variants = {{"single", single, ""}, {"single", single, "qmv_one_row"}};
+        } else {
+          const Tensor ids = Tensor::view(zero_ids.data(), {T}, DType::i32, Device::cuda);
+          variants = {{"single", single, ""}, {"one_expert_rows", one_expert_rows(single, ids), ""}};
+        }
+        for (const Variant& v : variants) {
+          Workspace ws;
+          const std::string route = v.route.empty() ? cuda::gather_qmm_selected_route(v.p) : v.route;
+          const double us = median_us(flush, [&] {
+            if (v.route.empty()) cuda::gather_qmm_into(v.p, out.data(), &ws);
+            else cuda::gather_qmm_into_route(v.route, v.p, out.data(), &ws);
+          });
+          std::printf("%s  {\"linear\": \"%s\", \"bits\": %d, \"N\": %lld, \"K\": %lld, \"tokens\": %lld, "
+                      "\"form\": \"%s\", \"route\": \"%s\", \"us_median\": %.2f, \"weight_MB\": %.2f, "
+                      "\"weight_GBps\": %.0f, \"tflops\": %.1f}",
+                      first ? "" : ",\n", l.name, bits, (long long)l.N, (long long)l.K, (long long)T, v.form,
+                      route.c_str(), us, weight_mb, weight_mb * 1e3 / us, 2.0 * T * l.N * l.K / us / 1e6);
+          first = false;
+        }
+      }
+    }
+  std::printf("\n]}\n");
+  return 0;
+}
