@@ -64,3 +64,53 @@ TEST(GpuMoeDecode, CapturedInACudaGraphAsThreeKernels) {
 #endif
 }
 
+
+// Chained launches (EXPERTQMM_CHAINED_LAUNCH, on by default): at T <= kChainGateUpMaxTokens (1) the
+// tensor-core gate/up kernel starts as a programmatic dependent launch of the router and waits for its
+// plan. The bytes are the plain launches' at T = 1 (chained) and at T = 2 and 8 (not), on the Gemma
+// geometry, an mxfp4 one and a softmax top-k router, call after call; a captured T = 1 call is three
+// kernel nodes that replay to them.
+TEST(GpuMoeDecode, ChainedGateUpGivesTheSameBytes) {
+  EXPERTQMM_REQUIRE_GPU();
+  test::DecodeSwitchGuard decode(RouteSwitch::on);
+  const test::MoeGeometry geometries[] = {
+      {2816, 704, 16, 8, 4, 64, 8, false, Activation::geglu, DType::bf16},
+      {256, 128, 8, 2, 4, 32, 8, false, Activation::geglu, DType::bf16, RouterKind::gemma4, true, QuantMode::mxfp4},
+      {256, 128, 12, 3, 4, 64, 4, false, Activation::swiglu, DType::bf16, RouterKind::softmax_topk},
+  };
+  for (const test::MoeGeometry& g : geometries) {
+    const test::Layer l = test::make_layer(g);
+    for (int64_t T : {1, 2, 8}) {
+      const std::string what = detail::cat(g.name(), " T=", T);
+      const Tensor h = test::random_tensor({T, g.H}, g.dtype, 1.0f, Device::cuda);
+      const Tensor x = test::random_tensor({T, g.H}, g.dtype, 1.0f, Device::cuda);
+      Workspace ws;
+      std::vector<uint8_t> plain;
+      {
+        test::ChainedLaunchGuard off(RouteSwitch::off);
+        plain = test::run_layer(h, x, l.gpu, ws).to_host_bytes();
+      }
+      test::ChainedLaunchGuard on(RouteSwitch::on);
+      const uint64_t before = test::decode_hits();
+      for (int call = 0; call < 2; ++call)
+        EXPECT_EQ(test::run_layer(h, x, l.gpu, ws).to_host_bytes(), plain) << what << " call " << call;
+      cuda_check();
+      EXPECT_EQ(test::decode_hits(), before + 2) << what;
+    }
+  }
+#ifdef EXPERTQMM_HAVE_CUDA
+  const test::MoeGeometry g = geometries[0];
+  const test::Layer l = test::make_layer(g);
+  const test::CaptureStream stream;
+  test::ChainedLaunchGuard on(RouteSwitch::on);
+  Workspace ws;
+  const Tensor h = test::random_tensor({1, g.H}, g.dtype, 1.0f, Device::cuda);
+  const Tensor expected = test::run_layer(h, h, l.gpu, ws);
+  cuda_check();
+  Tensor replayed = Tensor::empty({1, g.H}, g.dtype, Device::cuda);
+  cudaGraph_t graph = test::capture_graph(stream.get(), [&] { moe_layer_into(replayed, h, h, l.gpu, ws); }, "T=1");
+  ASSERT_NE(graph, nullptr);
+  EXPECT_EQ(test::kernel_nodes(graph), 3) << "router, gate/up, down";
+  test::expect_replays_match(graph, stream.get(), replayed, expected, 3, "captured T=1, chained");
+#endif
+}

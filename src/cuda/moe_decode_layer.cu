@@ -283,7 +283,7 @@ void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, 
                 chain_router);
   if (gate.bits == 4)
     launch_gate_up_mma(D, gate.group_size, ex.activation, ga, n, gate_up_mma_smem(H, gate.group_size, fp_gate), stream,
-                       fp_gate);
+                       fp_gate, sc.chain_gate_up);
   else
     launch_gate_up_scalar(D, ex.activation, ga, n, gate_up_scalar_smem(T, H), stream);
   if (ex.down.bits == 4)
