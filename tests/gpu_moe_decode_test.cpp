@@ -65,12 +65,13 @@ TEST(GpuMoeDecode, CapturedInACudaGraphAsThreeKernels) {
 }
 
 
-// Chained launches (EXPERTQMM_CHAINED_LAUNCH, on by default): at T <= kChainGateUpMaxTokens (1) the
+// Chained launches (EXPERTQMM_CHAINED_LAUNCH, on by default): at T <= kChainExpertsMaxTokens (1) the
 // tensor-core gate/up kernel starts as a programmatic dependent launch of the router and waits for its
-// plan. The bytes are the plain launches' at T = 1 (chained) and at T = 2 and 8 (not), on the Gemma
-// geometry, an mxfp4 one and a softmax top-k router, call after call; a captured T = 1 call is three
-// kernel nodes that replay to them.
-TEST(GpuMoeDecode, ChainedGateUpGivesTheSameBytes) {
+// plan, and down starts behind gate/up, requests its expert's rows and waits for the hidden rows. The
+// bytes are the plain launches' at T = 1 (chained) and at T = 2 and 8 (not), on the Gemma geometry,
+// an mxfp4 one and a softmax top-k router, call after call; a captured T = 1 call is three kernel
+// nodes that replay to them.
+TEST(GpuMoeDecode, ChainedExpertKernelsGiveTheSameBytes) {
   EXPERTQMM_REQUIRE_GPU();
   test::DecodeSwitchGuard decode(RouteSwitch::on);
   const test::MoeGeometry geometries[] = {

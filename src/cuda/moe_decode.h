@@ -149,6 +149,10 @@ struct DownArgs {
   int H, I, E, k;
   uint16_t* out;  // (T, H) of D
   uint32_t* faults;
+  // Launched as a programmatic dependent of the gate/up kernel (DecodeScratch::chain_experts): the
+  // expert ids and weights (the router's, complete) are read and the expert's rows requested before
+  // pdl_wait, the hidden rows (gate/up's) after it. Else the hidden rows are requested first.
+  bool chained = false;
 };
 
 // The slot bookkeeping both down kernels end with. Lane 0 of slot warp j records the slot's weight
@@ -321,7 +325,8 @@ void launch_router(DType dtype, int proj_bits, const RouterArgs& a, size_t smem,
 size_t gate_up_mma_smem(int64_t H, int G, bool fp = false);
 void launch_gate_up_mma(DType dtype, int G, Activation act, const GateUpArgs& a, int n, size_t smem,
                         cudaStream_t stream, bool fp = false, bool chained = false);
-// Kernel 3 on tensor cores, 4-bit experts (moe_decode_down.cu).
+// Kernel 3 on tensor cores, 4-bit experts (moe_decode_down.cu); a programmatic dependent launch of
+// gate/up when a.chained.
 size_t down_mma_smem(int64_t k, int64_t I, int G, bool fp = false);
 void launch_down_mma(DType dtype, int G, const DownArgs& a, int T, size_t smem, cudaStream_t stream, bool fp = false);
 // Kernels 2 and 3 for 8-bit experts (moe_decode_scalar.cu).

@@ -11,6 +11,9 @@ template <DType D, int G, Activation A, bool kFp = false>
 __global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_mma_kernel(GateUpArgs a) {
   extern __shared__ __align__(16) unsigned char tc_smem[];
   device::pdl_wait();  // chained after the router: its plan and x are complete from here (else a no-op)
+  // A chained down kernel may take the free SM slots now: it requests its expert's rows (the
+  // router's ids are complete) and waits for this grid before it reads the hidden rows.
+  device::pdl_launch_dependents();
   gate_up_glu_mma_tile<D, G, A, kFp>(a, blockIdx.x, blockIdx.y, tc_smem);
 }
 

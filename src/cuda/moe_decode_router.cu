@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
   __shared__ int32_t ids[kDecodeMaxRows];
   __shared__ int first_of_expert[kDecodeMaxRows];
 
-  // A chained gate/up kernel (DecodeScratch::chain_gate_up) may take its SM slots now and wait there
+  // A chained gate/up kernel (DecodeScratch::chain_experts) may take its SM slots now and wait there
   // for this grid to end.
   device::pdl_launch_dependents();
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
