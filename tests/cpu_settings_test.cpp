@@ -5,6 +5,7 @@
 
 #include <map>
 #include <string>
+#include <thread>
 
 #include "core/settings.h"
 #include "expertqmm/error.h"
@@ -82,6 +83,29 @@ TEST(Settings, WgmmaVariable) {
 TEST(Settings, WgmmaWidthVariable) {
   for (int w : {32, 64, 128}) EXPECT_EQ(parse({{"EXPERTQMM_WGMMA_WIDTH", std::to_string(w)}}).wgmma_width, w);
   for (const char* bad : {"", "0", "48", "96", "n64", "64 ", "256", "-32"}) expect_rejected("EXPERTQMM_WGMMA_WIDTH", bad);
+}
+
+// ChainedLaunchScope: this thread's value while it lives (over the API's), nested scopes restore in
+// order, another thread keeps the API's value, and a bad value is refused.
+TEST(Settings, ChainedLaunchScopeIsPerThreadAndRestores) {
+  const RouteSwitch before = chained_launch_setting();
+  set_chained_launch(RouteSwitch::on);
+  {
+    ChainedLaunchScope off(RouteSwitch::off);
+    EXPECT_EQ(chained_launch_setting(), RouteSwitch::off);
+    RouteSwitch other = RouteSwitch::automatic;
+    std::thread([&] { other = chained_launch_setting(); }).join();
+    EXPECT_EQ(other, RouteSwitch::on);
+    {
+      ChainedLaunchScope on(RouteSwitch::on);
+      EXPECT_EQ(chained_launch_setting(), RouteSwitch::on);
+    }
+    EXPECT_EQ(chained_launch_setting(), RouteSwitch::off);
+  }
+  EXPECT_EQ(chained_launch_setting(), RouteSwitch::on);
+  EXPECT_THROW(ChainedLaunchScope bad(static_cast<RouteSwitch>(3)), Error);
+  EXPECT_EQ(chained_launch_setting(), RouteSwitch::on);
+  set_chained_launch(before);
 }
 
 // Every variable of the table is parsed (a bad value of each is caught), and nothing else is.

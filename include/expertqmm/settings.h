@@ -35,7 +35,20 @@ RouteSwitch decode_layer_setting();
 // has it: sm_90+); bench/NOTES.md step 20 measured -9.3 us per 30-layer-block layer at T = 1 and -8
 // at T = 8 for the block's two (steps 22-23: the layer's, not yet measured).
 void set_chained_launch(RouteSwitch s);
-RouteSwitch chained_launch_setting();
+RouteSwitch chained_launch_setting();  // this thread's ChainedLaunchScope, else the API's, else the env
+// For its lifetime, chained_launch_setting() on this thread is `s` (other threads keep theirs), then
+// what it was: for work recorded into a framework's graph whose programmatic edges are unverified
+// (the MLX extension runs inside MLX's graph with chained launches off).
+class ChainedLaunchScope {
+ public:
+  explicit ChainedLaunchScope(RouteSwitch s);
+  ~ChainedLaunchScope();
+  ChainedLaunchScope(const ChainedLaunchScope&) = delete;
+  ChainedLaunchScope& operator=(const ChainedLaunchScope&) = delete;
+
+ private:
+  int previous_;
+};
 
 // EXPERTQMM_DETERMINISTIC=0|1: the same output bits on every run. Off (the default), the CUDA MoE
 // layer may add each expert's down output into its token's fp32 output row with atomics inside the

@@ -87,6 +87,7 @@ constexpr int kNone = -1;
 std::atomic<int> g_expert_tiles{kNone}, g_decode_layer{kNone}, g_chained_launch{kNone}, g_deterministic{kNone}, g_wgmma{kNone},
     g_wgmma_width{kNone};
 std::atomic<ProductMode> g_product_mode{ProductMode::fused};
+thread_local int t_chained_launch = kNone;  // ChainedLaunchScope's value on this thread
 
 bool valid_switch(RouteSwitch s) { return s == RouteSwitch::automatic || s == RouteSwitch::off || s == RouteSwitch::on; }
 void set_switch(std::atomic<int>& slot, RouteSwitch s, const char* setter) {
@@ -124,7 +125,15 @@ RouteSwitch expert_tiles_setting() { return read_switch(g_expert_tiles, env().ex
 void set_decode_layer(RouteSwitch s) { set_switch(g_decode_layer, s, "set_decode_layer"); }
 RouteSwitch decode_layer_setting() { return read_switch(g_decode_layer, env().decode_layer); }
 void set_chained_launch(RouteSwitch s) { set_switch(g_chained_launch, s, "set_chained_launch"); }
-RouteSwitch chained_launch_setting() { return read_switch(g_chained_launch, env().chained_launch); }
+RouteSwitch chained_launch_setting() {
+  if (t_chained_launch != kNone) return static_cast<RouteSwitch>(t_chained_launch);
+  return read_switch(g_chained_launch, env().chained_launch);
+}
+ChainedLaunchScope::ChainedLaunchScope(RouteSwitch s) : previous_(t_chained_launch) {
+  EXPERTQMM_CHECK(valid_switch(s), "ChainedLaunchScope", "value ", static_cast<int>(s), " is not a RouteSwitch");
+  t_chained_launch = static_cast<int>(s);
+}
+ChainedLaunchScope::~ChainedLaunchScope() { t_chained_launch = previous_; }
 
 void set_deterministic(bool on) { g_deterministic.store(on ? 1 : 0); }
 bool deterministic() {

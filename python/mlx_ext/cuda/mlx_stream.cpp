@@ -17,6 +17,7 @@
 #include "eval.h"
 #include "expertqmm/backend.h"
 #include "expertqmm/error.h"
+#include "expertqmm/settings.h"
 
 namespace expertqmm::mlx_ext {
 
@@ -84,6 +85,9 @@ void eval_on_cuda(const mx::Stream& s, const std::vector<mx::array>& inputs, mx:
   try {
     RelaxedCapture relaxed;
     CudaStreamScope stream(encoder.device().cuda_device(), encoder.stream());  // expertqmm/backend.h
+    // Plain launches inside MLX's graph: our captured launches become a child graph of MLX's, and
+    // programmatic edges there are not verified (the GPU tests of this extension ran without them).
+    ChainedLaunchScope plain(RouteSwitch::off);  // expertqmm/settings.h
     body(views, o, &state.workspace);
   } catch (...) {
     capture.discard = true;  // a half-recorded graph must not run
