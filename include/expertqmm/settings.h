@@ -36,6 +36,7 @@ RouteSwitch decode_layer_setting();
 // at T = 8 for the block's two (steps 22-23: the layer's, not yet measured).
 void set_chained_launch(RouteSwitch s);
 RouteSwitch chained_launch_setting();  // this thread's ChainedLaunchScope, else the API's, else the env
+bool chained_launches();               // whether launches chain: the setting, `automatic` being on
 // For its lifetime, chained_launch_setting() on this thread is `s` (other threads keep theirs), then
 // what it was: for work recorded into a framework's graph whose programmatic edges are unverified
 // (the MLX extension runs inside MLX's graph with chained launches off).

@@ -279,9 +279,12 @@ Gemma4Config Gemma4Config::gemma4_26b_a4b(int64_t layers, const std::string& pre
   c.rms_norm_eps = 1e-6f;
   c.quantized = true;
   c.default_quant = {4, 64};
-  for (int64_t l = 0; l < layers; ++l)
-    for (const char* m : {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "router.proj"})
-      if (dense_mlp_8bit || std::string(m) == "router.proj") c.overrides[layer_name(prefix, static_cast<int>(l), m)] = {8, 64};
+  for (int64_t l = 0; l < layers; ++l) {
+    const int n = static_cast<int>(l);
+    c.overrides[layer_name(prefix, n, "router.proj")] = {8, 64};
+    if (dense_mlp_8bit)
+      for (const char* m : {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}) c.overrides[layer_name(prefix, n, m)] = {8, 64};
+  }
   return c;
 }
 

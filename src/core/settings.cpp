@@ -129,6 +129,7 @@ RouteSwitch chained_launch_setting() {
   if (t_chained_launch != kNone) return static_cast<RouteSwitch>(t_chained_launch);
   return read_switch(g_chained_launch, env().chained_launch);
 }
+bool chained_launches() { return chained_launch_setting() != RouteSwitch::off; }
 ChainedLaunchScope::ChainedLaunchScope(RouteSwitch s) : previous_(t_chained_launch) {
   EXPERTQMM_CHECK(valid_switch(s), "ChainedLaunchScope", "value ", static_cast<int>(s), " is not a RouteSwitch");
   t_chained_launch = static_cast<int>(s);

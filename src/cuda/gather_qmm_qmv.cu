@@ -382,19 +382,27 @@ size_t qmv_smem_bytes(int64_t K, int staged_rows = 1, int rows_per_cta = 1) {
   return sizeof(float) * (staged_rows * per_row + kQmvPartials * rows_per_cta);
 }
 
+// The table's kernel for p at vec_words words per chunk and r rows per CTA, or null.
+const QmvVariant* find_qmv_variant(const detail::GatherQmmProblem& p, int vec_words, int r) {
+  for (const QmvVariant& v : kQmvVariants)
+    if (v.dtype == p.dtype && v.mode == p.mode && v.bits == p.bits && v.vec_words == vec_words && v.rows_per_cta == r)
+      return &v;
+  return nullptr;
+}
+
 // Rows per CTA: several where they share one weight matrix (M >= 2 rows of a batch element: a dense
-// linear's tokens) and a multi-row kernel exists (affine, 16-byte weight rows), as long as the grid
+// linear's tokens) and the table has a multi-row kernel (affine, 16-byte weight rows), as long as the grid
 // still gives every SM a CTA at k_split 2 and the staged rows fit qmv_multi_row_smem(). So the
 // router's projection (N = 128: 8 column blocks) stays at one row per CTA up to qmv's 64 rows, and
 // Gemma 4's dense MLP takes 4 rows per CTA in gate and up (K = 2,816: 8 rows would stage 124 KB) and
 // 8 in down (K = 2,112: 93 KB) from T = 5, 4 at T = 2-4 (a 4-bit one at T <= 8 runs gate and up on
 // the decode GLU kernel instead).
 int qmv_rows_per_cta(const detail::GatherQmmProblem& p, int vec_words) {
-  if (p.M < 2 || p.mode != QuantMode::affine || vec_words != 4) return 1;
+  if (p.M < 2) return 1;
   constexpr int64_t kColsAtSplit2 = (kQmvWarps / 2) * kQmvColsPerWarp;
   const int64_t col_blocks = (p.N + kColsAtSplit2 - 1) / kColsAtSplit2;
   for (int r : {8, 4}) {
-    if (r == 8 && p.M < 5) continue;
+    if ((r == 8 && p.M < 5) || find_qmv_variant(p, vec_words, r) == nullptr) continue;
     const int64_t row_blocks = (p.M + r - 1) / r;
     const int staged = static_cast<int>(std::min<int64_t>(r, p.M));
     if (p.B * row_blocks * col_blocks >= device_sm_count() && qmv_smem_bytes(p.K, staged, r) <= qmv_multi_row_smem())
@@ -460,14 +468,11 @@ void run_qmv(const detail::GatherQmmProblem& p, void* out, int rows_per_cta) {
   const int cols_per_cta = (kQmvWarps / k_split) * kQmvColsPerWarp;
   const dim3 grid(ceil_div(p.N, cols_per_cta), static_cast<unsigned>(cta_rows));
   const size_t smem = qmv_smem_bytes(p.K, static_cast<int>(std::min<int64_t>(r, p.M)), r);
-  for (const QmvVariant& v : kQmvVariants) {
-    if (v.dtype != p.dtype || v.mode != p.mode || v.bits != p.bits || v.vec_words != vec_words || v.rows_per_cta != r)
-      continue;
-    v.launch(a, grid, smem);
-    return;
-  }
-  throw Error("gather_qmm", detail::cat("qmv has no kernel for dtype=", dtype_name(p.dtype), " bits=", p.bits,
-                                        " rows per CTA=", r));
+  const QmvVariant* v = find_qmv_variant(p, vec_words, r);
+  if (v == nullptr)
+    throw Error("gather_qmm", detail::cat("qmv has no kernel for dtype=", dtype_name(p.dtype), " bits=", p.bits,
+                                          " rows per CTA=", r));
+  v->launch(a, grid, smem);
 }
 
 }  // namespace

@@ -89,7 +89,7 @@ void gemma4_ffn_into(Tensor& out, const Tensor& h, const Gemma4FfnWeights& w, Wo
   // Chained launches (on unless EXPERTQMM_CHAINED_LAUNCH=0): the router starts while the entry norms
   // run (it reads h, they write x1 and x2), and the exit loads h, d and its weights while the experts'
   // last kernel finishes (bench/NOTES.md step 20: -9.3 us per layer at T = 1, -8 at T = 8).
-  const bool chained = chained_launch_setting() != RouteSwitch::off;
+  const bool chained = chained_launches();
   launch_gemma4_entry_norms(dt, na);
   // Dense branch on the side stream: d = down(geglu(gate(x1), up(x1))), with its own scratch.
   StreamBranch branch;

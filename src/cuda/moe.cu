@@ -165,7 +165,7 @@ void moe_layer_into_chained(Tensor& out, const Tensor& h, const Tensor& x, const
   const LayerPlan p = plan_moe_layer(out, h, x, weights);
   // The layer's device counter (the decode router's count of finished CTAs, zero between calls),
   // fetched on both paths: a workspace warmed on either serves the other without allocating.
-  auto* counter = static_cast<unsigned*>(ws.get_zeroed(detail::kSlotCounters, kLayerCounterBytes));
+  auto* counter = static_cast<unsigned*>(ws.get_zeroed(detail::kSlotCounters, sizeof(unsigned)));
   if (p.path == LayerPath::decode)
     return call_decode_layer(p.decode, counter, out, h, x, weights, ws, router_overlaps_previous);
 

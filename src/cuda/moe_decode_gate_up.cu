@@ -1,6 +1,5 @@
 // Kernel 2 of the decode layer (moe_decode.h) on tensor cores, for 4-bit experts: gate and up of
 // every row routed to an expert, then the GLU product.
-#include "cuda/device/pdl.cuh"
 #include "cuda/moe_decode_tiles.cuh"
 
 namespace expertqmm::cuda::decode {

@@ -114,12 +114,10 @@ struct DecodeScratch {
 };
 RouteSupport supports_decode_layer(const Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& weights);
 DecodeScratch decode_scratch(int64_t T, int64_t k, int64_t E, int64_t I);
-// counter: kLayerCounterBytes of ws's kSlotCounters, zeroed, zero again when the kernels finish (one
-// per workspace, as the arena: a workspace serves one call at a time): the router's count of finished
-// CTAs.
+// counter: one zeroed unsigned of ws's kSlotCounters, zero again when the kernels finish (one per
+// workspace, as the arena: a workspace serves one call at a time).
 // chain_router: launch the router as a programmatic dependent launch (the caller's promise: the
 // kernel ahead of it on the stream writes nothing the router reads).
-constexpr size_t kLayerCounterBytes = sizeof(unsigned);
 void call_decode_layer(const DecodeScratch& scratch, unsigned* counter, Tensor& out, const Tensor& h, const Tensor& x,
                        const MoeWeights& weights, Workspace& ws, bool chain_router = false);
 
