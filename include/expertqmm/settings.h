@@ -29,11 +29,8 @@ RouteSwitch decode_layer_setting();
 // EXPERTQMM_CHAINED_LAUNCH=0|1: programmatic dependent launches (sm_90) at the Gemma 4 block's two
 // boundaries that allow them at decode sizes: the router (which reads the block's input, not the
 // entry norms' output) starts while the entry norms run, and the exit kernel loads its other inputs
-// while the experts' down kernel finishes; and in the decode MoE layer at one token, the gate/up
-// kernel starts during the router and waits for its plan, and down starts during gate/up, its
-// expert's rows requested before it waits for the hidden rows. `automatic` is on (where the device
-// has it: sm_90+); bench/NOTES.md step 20 measured -9.3 us per 30-layer-block layer at T = 1 and -8
-// at T = 8 for the block's two (steps 22-23: the layer's, not yet measured).
+// while the experts' down kernel finishes. `automatic` is on (where the device has it: sm_90+);
+// bench/NOTES.md step 20 measured -9.3 us per 30-layer-block layer at T = 1 and -8 at T = 8.
 void set_chained_launch(RouteSwitch s);
 RouteSwitch chained_launch_setting();  // this thread's ChainedLaunchScope, else the API's, else the env
 bool chained_launches();               // whether launches chain: the setting, `automatic` being on

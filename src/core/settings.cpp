@@ -48,7 +48,7 @@ const Variable kVariables[] = {
     {"EXPERTQMM_DECODE_LAYER", "0|1", "the three-kernel decode MoE layer off or on (unset: on)",
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.decode_layer = parse_switch(n, v); },
      [] { return std::string(switch_text(decode_layer_setting())); }},
-    {"EXPERTQMM_CHAINED_LAUNCH", "0|1", "programmatic dependent launches at decode boundaries of the Gemma 4 block and the MoE layer (unset: on)",
+    {"EXPERTQMM_CHAINED_LAUNCH", "0|1", "programmatic dependent launches at the Gemma 4 block's decode boundaries (unset: on)",
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.chained_launch = parse_switch(n, v); },
      [] { return std::string(switch_text(chained_launch_setting())); }},
     {"EXPERTQMM_DETERMINISTIC", "0|1", "1: the same output bits every run (combine in slot order; unset: 0)",

@@ -294,7 +294,6 @@ LayerPlan plan_moe_layer(const Tensor& out, const Tensor& h, const Tensor& x, co
   if (requested && decode.ok) {
     p.path = LayerPath::decode;
     p.decode = decode_scratch(s.T, s.k, s.E, s.I);
-    p.decode.chain_experts = s.T <= kChainExpertsMaxTokens && chained_launches();
     return p;
   }
   ArenaLayout layout;

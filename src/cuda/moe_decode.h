@@ -149,10 +149,6 @@ struct DownArgs {
   int H, I, E, k;
   uint16_t* out;  // (T, H) of D
   uint32_t* faults;
-  // Launched as a programmatic dependent of the gate/up kernel (DecodeScratch::chain_experts): the
-  // expert ids and weights (the router's, complete) are read and the expert's rows requested before
-  // pdl_wait, the hidden rows (gate/up's) after it. Else the hidden rows are requested first.
-  bool chained = false;
 };
 
 // The slot bookkeeping both down kernels end with. Lane 0 of slot warp j records the slot's weight
@@ -319,14 +315,11 @@ size_t router_smem(int64_t T, int64_t H);
 void launch_router(DType dtype, int proj_bits, const RouterArgs& a, size_t smem, cudaStream_t stream, bool fp = false,
                    bool chained = false);
 // Kernel 2 on tensor cores, 4-bit experts, group G in {32, 64, 128} (moe_decode_gate_up.cu); n = T*k.
-// fp: an fp4 mode's codes (mxfp4 / nvfp4, bf16; G is then the mode's group: 32 or 16). chained: a
-// programmatic dependent launch after the router (which triggers at its start; the kernel waits for
-// it before reading the plan).
+// fp: an fp4 mode's codes (mxfp4 / nvfp4, bf16; G is then the mode's group: 32 or 16).
 size_t gate_up_mma_smem(int64_t H, int G, bool fp = false);
 void launch_gate_up_mma(DType dtype, int G, Activation act, const GateUpArgs& a, int n, size_t smem,
-                        cudaStream_t stream, bool fp = false, bool chained = false);
-// Kernel 3 on tensor cores, 4-bit experts (moe_decode_down.cu); a programmatic dependent launch of
-// gate/up when a.chained.
+                        cudaStream_t stream, bool fp = false);
+// Kernel 3 on tensor cores, 4-bit experts (moe_decode_down.cu).
 size_t down_mma_smem(int64_t k, int64_t I, int G, bool fp = false);
 void launch_down_mma(DType dtype, int G, const DownArgs& a, int T, size_t smem, cudaStream_t stream, bool fp = false);
 // Kernels 2 and 3 for 8-bit experts (moe_decode_scalar.cu).

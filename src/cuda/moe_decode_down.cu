@@ -24,7 +24,8 @@ void launch_down_mma(DType dtype, int G, const DownArgs& a, int T, size_t smem, 
   const dim3 grid(static_cast<unsigned>(T), ceil_div(a.H, kTcRows));
   auto launch = [&](auto kernel) {
     allow_smem(reinterpret_cast<const void*>(kernel));
-    launch_maybe_chained(kernel, grid, kThreads, smem, stream, a.chained, a);
+    kernel<<<grid, kThreads, smem, stream>>>(a);
+    EXPERTQMM_CUDA_CHECK_LAUNCH(decode_down_combine_mma_kernel);
   };
   const bool bf16 = dtype == DType::bf16;
   if (fp) launch(decode_down_combine_mma_kernel<DType::bf16, kTcFpLayoutGroup, true>);  // the mode's group at run time

@@ -9,10 +9,6 @@ namespace {
 template <DType D, int G, Activation A, bool kFp = false>
 __global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_mma_kernel(GateUpArgs a) {
   extern __shared__ __align__(16) unsigned char tc_smem[];
-  device::pdl_wait();  // chained after the router: its plan and x are complete from here (else a no-op)
-  // A chained down kernel may take the free SM slots now: it requests its expert's rows (the
-  // router's ids are complete) and waits for this grid before it reads the hidden rows.
-  device::pdl_launch_dependents();
   gate_up_glu_mma_tile<D, G, A, kFp>(a, blockIdx.x, blockIdx.y, tc_smem);
 }
 
@@ -24,11 +20,12 @@ size_t gate_up_mma_smem(int64_t H, int G, bool fp) {
 }
 
 void launch_gate_up_mma(DType dtype, int G, Activation act, const GateUpArgs& a, int n, size_t smem,
-                        cudaStream_t stream, bool fp, bool chained) {
+                        cudaStream_t stream, bool fp) {
   const dim3 grid(ceil_div(a.I, kTcRows), static_cast<unsigned>(std::min(n, a.E)));
   auto launch = [&](auto kernel) {
     allow_smem(reinterpret_cast<const void*>(kernel));
-    launch_maybe_chained(kernel, grid, kThreads, smem, stream, chained, a);
+    kernel<<<grid, kThreads, smem, stream>>>(a);
+    EXPERTQMM_CUDA_CHECK_LAUNCH(decode_gate_up_glu_mma_kernel);
   };
   auto with_group = [&](auto dtag, auto gtag) {
     constexpr DType DT = decltype(dtag)::value;

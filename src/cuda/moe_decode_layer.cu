@@ -281,13 +281,9 @@ void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, 
   const bool fp_gate = gate.mode != QuantMode::affine, fp_down = ex.down.mode != QuantMode::affine;
   launch_router(D, proj_bits, ra, router_smem(T, H), stream, quantized && rt.proj.mode != QuantMode::affine,
                 chain_router);
-  // The plan's chained launches (small T): the tensor-core kernels only, down only behind the
-  // tensor-core gate/up (which lets it start early).
-  const bool chain_gate_up = sc.chain_experts && gate.bits == 4;
-  da.chained = chain_gate_up && ex.down.bits == 4;
   if (gate.bits == 4)
     launch_gate_up_mma(D, gate.group_size, ex.activation, ga, n, gate_up_mma_smem(H, gate.group_size, fp_gate), stream,
-                       fp_gate, chain_gate_up);
+                       fp_gate);
   else
     launch_gate_up_scalar(D, ex.activation, ga, n, gate_up_scalar_smem(T, H), stream);
   if (ex.down.bits == 4)

@@ -65,9 +65,6 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
   __shared__ int32_t ids[kDecodeMaxRows];
   __shared__ int first_of_expert[kDecodeMaxRows];
 
-  // A chained gate/up kernel (DecodeScratch::chain_experts) may take its SM slots now and wait there
-  // for this grid to end.
-  device::pdl_launch_dependents();
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int e = blockIdx.x;
   const int Q = a.H / kVals;

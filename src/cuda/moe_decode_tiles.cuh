@@ -5,7 +5,6 @@
 #include "cuda/moe_decode.h"
 #include "cuda/device/cp_async.cuh"
 #include "cuda/device/glu.cuh"
-#include "cuda/device/pdl.cuh"
 
 namespace expertqmm::cuda::decode {
 
@@ -219,8 +218,7 @@ __device__ __forceinline__ void gate_up_glu_mma_tile(const GateUpArgs& a, int co
 // coordinates in that grid); tokens vary fastest
 // so CTAs reading one expert's rows run close together (L2 reuse). CTA (t, y) computes
 // out[t, 16y .. 16y+16): warp j < k takes slot j (row t*k + j, expert indices[t*k + j]) with its
-// own shared region: the slot's hidden row (requested first: it does not depend on the expert id;
-// chained after gate/up (a.chained), requested after pdl_wait, the expert's rows before it)
+// own shared region: the slot's hidden row (requested first: it does not depend on the expert id)
 // reordered with its group sums, the 16 down rows of the expert by cp.async (4 lanes per row,
 // 16-byte chunks), their scales and biases (raw, cp.async); then one 16-row mma tile over K = I with
 // the hidden row as activation row 0 of B (lanes 0..3 load it, the other rows are zero; the mma's
@@ -252,25 +250,21 @@ __device__ __forceinline__ void down_combine_mma_tile(const DownArgs& a, int tok
   const int U = a.I / 8;
   constexpr int kUnits = 4;  // units per lane per batch (Gemma: 88 units, one batch)
   uint4 hv[kUnits];
+  // The hidden row's first batch, ahead of the expert id (the gate/up kernel has finished).
   auto load_hidden = [&](int u) { return *reinterpret_cast<const uint4*>(a.hidden + b * a.I + 8 * u); };
-  auto load_first_batch = [&] {
-    if (!slot_warp) return;
+  if (slot_warp) {
 #pragma unroll
     for (int i = 0; i < kUnits; ++i) {
       const int u = lane + 32 * i;
       hv[i] = u < U ? load_hidden(u) : make_uint4(0u, 0u, 0u, 0u);
     }
-  };
-  // A plain launch: the hidden row's first batch ahead of the expert id (gate/up has finished).
-  if (!a.chained) load_first_batch();
+  }
   int e = 0;
   float wj = 0.f;
   bool ok = false;
   if (slot_warp) {
-    // From the L2 (__ldcg): chained, this kernel reads them while gate/up still runs, and no L1 copy
-    // from an earlier call may stand in for the router's fresh ones.
-    e = __ldcg(a.indices + b);
-    wj = Elem<D>::load(__ldcg(a.weights + b));
+    e = a.indices[b];
+    wj = Elem<D>::load(a.weights[b]);
     ok = e >= 0 && e < a.E;
     const int chunks = a.I / 32;
     const int64_t first = static_cast<int64_t>(ok ? e : 0) * a.H + col0;  // whole blocks: H % 32 == 0
@@ -297,11 +291,6 @@ __device__ __forceinline__ void down_combine_mma_tile(const DownArgs& a, int tok
       }
     }
     device::cp_async_commit();
-  }
-  // Chained after gate/up: the expert's rows are in flight; the hidden row once gate/up has ended.
-  if (a.chained) {
-    device::pdl_wait();
-    load_first_batch();
   }
   if (slot_warp) {
     for (int ubase = 0; ubase < U; ubase += 32 * kUnits) {

@@ -101,16 +101,9 @@ void route_into(const Tensor& h, const RouterWeights& router, int32_t* indices, 
 // the setting and records the choice. call_decode_layer runs it on the current stream with the
 // scratch laid out by decode_scratch in the layer arena (slot kSlotLayerArena), no host sync.
 constexpr int64_t kDecodeMaxRows = 64;  // T*k; also T <= 8 and k <= 8 (moe_decode.h)
-// Up to this many tokens the tensor-core gate/up and down kernels start as programmatic dependent
-// launches (with chained launches on): gate/up after the router, its launch and SM ramp beside the
-// router's; down after gate/up, its expert rows requested while gate/up runs (bench/NOTES.md steps
-// 22-23). Step 12 measured +11 us per block layer at T = 8 with every decode boundary chained, so
-// larger T keep plain launches until measured.
-constexpr int64_t kChainExpertsMaxTokens = 1;
 struct DecodeScratch {
   size_t logits = 0, indices = 0, weights = 0, plan = 0, hidden = 0;  // offsets in the arena
   size_t bytes = 0;
-  bool chain_experts = false;  // the plan's choice: T <= kChainExpertsMaxTokens and chained launches on
 };
 RouteSupport supports_decode_layer(const Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& weights);
 DecodeScratch decode_scratch(int64_t T, int64_t k, int64_t E, int64_t I);
