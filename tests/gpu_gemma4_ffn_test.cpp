@@ -1,13 +1,18 @@
 // The Gemma 4 feed-forward part on CUDA against the CPU reference (same weights, same input), in
-// both GLU product modes and across the decode / unsorted / sorted / prefill sizes; and one layer
+// both GLU product modes and across the decode / unsorted / sorted / prefill sizes (520 tokens: the
+// 4-bit dense MLP as rows of one expert); and one layer
 // captured in a CUDA graph (global capture mode: any host sync or allocation fails the capture).
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <map>
+#include <utility>
 #include <vector>
 
 #ifdef EXPERTQMM_HAVE_CUDA
 #include <cuda_runtime.h>
+
+#include "cuda/gather_qmm_routes.h"  // wgmma_available
 #endif
 
 #include "expertqmm/checkpoint.h"
@@ -31,10 +36,22 @@ Gemma4Config small_config(int dense_bits = 8, int router_bits = 8) {
   return c;
 }
 
-RouteCounters gather_mm_counters() {
+RouteCounters counters_of(const char* primitive) {
   for (const RouteCounters& r : diagnostics::snapshot())
-    if (r.primitive == "gather_mm") return r;
+    if (r.primitive == primitive) return r;
   return RouteCounters{};
+}
+
+// Whether the block's dense MLP runs as T rows of one expert on the wgmma tile route (gemma4_ffn.cu:
+// 4-bit, fused product, T >= 512, an sm_90a build on compute capability 9.0).
+bool dense_mlp_on_expert_rows(int dense_bits, ProductMode mode, int64_t T) {
+#ifdef EXPERTQMM_HAVE_CUDA
+  return dense_bits == 4 && mode == ProductMode::fused && T >= 512 && expert_tiles_setting() != RouteSwitch::off &&
+         cuda::wgmma_available();
+#else
+  (void)dense_bits, (void)mode, (void)T;
+  return false;
+#endif
 }
 
 // The CPU and GPU routers work on bf16 logits with different summation orders, so a token whose
@@ -45,12 +62,15 @@ RouteCounters gather_mm_counters() {
 TEST(GpuGemma4Ffn, MatchesTheCpuReferenceInBothProductModes) {
   EXPERTQMM_REQUIRE_GPU();
   const ProductMode saved = product_mode();
+  // gather_qmm's tile-route hits with the 8-bit dense MLP (on qmv / rhs_tiles: none of them), by
+  // (mode, T): the 4-bit one adds its three GEMMs where it runs as expert rows.
+  std::map<std::pair<int, int64_t>, uint64_t> qmm_hits_8bit;
   for (int dense_bits : {8, 4, 0}) {
     const Gemma4FfnWeights cpu_w = synthetic_gemma4_layer(small_config(dense_bits), 0, 11);
     const Gemma4FfnWeights gpu_w = cpu_w.to(Device::cuda);
     for (ProductMode mode : {ProductMode::fused, ProductMode::separate}) {
       set_product_mode(mode);
-      for (int64_t T : {1, 3, 8, 40, 300}) {
+      for (int64_t T : {1, 3, 8, 40, 300, 520}) {
         const std::string what = detail::cat("T=", T, " mode=", mode == ProductMode::fused ? "fused" : "separate",
                                              " dense MLP ", dense_bits, "-bit");
         const Tensor h = test::random_tensor({T, 256}, DType::bf16, 1.0f);
@@ -59,9 +79,14 @@ TEST(GpuGemma4Ffn, MatchesTheCpuReferenceInBothProductModes) {
         const Tensor got = gemma4_ffn(h.to(Device::cuda), gpu_w);
         // A 16-bit dense MLP is three dense linears (gather_mm calls, on the tile route above 64
         // rows); the experts and the router are quantized.
-        const RouteCounters mm = gather_mm_counters();
+        const RouteCounters mm = counters_of("gather_mm");
         EXPECT_EQ(mm.attempts, dense_bits ? 0u : 3u) << what;
         EXPECT_EQ(mm.hits, !dense_bits && T > 64 && expert_tiles_setting() != RouteSwitch::off ? 3u : 0u) << what;
+        const uint64_t qmm_hits = counters_of("gather_qmm").hits;
+        const auto key = std::make_pair(static_cast<int>(mode), T);
+        if (dense_bits == 8) qmm_hits_8bit[key] = qmm_hits;
+        if (dense_bits == 4)
+          EXPECT_EQ(qmm_hits, qmm_hits_8bit[key] + (dense_mlp_on_expert_rows(dense_bits, mode, T) ? 3u : 0u)) << what;
         // Which tokens did the two routers send to the same experts?
         test::expect_close_where_routed_alike(expected, got, test::to_i32(route(h, cpu_w.moe.router).indices),
                                               test::to_i32(route(h.to(Device::cuda), gpu_w.moe.router).indices),

@@ -2,7 +2,8 @@
 // plan). The block runs its dense MLP as gather_qmm on one weight matrix (x [T, K] @ W^T); this
 // times that call by itself, so that a route's cost is not hidden behind the experts it runs beside:
 //   T <= 64: the selector (qmv, several rows per CTA where it takes them) against the one-row kernel
-//            (the test hook's qmv_one_row): step 21's change in isolation;
+//            (the test hook's qmv_one_row): step 21's change in isolation; from T = 8 also the
+//            tensor-core rhs_tiles, where qmv's rows would cross over to it;
 //   T > 64:  the single-matrix form (the selector: rhs_tiles) against the same linear as T rows of
 //            one expert (x [T, 1, K], ids all 0, sorted: the expert tile route, wgmma for 4-bit).
 // Shapes: gate / up [2112, 2816] and down [2816, 2112], 8-bit (the QAT upload) and 4-bit (mlx-community's)
@@ -93,7 +94,7 @@ int main() {
     int64_t N, K;
   };
   const LinearShape linears[] = {{"gate_up", 2112, 2816}, {"down", 2816, 2112}};
-  const int64_t tokens[] = {1, 2, 4, 8, 16, 32, 64, 512, 1024, 2048};
+  const int64_t tokens[] = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048};
   const timing::DeviceBuffer flush(timing::l2_flush_bytes());
   const int64_t max_T = 2048;
   std::vector<int32_t> zeros(max_T, 0);
@@ -117,6 +118,7 @@ int main() {
         std::vector<Variant> variants;
         if (T <= 64) {
           variants = {{"single", single, ""}, {"single", single, "qmv_one_row"}};
+          if (T >= 8) variants.push_back({"single", single, "rhs_tiles"});
         } else {
           const Tensor ids = Tensor::view(zero_ids.data(), {T}, DType::i32, Device::cuda);
           variants = {{"single", single, ""}, {"one_expert_rows", one_expert_rows(single, ids), ""}};

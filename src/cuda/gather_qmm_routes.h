@@ -31,6 +31,9 @@ void call_expert_tiles(const detail::GatherQmmProblem& p, void* out, Workspace* 
 // (supported only where wgmma_tiles_fit; gather_qmm_wgmma.h).
 void call_expert_tiles_mma_sync(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
 RouteSupport supports_expert_tiles_wgmma(const detail::GatherQmmProblem& p);
+// True when this build carries sm_90a code and the current device is compute capability 9.0
+// (queried once; EXPERTQMM_WGMMA=0 in the environment turns the kernels off, for comparison).
+bool wgmma_available();
 void call_expert_tiles_wgmma(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
 
 // --- qmv: decode sizes (gather_qmm_qmv.cu) -------------------------------------------------------

@@ -5,6 +5,7 @@
 
 #include "core/gather_qmm_problem.h"
 #include "core/tile_plan.h"
+#include "cuda/gather_qmm_routes.h"  // wgmma_available
 #include "cuda/device/tile_gemm.cuh"
 #include "expertqmm/ops.h"
 
@@ -28,10 +29,6 @@ struct WgmmaTileArgs {
   unsigned long long* retractions = nullptr;  // += calls when the plan turns out retracted
   int calls = 1;                              // gather_qmm calls this launch serves (glu: 2)
 };
-
-// True when this build carries sm_90a code and the current device is compute capability 9.0
-// (queried once; EXPERTQMM_WGMMA=0 in the environment turns the kernels off, for comparison).
-bool wgmma_available();
 
 // Whether the wgmma kernels take p: wgmma_available(), bf16/f16 4-bit affine with group size 64 or
 // 128, or bf16 mxfp4 / nvfp4 (the plain form only), M == 1, K % 64 == 0, N % 8 == 0 and

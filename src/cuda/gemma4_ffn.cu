@@ -3,8 +3,11 @@
 // has grown to a size, no allocation (graph-capturable):
 //   entry norms (one kernel): x1 = rms_norm(h, pre_ff), x2 = rms_norm(h, pre_ff_2)
 //   then two branches that share nothing but their inputs:
-//     side stream:   a = GLU(x1 @ gate^T, x1 @ up^T) (T <= 8: one decode gate/up launch, else two
-//                    gather_qmm calls, M = T, B = 1, and the GLU product) -> d = a @ down^T
+//     side stream:   a = GLU(x1 @ gate^T, x1 @ up^T) -> d = a @ down^T, one of three ways (DenseMlpWay):
+//                    T <= 8 (4-bit): one decode gate/up launch; T >= 512 (4-bit, sm_90a): the
+//                    linears as T rows of one expert on the expert tile route, gate and up in one
+//                    wgmma launch with the GeGLU; else two gather_qmm calls (M = T, B = 1) and the
+//                    GLU product
 //     thread stream: m = moe_layer_into(h, x2) (router and experts)
 //   exit (one kernel, once both are done): out = (h + rms_norm(rms_norm(d, post_ff_1)
 //                                               + rms_norm(m, post_ff_2), post_ff)) * layer_scalar
@@ -14,9 +17,12 @@
 // Every buffer is [T, H] or [T, I_dense] in h's dtype (validated by src/ops/gemma4_ffn.cpp).
 #include "cuda/dense_linear.h"
 #include "cuda/gather_qmm.h"
+#include "cuda/gather_qmm_wgmma.h"
 #include "cuda/norm.h"
 #include "cuda/moe_internal.h"
 #include "cuda/stream_branch.h"
+#include "cuda/tile_plan.cuh"
+#include "expertqmm/settings.h"
 
 namespace expertqmm::cuda {
 
@@ -33,6 +39,40 @@ void linear_into(const Linear& l, DType dtype, const void* x, int64_t T, void* o
     return;
   }
   gather_qmm_into(single_matrix_problem(x, T, l.in_features(), dtype, l.quantized), out, &ws);
+}
+
+// From this many tokens the dense MLP runs as T rows of one expert (x [T, 1, K], ids all 0, sorted)
+// on the expert tile route's wgmma kernel: 128-row tiles where rhs_tiles (mma.sync) takes the one
+// matrix, gate and up in one launch with the GeGLU in its epilogue. bench/NOTES.md step 24
+// (probe-dense-linear.json, 4-bit g64 alone, 512 / 1024 / 2048 tokens): gate or up 44.6 / 64.5 / 97.2
+// us against rhs_tiles' 55.9 / 89.5 / 139.8, down 48.8 / 50.4 / 76.5 against 45.0 / 71.3 / 124.7. Below
+// 512 the 128-row tiles leave SMs idle (4 x 17 CTAs for gate at 512); 8-bit has no wgmma kernel.
+constexpr int64_t kDenseRowsMinTokens = 512;
+
+enum class DenseMlpWay { decode_glu, expert_rows, linears };
+
+// Whether the dense MLP may run as expert rows, from the shapes alone (the arena then reserves its
+// ids and plan); the kernels' own rules are checked once the buffers are placed (gemma4_ffn_into).
+bool dense_rows_wanted(const Gemma4Mlp& m, int64_t T, ProductMode mode) {
+  return T >= kDenseRowsMinTokens && mode == ProductMode::fused && m.gate.is_quantized() && m.up.is_quantized() &&
+         m.down.is_quantized() && expert_tiles_setting() != RouteSwitch::off && wgmma_available();
+}
+
+// out [T, N] = x [T, K] @ dequant(q)^T as T rows of expert 0 of a one-expert batch, on `plan`.
+detail::GatherQmmProblem one_expert_rows(const QuantizedWeight& q, DType dt, void* x, int64_t T, int64_t K,
+                                         int32_t* zero_ids, const void* plan) {
+  detail::GatherQmmProblem p = single_matrix_problem(x, T, K, dt, q);
+  p.M = 1;
+  p.B = T;
+  p.batch = {T};
+  p.x_batch = T;
+  p.x_batch_stride = K;
+  p.x = Tensor::view(x, {T, 1, K}, dt, Device::cuda);
+  p.rhs = Tensor::view(zero_ids, {T}, DType::i32, Device::cuda);
+  p.rhs_is_identity = false;
+  p.sorted_indices = true;
+  p.tile_plan = plan;
+  return p;
 }
 
 }  // namespace
@@ -56,6 +96,9 @@ void gemma4_ffn_into(Tensor& out, const Tensor& h, const Gemma4FfnWeights& w, Wo
   const size_t inter_off = mode == ProductMode::separate ? layout.reserve(bytes_of(T * I, dt)) : 0;
   const size_t d_off = layout.reserve(bytes_of(T * H, dt));
   const size_t moe_off = layout.reserve(bytes_of(T * H, dt));
+  const bool rows = dense_rows_wanted(w.mlp, T, mode);
+  const size_t ids_off = rows ? layout.reserve(bytes_of(T, DType::i32)) : 0;
+  const size_t plan_off = rows ? layout.reserve(tile_plan_bytes(T, 1)) : 0;
   void* base = ws.get(detail::kSlotFfnArena, layout.bytes());
   auto at = [&](size_t off) { return arena_at(base, off); };
 
@@ -96,17 +139,46 @@ void gemma4_ffn_into(Tensor& out, const Tensor& h, const Gemma4FfnWeights& w, Wo
   branch.enter();
   Workspace& side_ws = ws.branch();
   const Tensor x1 = Tensor::view(at(x1_off), {T, H}, dt, Device::cuda);
+  DenseMlpWay dense_way = DenseMlpWay::linears;
   if (mode == ProductMode::fused && w.mlp.gate.is_quantized() && w.mlp.up.is_quantized() &&
-      supports_decode_glu(x1, w.mlp.gate.quantized, w.mlp.up.quantized, Activation::geglu).ok) {
+      supports_decode_glu(x1, w.mlp.gate.quantized, w.mlp.up.quantized, Activation::geglu).ok)
+    dense_way = DenseMlpWay::decode_glu;
+  detail::GatherQmmProblem gate_rows, up_rows, down_rows;
+  if (rows) {
+    auto* ids = static_cast<int32_t*>(at(ids_off));
+    const void* plan = at(plan_off);
+    gate_rows = one_expert_rows(w.mlp.gate.quantized, dt, at(x1_off), T, H, ids, plan);
+    up_rows = one_expert_rows(w.mlp.up.quantized, dt, at(x1_off), T, H, ids, plan);
+    down_rows = one_expert_rows(w.mlp.down.quantized, dt, at(act_off), T, I, ids, plan);
+    // The kernels' shape and alignment rules (group 64 / 128, K % 64, 16-byte outputs).
+    if (gate_up_glu_fits(gate_rows, up_rows) && wgmma_tiles_fit(down_rows) && is_aligned(at(act_off), 16) &&
+        is_aligned(at(d_off), 16))
+      dense_way = DenseMlpWay::expert_rows;
+  }
+  if (dense_way == DenseMlpWay::decode_glu) {
     // Decode sizes: gate, up and the GeGLU in one launch (the dense MLP as one always-chosen expert).
     launch_decode_glu(x1, w.mlp.gate.quantized, w.mlp.up.quantized, Activation::geglu, at(act_off));
+  } else if (dense_way == DenseMlpWay::expert_rows) {
+    // Prefill sizes: every row is expert 0's, so the plan is T / 128 full tiles; the selector counts
+    // the three GEMMs on the tile route as the MoE layer's plan does.
+    cudaStream_t side = current_stream();
+    EXPERTQMM_CUDA_CHECK(cudaMemsetAsync(at(ids_off), 0, bytes_of(T, DType::i32), side));
+    launch_build_tile_plan_at(static_cast<const int32_t*>(at(ids_off)), T, 1, at(plan_off), side);
+    for (const detail::GatherQmmProblem* g : {&gate_rows, &up_rows})
+      EXPERTQMM_CHECK(is_expert_tiles(select_gather_qmm_route(*g)), op, "the dense MLP's rows missed the tile route: ",
+                      g->describe());
+    launch_gate_up_glu(gate_rows, up_rows, Activation::geglu, at(act_off));
+    const GatherQmmRoute& down_route = select_gather_qmm_route(down_rows);
+    EXPERTQMM_CHECK(is_expert_tiles(down_route), op, "the dense MLP's rows missed the tile route: ",
+                    down_rows.describe());
+    run_gather_qmm_route(down_route, down_rows, at(d_off), &side_ws);
   } else {
     linear_into(w.mlp.gate, dt, at(x1_off), T, at(gate_off), side_ws);
     linear_into(w.mlp.up, dt, at(x1_off), T, at(up_off), side_ws);
     launch_glu_product(Activation::geglu, mode, dt, at(gate_off), at(up_off), T, I, I, at(act_off),
                        mode == ProductMode::separate ? at(inter_off) : nullptr, current_stream());
   }
-  linear_into(w.mlp.down, dt, at(act_off), T, at(d_off), side_ws);
+  if (dense_way != DenseMlpWay::expert_rows) linear_into(w.mlp.down, dt, at(act_off), T, at(d_off), side_ws);
   branch.leave();
   // Expert branch on the thread's stream, beside the dense one: the router reads h itself, the
   // experts x2. Then the exit waits for both.
