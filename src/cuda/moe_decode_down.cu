@@ -1,5 +1,6 @@
 // Kernel 3 of the decode layer (moe_decode.h) on tensor cores, for 4-bit experts: each token's k
 // down GEMVs, weighted and summed in slot order.
+#include "cuda/device/pdl.cuh"
 #include "cuda/moe_decode_tiles.cuh"
 
 namespace expertqmm::cuda::decode {
