@@ -6,7 +6,8 @@
 //            tensor-core rhs_tiles, where qmv's rows would cross over to it;
 //   T > 64:  the single-matrix form (the selector: rhs_tiles) against the same linear as T rows of
 //            one expert (x [T, 1, K], ids all 0, sorted: the expert tile route, wgmma for 4-bit).
-// Shapes: gate / up [2112, 2816] and down [2816, 2112], 8-bit (the QAT upload) and 4-bit (mlx-community's)
+// Shapes: gate / up [2112, 2816], down [2816, 2112] and the router's projection [128, 2816] (x [1, T, K]
+// through gather_qmm in the MoE layer beyond the decode sizes), 8-bit (the QAT upload) and 4-bit (mlx-community's)
 // g64, bf16. The bench's protocol pieces (tools/expertqmm/replay_timing.h): one call captured as a graph
 // after a warm-up call (so the workspace has grown), a flush of 2 x the L2 before each replay, median
 // of 50 replays. Prints JSON. Built as dense_linear_probe with the CUDA build; gpu-check's bench-extra
@@ -93,7 +94,7 @@ int main() {
     const char* name;
     int64_t N, K;
   };
-  const LinearShape linears[] = {{"gate_up", 2112, 2816}, {"down", 2816, 2112}};
+  const LinearShape linears[] = {{"gate_up", 2112, 2816}, {"down", 2816, 2112}, {"router", 128, 2816}};
   const int64_t tokens[] = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048};
   const timing::DeviceBuffer flush(timing::l2_flush_bytes());
   const int64_t max_T = 2048;

@@ -40,6 +40,11 @@ void call_expert_tiles_wgmma(const detail::GatherQmmProblem& p, void* out, Works
 // Problems with at most this many rows (B * M) go to qmv; the benchmark tunes it.
 constexpr int64_t kQmvMaxRows = 64;  // 8 tokens x top-8; why: supports_qmv in gather_qmm_qmv.cu
 constexpr int64_t kExpertTilesMinRows = kQmvMaxRows + 1;
+// The rows of one batch element (M) share its weight matrix: qmv reads that matrix once per 1-8 rows,
+// rhs_tiles' tensor-core tiles once per 16-64, so from 8 such rows rhs_tiles takes them (bench/NOTES.md
+// step 25, the dense MLP's linears alone at 8 / 64 tokens: gate 14.2 / 22.4 us against qmv's 17.2 /
+// 72.0, down 14.0 / 20.8 against 27.0 / 72.8).
+constexpr int64_t kQmvMaxSharedRows = 7;
 RouteSupport supports_qmv(const detail::GatherQmmProblem& p);
 void call_qmv(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
 // The test hook's qmv_one_row: one row per CTA whatever M (the multi-row kernels' comparison).

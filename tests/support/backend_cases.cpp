@@ -411,24 +411,27 @@ void gather_qmm_rows(Table& t) {
   const Weight q8{DType::bf16, 8, 128, 8, 136, 256};
   for (const char* r : kAllRoutes) add(t, large, batched_of(r, q8, 4, 5, 6));
   for (const char* r : kManyRowRoutes) add(t, large, batched_of(r, q8, 3, 40, 4));
-  // qmv with several rows per CTA (M >= 2 rows sharing a weight matrix, wide enough for a CTA per SM:
-  // the dense MLP's linears): 8 rows per CTA at K = 1,024 (5-row tails at M = 13 and 21; B x M within qmv's 64), 4
-  // at K = 2,816 (8 rows would not fit in shared memory; M = 3 stages 3 rows), the single matrix of a
-  // dense linear (x [1, M, K]) and several batch elements, 8- and 4-bit, bf16 and f16; each also on
-  // the one-row kernel (the test hook's qmv_one_row), both against the reference.
+  // qmv with several rows per CTA (2 <= M <= kQmvMaxSharedRows rows sharing a weight matrix, wide
+  // enough for a CTA per SM: the dense MLP's linears at T = 2-7): 8 rows per CTA at K = 1,024 (5, 6
+  // and 7 rows in the one row block), 4 at K = 2,816 (8 rows would not fit in shared memory; M = 3
+  // stages 3 rows), the single matrix of a dense linear (x [1, M, K]) and several batch elements, 8-
+  // and 4-bit, bf16 and f16; each also on the one-row kernel (the test hook's qmv_one_row), both
+  // against the reference. From 8 shared rows the selector takes rhs_tiles, and qmv refuses them.
   struct MultiRow {
     Weight w;
     int64_t x_batch, M, B;
   };
-  for (const MultiRow& m : {MultiRow{{DType::bf16, 8, 64, 1, 2112, 1024}, 1, 8, 1},
-                            MultiRow{{DType::bf16, 8, 64, 1, 2112, 1024}, 1, 13, 1},
-                            MultiRow{{DType::f16, 8, 32, 3, 2120, 1024}, 2, 21, 3},
+  for (const MultiRow& m : {MultiRow{{DType::bf16, 8, 64, 1, 2112, 1024}, 1, 7, 1},
+                            MultiRow{{DType::bf16, 8, 64, 1, 2112, 1024}, 1, 5, 1},
+                            MultiRow{{DType::f16, 8, 32, 3, 2120, 1024}, 2, 6, 3},
                             MultiRow{{DType::bf16, 8, 64, 1, 2112, 2816}, 1, 3, 1},
-                            MultiRow{{DType::bf16, 8, 64, 2, 2816, 2816}, 1, 8, 2},
-                            MultiRow{{DType::bf16, 4, 64, 1, 2816, 2112}, 1, 8, 1},
-                            MultiRow{{DType::f16, 4, 128, 2, 2112, 2816}, 2, 21, 2}})
+                            MultiRow{{DType::bf16, 8, 64, 2, 2816, 2816}, 1, 7, 2},
+                            MultiRow{{DType::bf16, 4, 64, 1, 2816, 2112}, 1, 7, 1},
+                            MultiRow{{DType::f16, 4, 128, 2, 2112, 2816}, 2, 6, 2}})
     for (const char* r : {"qmv", "qmv_one_row"}) add(t, large, batched_of(r, m.w, m.x_batch, m.M, m.B));
-  add(t, large, picks(batched_of("", {DType::bf16, 8, 64, 1, 2112, 2816}, 1, 8, 1), "qmv"));
+  add(t, large, picks(batched_of("", {DType::bf16, 8, 64, 1, 2112, 2816}, 1, 7, 1), "qmv"));
+  add(t, large, picks(batched_of("", {DType::bf16, 8, 64, 1, 2112, 2816}, 1, 8, 1), "rhs_tiles"));
+  add(t, large, refusal(batched_of("", {DType::bf16, 8, 64, 1, 2112, 2816}, 1, 8, 1), "qmv", "shape"));
   // Split-K of rhs_tiles' 16-row tiles: few columns, many rows, long K (the router's projection);
   // slices of unequal k-tile counts (K = 576: 9 tiles in 2 slices), N off the 128-column grid, rows
   // off the 16-row grid, unsorted ids; and the router's own form, x [1, T, K] as one batch element.
