@@ -2,7 +2,7 @@
 // plan). The block runs its dense MLP as gather_qmm on one weight matrix (x [T, K] @ W^T); this
 // times that call by itself, so that a route's cost is not hidden behind the experts it runs beside:
 //   T <= 64: the selector (qmv, several rows per CTA where it takes them) against the one-row kernel
-//            (the test hook's qmv_one_row): step 21's change in isolation; from T = 8 also the
+//            (the test hook's qmv_one_row): step 21's change in isolation; from T = 2 also the
 //            tensor-core rhs_tiles, where qmv's rows would cross over to it;
 //   T > 64:  the single-matrix form (the selector: rhs_tiles) against the same linear as T rows of
 //            one expert (x [T, 1, K], ids all 0, sorted: the expert tile route, wgmma for 4-bit).
@@ -119,7 +119,7 @@ int main() {
         std::vector<Variant> variants;
         if (T <= 64) {
           variants = {{"single", single, ""}, {"single", single, "qmv_one_row"}};
-          if (T >= 8) variants.push_back({"single", single, "rhs_tiles"});
+          if (T >= 2) variants.push_back({"single", single, "rhs_tiles"});
         } else {
           const Tensor ids = Tensor::view(zero_ids.data(), {T}, DType::i32, Device::cuda);
           variants = {{"single", single, ""}, {"one_expert_rows", one_expert_rows(single, ids), ""}};
