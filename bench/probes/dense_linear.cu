@@ -5,7 +5,8 @@
 //            (the test hook's qmv_one_row): step 21's change in isolation; from T = 2 also the
 //            tensor-core rhs_tiles, where qmv's rows would cross over to it;
 //   T > 64:  the single-matrix form (the selector: rhs_tiles) against the same linear as T rows of
-//            one expert (x [T, 1, K], ids all 0, sorted: the expert tile route, wgmma for 4-bit).
+//            one expert (x [T, 1, K], ids all 0, sorted: the expert tile route, wgmma for 4-bit;
+//            8-bit also pinned to the wgmma kernel's 8-bit build).
 // Shapes: gate / up [2112, 2816], down [2816, 2112] and the router's projection [128, 2816] (x [1, T, K]
 // through gather_qmm in the MoE layer beyond the decode sizes), 8-bit (the QAT upload) and 4-bit (mlx-community's)
 // g64, bf16. The bench's protocol pieces (tools/expertqmm/replay_timing.h): one call captured as a graph
@@ -123,6 +124,8 @@ int main() {
         } else {
           const Tensor ids = Tensor::view(zero_ids.data(), {T}, DType::i32, Device::cuda);
           variants = {{"single", single, ""}, {"one_expert_rows", one_expert_rows(single, ids), ""}};
+          // 8-bit: the wgmma kernel's 8-bit build, which the selector does not choose yet (step 26).
+          if (bits == 8) variants.push_back({"one_expert_rows", one_expert_rows(single, ids), "expert_tiles_wgmma"});
         }
         for (const Variant& v : variants) {
           Workspace ws;

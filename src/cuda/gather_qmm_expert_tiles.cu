@@ -210,13 +210,13 @@ void call_expert_tiles(const detail::GatherQmmProblem& p, void* out, Workspace* 
 RouteSupport supports_expert_tiles_wgmma(const detail::GatherQmmProblem& p) {
   const RouteSupport tiles = supports_expert_tiles(p);
   if (!tiles.ok) return tiles;
-  return wgmma_tiles_fit(p) ? route_ok() : route_miss(Fallback::quantization);
+  return wgmma_builds_take(p) ? route_ok() : route_miss(Fallback::quantization);
 }
 void call_expert_tiles_mma_sync(const detail::GatherQmmProblem& p, void* out, Workspace* ws) {
   run_expert_tiles(p, out, ws, TileKernel::mma_sync);
 }
 void call_expert_tiles_wgmma(const detail::GatherQmmProblem& p, void* out, Workspace* ws) {
-  EXPERTQMM_CHECK(wgmma_tiles_fit(p) && is_aligned(out, 16), "gather_qmm", "expert_tiles_wgmma does not fit ", p.describe());
+  EXPERTQMM_CHECK(wgmma_builds_take(p) && is_aligned(out, 16), "gather_qmm", "expert_tiles_wgmma does not fit ", p.describe());
   run_expert_tiles(p, out, ws, TileKernel::wgmma);
 }
 

@@ -19,15 +19,15 @@
 //          fusion ladder, step 2) and x is read once for both.
 //
 // Requirements (wgmma_tiles_fit, plus the caller's 16-byte aligned out for the 16-byte epilogue
-// stores): 4-bit affine codes, group size 64 or 128 (one group per k tile), or mxfp4 / nvfp4 under
+// stores): 4-bit affine codes, group size 64 or 128 (one group per k tile), or 8-bit affine codes
+// under bf16 (one n128 build: a 64-wide k tile is 64 bytes per weight row), or mxfp4 / nvfp4 under
 // bf16 in the plain form (kFp: E2M1 decoded as tile_gemm's kFp, the k tile's 2 or 4 scale codes
 // staged as one word, make_tile_args' view), K % 64 == 0, N % 8 == 0, and everything
-// supports_tile_operands checks. mxfp8's 8-bit codes do not fit the 4-bit weight staging: the
-// mma.sync kernel takes them.
+// supports_tile_operands checks. mxfp8's E4M3 codes run on the mma.sync kernel.
 //
 // Three builds per form: n128 (the plan's full 128-row tiles in one wgmma width, n96 for those of
 // at most 96 rows), n64 and n32 (taller tiles as pieces of 64 or 32 rows; fewer accumulators, less
-// shared memory, n32 at 3 CTAs per SM), chosen by mean rows per expert (kWidths).
+// shared memory, n32 at 3 CTAs per SM), chosen by mean rows per expert (kWidths); 8-bit codes n128 only.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -54,7 +54,6 @@ using device::TileArgs;
 constexpr int kThreads = 256;    // two warpgroups
 constexpr int kCtaRows = 128;    // weight rows per CTA, 64 per warpgroup
 constexpr int kBK = 64;          // k per pipeline stage (one quantization group at group size 64)
-constexpr int kWordsPerRow = kBK * 4 / 32;  // 8 packed 4-bit words per weight row per k tile
 
 // Pipeline depth and residency per build (widest wgmma n32, n64 or n128), as data: stages, the
 // prefetch distance (at most kStages - 1: the barrier at the top of k tile kt frees the slot tile
@@ -62,35 +61,47 @@ constexpr int kWordsPerRow = kBK * 4 / 32;  // 8 packed 4-bit words per weight r
 // fit as well). Measured (bench/NOTES.md): n64 8 stages with distance 7 slower than 5 / 3 (step
 // 4d); 6 / 4 a little faster (step 6a); two 64-k tiles per stage slower (step 6a); n128 5 / 4 ~1%
 // faster than 5 / 3 (step 6e); n32 at 3 CTAs per SM (24 warps) 4% faster than n64 at T=64, the
-// same at 4 CTAs (step 6b).
-template <int kMaxTokens>
+// same at 4 CTAs (step 6b). 8-bit codes (n128 only): a stage holds twice the weight bytes (25 KB),
+// so 4 stages keep 2 CTAs per SM (5 would need 2 x 127 KB).
+template <int kMaxTokens, int kBits>
 struct PipelineDepth;
 template <>
-struct PipelineDepth<32> {
+struct PipelineDepth<32, 4> {
   static constexpr int kStages = 6, kPrefetch = 4, kCtasPerSm = 3;
 };
 template <>
-struct PipelineDepth<64> {
+struct PipelineDepth<64, 4> {
   static constexpr int kStages = 6, kPrefetch = 4, kCtasPerSm = 2;
 };
 template <>
-struct PipelineDepth<128> {
+struct PipelineDepth<128, 4> {
   static constexpr int kStages = 5, kPrefetch = 4, kCtasPerSm = 2;
+};
+template <>
+struct PipelineDepth<128, 8> {
+  static constexpr int kStages = 4, kPrefetch = 3, kCtasPerSm = 2;
 };
 
 // Shared memory (bytes from a 1024-byte aligned base):
 //   stages  kStages x { xs (kMaxTokens, 64) T, 128-byte swizzled (wgmma B: chunk c of row r at c ^ (r % 8));
-//                       ws (128, 8) uint32, chunk c of row r at c ^ ((r / 4) % 2) (conflict-free
-//                       16-byte reads of 8 rows);  ss, bs (128,) uint32: the word holding the row's
-//                       group scale / bias (see the parity below) }
+//                       ws (128, 64 * kBits / 32) uint32 in 16-byte chunks: 4-bit 2 per row, chunk c
+//                       of row r at c ^ ((r / 4) % 2) (conflict-free 16-byte reads of 8 rows); 8-bit
+//                       4 per row at c ^ ((r / 2) % 4) (conflict-free 4-byte reads of 2 words in 8
+//                       rows);  ss, bs (128,) uint32: the word holding the row's group scale / bias
+//                       (see the parity below) }
 //   rows    (kMaxTokens,) int64 x offset of each tile row, -1 for rows to skip
 // The epilogue reuses the stages as (kMaxTokens, 136) T: a row of 128 outputs padded by 8 so that the
 // four token rows a warp writes at once fall in different banks.
-// n128: 5 x 21 KB stages, n64: 6 x 13 KB (2 CTAs per SM each), n32: 6 x 9 KB (3 CTAs per SM).
-template <int kMaxTokens>
+// n128: 5 x 21 KB stages, n64: 6 x 13 KB (2 CTAs per SM each), n32: 6 x 9 KB (3 CTAs per SM);
+// 8-bit n128: 4 x 25 KB (2 CTAs per SM).
+template <int kMaxTokens, int kCodeBits = 4>
 struct Layout {
-  static constexpr int kStages = PipelineDepth<kMaxTokens>::kStages;
-  static constexpr int kPrefetch = PipelineDepth<kMaxTokens>::kPrefetch;
+  using Depth = PipelineDepth<kMaxTokens, kCodeBits>;
+  static constexpr int kBits = kCodeBits;
+  static constexpr int kWordsPerRow = kBK * kBits / 32;  // packed words per weight row per k tile: 8 or 16
+  static constexpr int kWChunks = kWordsPerRow / 4;      // 16-byte chunks per weight row: 2 or 4
+  static constexpr int kStages = Depth::kStages;
+  static constexpr int kPrefetch = Depth::kPrefetch;
   static constexpr int kXBytes = kMaxTokens * kBK * 2;
   static constexpr int kWBytes = kCtaRows * kWordsPerRow * 4;
   static constexpr int kParamBytes = kCtaRows * 4;
@@ -99,13 +110,17 @@ struct Layout {
   static constexpr int kOutStride = kCtaRows + 8;  // elements
   static constexpr int kBytes = kRowsOffset + kMaxTokens * 8;
   static constexpr int kAllocBytes = kBytes + 1024;  // room to align the dynamic base
-  static constexpr int kCtasPerSm = PipelineDepth<kMaxTokens>::kCtasPerSm;
+  static constexpr int kCtasPerSm = Depth::kCtasPerSm;
   static_assert(kMaxTokens == 32 || kMaxTokens == 64 || kMaxTokens == 128, "the widest wgmma of a kernel: n32, n64 or n128");
   static_assert(kStageBytes % 1024 == 0, "every stage's x tile stays 1024-byte aligned for the swizzle");
   static_assert(kMaxTokens * kOutStride * 2 <= kRowsOffset, "the epilogue staging fits in the stages");
   static_assert(kCtasPerSm * (kAllocBytes + 1024) <= 228 * 1024, "kCtasPerSm CTAs fit an SM's shared memory");
   static_assert(kPrefetch >= 1 && kPrefetch < kStages, "a free slot for every prefetched stage");
-  static __device__ __forceinline__ unsigned w_chunk(unsigned row, unsigned chunk) { return chunk ^ ((row >> 2) & 1); }
+  static_assert(kBits == 4 || kBits == 8, "4- or 8-bit codes");
+  static_assert(kWChunks % 2 == 0 && kCtaRows * 2 == kThreads, "two threads per weight row, kWChunks / 2 chunks each");
+  static __device__ __forceinline__ unsigned w_chunk(unsigned row, unsigned chunk) {
+    return kBits == 4 ? chunk ^ ((row >> 2) & 1) : chunk ^ ((row >> 1) & 3);
+  }
 };
 
 // Computes one tile: rows [row0, row0 + load_rows) (<= kTokens) against `expert` for the CTA's
@@ -113,11 +128,13 @@ struct Layout {
 // arguments; it ends with a barrier.
 //
 // Work split: every thread issues an equal share of each stage's cp.async copies (x: kTokens rows x
-// 8 chunks; weights: 128 rows x 2 chunks, one per thread; scale and bias words: one per thread).
+// 8 chunks; weights: 128 rows x 2 chunks (4-bit) or 4 (8-bit), thread i row i / 2 and its chunks
+// (i % 2) * kWChunks / 2 ..; scale and bias words: one per thread).
 // Warp w of warpgroup q owns smem weight rows 64q + 16(w % 4) .. +15; lane (g, t) dequantizes rows
-// 64q + 16(w % 4) + g and + 8 (the A fragment rows) from two 16-byte shared loads each per k tile,
-// 16 values per row: 4 wgmma A fragments, one per k16 step; then the warpgroup issues its 4
-// wgmmas (64 x kTokens x 16) as one group and waits for it before the next k tile (see the loop).
+// 64q + 16(w % 4) + g and + 8 (the A fragment rows), 16 values per row per k tile (4-bit: from two
+// 16-byte shared loads per row; 8-bit: two 4-byte loads per row and k16 step, halfword t % 2 of
+// words 4s + t / 2 and 4s + 2 + t / 2): 4 wgmma A fragments, one per k16 step; then the warpgroup
+// issues its 4 wgmmas (64 x kTokens x 16) as one group and waits for it before the next k tile.
 template <class T, int kTokens, WgmmaForm kForm, class L, bool kFp>
 __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, int64_t row0, int load_rows,
                                            int store_begin, int store_end, int col_block, unsigned char* smem) {
@@ -164,12 +181,16 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
   auto weight_set = [&](int r) { return kGlu && r >= 64 ? 1 : 0; };
   const int64_t w_expert = static_cast<int64_t>(expert) * a.N * a.q.words_per_row;
   const int64_t param_expert = static_cast<int64_t>(expert) * a.N * a.q.groups_per_row;
-  const unsigned w_row = tid >> 1, w_chunk = tid & 1;
+  constexpr int kWordsPerRow = L::kWordsPerRow;
+  constexpr int kWCopies = L::kWChunks / 2;  // weight chunks per thread per stage: 1 or 2
+  const unsigned w_row = tid >> 1, w_chunk0 = (tid & 1) * kWCopies;
   const int w_n = weight_row(w_row);
   const bool w_valid = w_n < a.N;
   const uint32_t* w_base = weight_set(w_row) ? p.up.w : a.q.w;
-  const uint32_t* w_src = w_valid ? w_base + w_expert + static_cast<int64_t>(w_n) * a.q.words_per_row + w_chunk * 4 : a.q.w;
-  const unsigned w_dst = L::kXBytes + (w_row * kWordsPerRow + (L::w_chunk(w_row, w_chunk) << 2)) * 4;
+  const uint32_t* w_src = w_valid ? w_base + w_expert + static_cast<int64_t>(w_n) * a.q.words_per_row + w_chunk0 * 4 : a.q.w;
+  auto w_dst = [&](int j) {
+    return L::kXBytes + (w_row * kWordsPerRow + (L::w_chunk(w_row, w_chunk0 + j) << 2)) * 4;
+  };
   const int param_row = tid & (kCtaRows - 1);
   const int param_n = weight_row(param_row);
   const bool is_bias = tid >= kCtaRows;
@@ -188,7 +209,9 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
       const unsigned row = c >> 3, chunk = c & 7;
       device::cp_async_16(stage + row * 128 + ((chunk ^ (row & 7)) << 4), x_src[i] + kt * kBK, (x_valid >> i) & 1);
     }
-    device::cp_async_16(stage + w_dst, w_src + kt * kWordsPerRow, w_valid);
+#pragma unroll
+    for (int j = 0; j < kWCopies; ++j)
+      device::cp_async_16(stage + w_dst(j), w_src + kt * kWordsPerRow + (w_valid ? 4 * j : 0), w_valid);
     // The group element el sits in the aligned word at el & ~1: el odd -> read both halves; el even
     // -> its 2 bytes only (the next element may lie past the end of the tensor).
     // kFp, nvfp4: the k tile's 4 codes are the whole (aligned) word.
@@ -204,8 +227,10 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
   const int m_lo = (warp >> 2) * 64 + (warp & 3) * 16 + g;  // smem weight rows of this lane
   const int m_hi = m_lo + 8;
   using Dequant = device::PackedDequant<T>;
-  const uint32_t selector = Dequant::nibble_selector(t);  // FpDequantBf16's for bf16 too
+  // FpDequantBf16's nibble selector is the bf16 one too.
+  const uint32_t selector = L::kBits == 4 ? Dequant::nibble_selector(t) : Dequant::byte_selector(t);
   static_assert(!kFp || std::is_same<T, __nv_bfloat16>::value, "the fp modes decode to bf16");
+  static_assert(!kFp || L::kBits == 4, "the fp modes' wgmma kernel is for E2M1 codes");
   const bool e4m3_scales = a.q.fp_mode == static_cast<int>(QuantMode::nvfp4);  // kFp: 4 codes per word
   // Half of the staged scale/bias word holding the group: the row's first element's parity
   // (4-byte aligned tensors) flipped by the group index's parity.
@@ -256,6 +281,20 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
       codes_lo = e4m3_scales ? ss[m_lo] : __byte_perm(ss[m_lo], 0u, high_lo ? 0x3322u : 0x1100u);
       codes_hi = e4m3_scales ? ss[m_hi] : __byte_perm(ss[m_hi], 0u, high_hi ? 0x3322u : 0x1100u);
     }
+    uint32_t afrag[4][4];  // k16 step s: rows m_lo, m_hi at k = 16s + 2t, +1, then at 16s + 8 + 2t, +1
+    if constexpr (L::kBits == 8) {
+      // Word w holds k = 4w .. 4w + 3: step s's k pairs are halfword t % 2 of words 4s + t / 2 and
+      // 4s + 2 + t / 2, both in chunk s.
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        const uint32_t* lo = ws + m_lo * kWordsPerRow + (L::w_chunk(m_lo, s) << 2) + (t >> 1);
+        const uint32_t* hi = ws + m_hi * kWordsPerRow + (L::w_chunk(m_hi, s) << 2) + (t >> 1);
+        afrag[s][0] = Dequant::bytes(lo[0], selector, s_lo, b_lo);
+        afrag[s][1] = Dequant::bytes(hi[0], selector, s_hi, b_hi);
+        afrag[s][2] = Dequant::bytes(lo[2], selector, s_lo, b_lo);
+        afrag[s][3] = Dequant::bytes(hi[2], selector, s_hi, b_hi);
+      }
+    } else {
     // Row words: word i holds k = 8i .. 8i + 7; chunk 0 = words 0-3, chunk 1 = words 4-7.
     auto chunk_of = [&](int m, int c) {
       return *reinterpret_cast<const uint4*>(ws + m * kWordsPerRow + (L::w_chunk(m, c) << 2));
@@ -264,7 +303,6 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
     const uint4 hi0 = chunk_of(m_hi, 0), hi1 = chunk_of(m_hi, 1);
     const uint32_t lo[8] = {lo0.x, lo0.y, lo0.z, lo0.w, lo1.x, lo1.y, lo1.z, lo1.w};
     const uint32_t hi[8] = {hi0.x, hi0.y, hi0.z, hi0.w, hi1.x, hi1.y, hi1.z, hi1.w};
-    uint32_t afrag[4][4];  // k16 step s: k = 16s + 2t, +1 from word 2s and 16s + 8 + 2t, +1 from word 2s + 1
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       if constexpr (kFp) {
@@ -281,6 +319,7 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
       afrag[s][1] = Dequant::nibbles(hi[2 * s], selector, s_hi, b_hi);
       afrag[s][2] = Dequant::nibbles(lo[2 * s + 1], selector, s_lo, b_lo);
       afrag[s][3] = Dequant::nibbles(hi[2 * s + 1], selector, s_hi, b_hi);
+    }
     }
     // The descriptor's address field counts 16 bytes.
     const uint64_t desc = smem_desc + ((kt % L::kStages) * L::kStageBytes >> 4);
@@ -361,12 +400,12 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
 // stride over the 16-row tiles of all rows and run each maximal run of equal ids as one n16 tile
 // (the rhs_tiles algorithm), so any order of ids still gives the right answer.
 // kFp: MLX's mxfp4 / nvfp4 codes (bf16, plain form; wgmma_tile's kFp).
-template <class T, WgmmaForm kForm, int kMaxTokens, bool kFp>
-__global__ void __launch_bounds__(kThreads, PipelineDepth<kMaxTokens>::kCtasPerSm)
+template <class T, WgmmaForm kForm, int kMaxTokens, bool kFp, int kBits>
+__global__ void __launch_bounds__(kThreads, PipelineDepth<kMaxTokens, kBits>::kCtasPerSm)
     expert_tiles_wgmma_kernel(WgmmaTileArgs p, const ExpertTile* __restrict__ tiles,
                               const TilePlanHeader* __restrict__ header) {
 #if EXPERTQMM_WGMMA_ENABLED
-  using L = Layout<kMaxTokens>;
+  using L = Layout<kMaxTokens, kBits>;
   extern __shared__ unsigned char smem_raw[];
   // 1024-byte aligned for the swizzle; indexing smem_raw keeps the pointer in the shared window
   // (integer-cast pointers compile to generic loads).
@@ -428,12 +467,12 @@ __global__ void __launch_bounds__(kThreads, PipelineDepth<kMaxTokens>::kCtasPerS
 #endif
 }
 
-template <class T, WgmmaForm kForm, int kMaxTokens, bool kFp = false>
+template <class T, WgmmaForm kForm, int kMaxTokens, bool kFp = false, int kBits = 4>
 void launch_variant(const WgmmaTileArgs& p, const ExpertTile* tiles, const TilePlanHeader* header,
                     int64_t tile_slots) {
-  constexpr int kSmem = Layout<kMaxTokens>::kAllocBytes;
+  constexpr int kSmem = Layout<kMaxTokens, kBits>::kAllocBytes;
   static const bool smem_configured = [] {
-    EXPERTQMM_CUDA_CHECK(cudaFuncSetAttribute(expert_tiles_wgmma_kernel<T, kForm, kMaxTokens, kFp>,
+    EXPERTQMM_CUDA_CHECK(cudaFuncSetAttribute(expert_tiles_wgmma_kernel<T, kForm, kMaxTokens, kFp, kBits>,
                                               cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
     return true;
   }();
@@ -443,18 +482,21 @@ void launch_variant(const WgmmaTileArgs& p, const ExpertTile* tiles, const TileP
   const int cols_per_cta = kGlu ? 64 : kCtaRows;
   const dim3 grid(static_cast<unsigned>(ceil_div(p.tile.N, cols_per_cta)),
                   static_cast<unsigned>(std::min<int64_t>(slots, 65535)));
-  expert_tiles_wgmma_kernel<T, kForm, kMaxTokens, kFp><<<grid, kThreads, kSmem, current_stream()>>>(p, tiles, header);
+  expert_tiles_wgmma_kernel<T, kForm, kMaxTokens, kFp, kBits><<<grid, kThreads, kSmem, current_stream()>>>(p, tiles, header);
   EXPERTQMM_CUDA_CHECK_LAUNCH("expert_tiles_wgmma_kernel");
 }
 
-// The instantiations, as data: activation dtype x form x widest wgmma. Narrower builds (fewer
-// accumulators, less shared memory) win where experts get few rows; see kWidths.
+// The instantiations, as data: activation dtype x form x widest wgmma x code width. Narrower builds
+// (fewer accumulators, less shared memory) win where experts get few rows; see kWidths. 8-bit codes
+// (the QAT uploads' 8-bit dense MLP, 8-bit experts) have one build, bf16 n128, which also runs the
+// narrower tile classes: each instance costs minutes of nvcc in CI.
 struct WgmmaVariant {
   DType dtype;
   WgmmaForm form;
   int max_tokens;
   bool fp;  // mxfp4 / nvfp4 codes (bf16, plain form only: the layer's fusions stay affine)
   void (*launch)(const WgmmaTileArgs&, const ExpertTile*, const TilePlanHeader*, int64_t);
+  int bits = 4;
 };
 const WgmmaVariant kVariants[] = {
     {DType::bf16, WgmmaForm::plain, 128, false, launch_variant<__nv_bfloat16, WgmmaForm::plain, 128>},
@@ -484,7 +526,16 @@ const WgmmaVariant kVariants[] = {
     {DType::bf16, WgmmaForm::plain, 128, true, launch_variant<__nv_bfloat16, WgmmaForm::plain, 128, true>},
     {DType::bf16, WgmmaForm::plain, 64, true, launch_variant<__nv_bfloat16, WgmmaForm::plain, 64, true>},
     {DType::bf16, WgmmaForm::plain, 32, true, launch_variant<__nv_bfloat16, WgmmaForm::plain, 32, true>},
+    {DType::bf16, WgmmaForm::plain, 128, false, launch_variant<__nv_bfloat16, WgmmaForm::plain, 128, false, 8>, 8},
+    {DType::bf16, WgmmaForm::geglu, 128, false, launch_variant<__nv_bfloat16, WgmmaForm::geglu, 128, false, 8>, 8},
+    {DType::bf16, WgmmaForm::swiglu, 128, false, launch_variant<__nv_bfloat16, WgmmaForm::swiglu, 128, false, 8>, 8},
+    {DType::bf16, WgmmaForm::combine, 128, false, launch_variant<__nv_bfloat16, WgmmaForm::combine, 128, false, 8>, 8},
 };
+constexpr int kWide8BitTokens = 128;  // the one 8-bit build
+// Whether the selector and the layer plan choose the 8-bit build (wgmma_tiles_fit), or only the test
+// hook's route and the probes run it (wgmma_builds_take): off until its GPU tests and its measurement
+// against the mma.sync kernel (bench/NOTES.md step 26) have run.
+constexpr bool kChoose8BitWgmma = false;
 
 // The build by mean rows per expert (rows / E), first entry with rows <= max_rows_per_expert * E
 // (measured, bench/NOTES.md: n64 beats n128 at 4 and 32 rows per expert, n128 wins at 64 and 128;
@@ -512,26 +563,34 @@ bool wgmma_available() {
 #endif
 }
 
-bool wgmma_tiles_fit(const detail::GatherQmmProblem& p) {
+bool wgmma_builds_take(const detail::GatherQmmProblem& p) {
   const bool affine = p.mode == QuantMode::affine && (p.dtype == DType::bf16 || p.dtype == DType::f16) &&
                       (p.group_size == 64 || p.group_size == 128);
   const bool fp4 = (p.mode == QuantMode::mxfp4 || p.mode == QuantMode::nvfp4) && p.dtype == DType::bf16;
-  return wgmma_available() && (affine || fp4) && p.bits == 4 && p.M == 1 && p.K % kBK == 0 && p.N % 8 == 0 &&
+  const bool codes = p.bits == 4 || (p.bits == 8 && affine && p.dtype == DType::bf16);  // kVariants
+  return wgmma_available() && (affine || fp4) && codes && p.M == 1 && p.K % kBK == 0 && p.N % 8 == 0 &&
          supports_tile_operands(p).ok;
+}
+
+bool wgmma_tiles_fit(const detail::GatherQmmProblem& p) {
+  return wgmma_builds_take(p) && (p.bits == 4 || kChoose8BitWgmma);
 }
 
 void launch_expert_tiles_wgmma(const WgmmaTileArgs& p, WgmmaForm form, DType dtype, const ExpertTile* tiles,
                                const TilePlanHeader* header, int64_t tile_slots, bool fp) {
+  const int bits = p.tile.q.words_per_row * 32 / p.tile.K;  // codes per row: K * bits / 32 words
   int max_tokens = wgmma_width();  // EXPERTQMM_WGMMA_WIDTH / set_wgmma_width pins a build
   for (const WidthChoice& w : kWidths)
     if (max_tokens == 0 && p.tile.rows <= w.max_rows_per_expert * p.tile.E) max_tokens = w.max_tokens;
+  if (bits == 8) max_tokens = kWide8BitTokens;
   for (const WgmmaVariant& v : kVariants)
-    if (v.dtype == dtype && v.form == form && v.max_tokens == max_tokens && v.fp == fp) {
+    if (v.dtype == dtype && v.form == form && v.max_tokens == max_tokens && v.fp == fp && v.bits == bits) {
       v.launch(p, tiles, header, tile_slots);
       return;
     }
   throw Error("gather_qmm", detail::cat("expert_tiles_wgmma has no kernel for dtype=", dtype_name(dtype), " form=",
-                                        static_cast<int>(form), fp ? " (fp codes)" : ""));
+                                        static_cast<int>(form), " bits=", bits, " width=", max_tokens,
+                                        fp ? " (fp codes)" : ""));
 }
 
 }  // namespace expertqmm::cuda

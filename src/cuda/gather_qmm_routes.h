@@ -28,7 +28,8 @@ using GatherQmmRoute = Route<detail::GatherQmmProblem>;  // route_table.h
 RouteSupport supports_expert_tiles(const detail::GatherQmmProblem& p);
 void call_expert_tiles(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
 // The route with its kernel pinned (tests): the sm_80 mma.sync kernel, or the sm_90a wgmma one
-// (supported only where wgmma_tiles_fit; gather_qmm_wgmma.h).
+// (supported where a build takes the problem, wgmma_builds_take: also the 8-bit build the selector
+// does not choose yet; gather_qmm_wgmma.h).
 void call_expert_tiles_mma_sync(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
 RouteSupport supports_expert_tiles_wgmma(const detail::GatherQmmProblem& p);
 // True when this build carries sm_90a code and the current device is compute capability 9.0

@@ -30,10 +30,13 @@ struct WgmmaTileArgs {
   int calls = 1;                              // gather_qmm calls this launch serves (glu: 2)
 };
 
-// Whether the wgmma kernels take p: wgmma_available(), bf16/f16 4-bit affine with group size 64 or
-// 128, or bf16 mxfp4 / nvfp4 (the plain form only), M == 1, K % 64 == 0, N % 8 == 0 and
-// supports_tile_operands(p). The output must also be 16-byte aligned (the epilogue's stores): the
-// caller checks its pointer.
+// Whether a wgmma build can run p: wgmma_available(), bf16/f16 4-bit affine with group size 64 or
+// 128, bf16 8-bit affine (group 64 or 128), or bf16 mxfp4 / nvfp4 (the plain form only), M == 1, K %
+// 64 == 0, N % 8 == 0 and supports_tile_operands(p). The output must also be 16-byte aligned (the
+// epilogue's stores): the caller checks its pointer.
+bool wgmma_builds_take(const detail::GatherQmmProblem& p);
+// Whether the selector and the layer plan choose the wgmma kernel for p: wgmma_builds_take, 8-bit
+// codes only once chosen (kChoose8BitWgmma; the test hook's route runs them meanwhile).
 bool wgmma_tiles_fit(const detail::GatherQmmProblem& p);
 
 // Runs the plan (built by launch_build_tile_plan on the same stream) in the given form; fp: an

@@ -46,7 +46,8 @@ void linear_into(const Linear& l, DType dtype, const void* x, int64_t T, void* o
 // matrix, gate and up in one launch with the GeGLU in its epilogue. bench/NOTES.md step 24
 // (probe-dense-linear.json, 4-bit g64 alone, 512 / 1024 / 2048 tokens): gate or up 44.6 / 64.5 / 97.2
 // us against rhs_tiles' 55.9 / 89.5 / 139.8, down 48.8 / 50.4 / 76.5 against 45.0 / 71.3 / 124.7. Below
-// 512 the 128-row tiles leave SMs idle (4 x 17 CTAs for gate at 512); 8-bit has no wgmma kernel.
+// 512 the 128-row tiles leave SMs idle (4 x 17 CTAs for gate at 512). 8-bit codes follow once the
+// selector chooses the kernel's 8-bit build (wgmma_tiles_fit; bench/NOTES.md step 26).
 constexpr int64_t kDenseRowsMinTokens = 512;
 
 enum class DenseMlpWay { decode_glu, expert_rows, linears };

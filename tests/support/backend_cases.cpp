@@ -275,7 +275,8 @@ void gather_qmm_rows(Table& t) {
   }
   // Every tensor-core bits x group size, with K = 448 (7 groups of 64: an odd count per 64-wide k
   // tile): decode-sized unsorted rows on every route, sorted prefill rows on every many-row route,
-  // the selector (the expert tile route) and both kernels of the tile route (wgmma: 4-bit g64/g128).
+  // the selector (the expert tile route) and both kernels of the tile route (wgmma: 4- and 8-bit
+  // g64/g128; f16 8-bit below).
   for (int bits : {4, 8})
     for (int group : {32, 64, 128})
       for (int64_t K : {384, 448}) {
@@ -285,11 +286,12 @@ void gather_qmm_rows(Table& t) {
         for (const char* r : kManyRowRoutes) add(t, large, rows_of(r, w, sorted(300)));
         add(t, large, picks(rows_of("", w, sorted(300)), "expert_tiles"));
         add(t, large, rows_of("expert_tiles_mma_sync", w, sorted(300)));
-        const bool wgmma = bits == 4 && group != 32;
+        const bool wgmma = group != 32;  // bf16
         add(t, large, wgmma ? rows_of("expert_tiles_wgmma", w, sorted(300))
                             : refusal(rows_of("", w, sorted(300)), "expert_tiles_wgmma", "quantization"));
       }
-  // float16 activations and scales.
+  // float16 activations and scales (8-bit: no wgmma build, the mma.sync kernel takes them).
+  add(t, large, refusal(rows_of("", {DType::f16, 8, 64, 8, 200, 256}, sorted(300)), "expert_tiles_wgmma", "quantization"));
   for (int bits : {4, 8}) {
     const Weight w{DType::f16, bits, 64, 8, 200, 256};
     for (const char* r : kAllRoutes) add(t, large, rows_of(r, w, uniform(24)));
@@ -495,6 +497,10 @@ void gather_qmm_rows(Table& t) {
           w.dtype = dtype;
           add(t, small, rows_of(r, w, ids));
         }
+  // The 8-bit wgmma build (bf16, n128 only) on the same edges: every tile class, a partial column
+  // block (N = 712) and 10 k tiles.
+  for (const Ids& ids : {one_expert(300), tails(13), runs(1, 65, 17), runs(0, 96, 97)})
+    add(t, small, rows_of("expert_tiles_wgmma", {DType::bf16, 8, 64, 6, 712, 640}, ids));
   // Mean rows per expert picks the wgmma build (kWidths: <= 16 rows n32, <= 32 n64, else n128, where
   // an 80-row tile runs as n96 and 130 rows as a full tile and a tail); the skewed patterns above
   // also run tall tiles as pieces of the n32 (E = 16) and n64 (E = 4) builds.
@@ -545,6 +551,21 @@ void moe_rows(Table& t) {
     add(t, small, SwitchGluCase{g, 9, true});
   }
   for (int64_t T : {2, 40}) add(t, small, MoeLayerCase{MoeGeometry{}, T, MoePath::automatic});
+  // 8-bit affine experts (the q8 preset) at prefill sizes, bf16 and f16, group 64 and 128, separate
+  // and fused gate/up: the expert tile route's mma.sync kernel (the wgmma kernel's 8-bit build runs
+  // its GLU, plain and combine forms here once the selector chooses it: kChoose8BitWgmma).
+  for (DType dtype : {DType::bf16, DType::f16})
+    for (int group : {64, 128}) {
+      MoeGeometry g;
+      g.E = 16;
+      g.k = 4;
+      g.bits = 8;
+      g.group = group;
+      g.dtype = dtype;
+      g.fused = group == 128;
+      add(t, large, SwitchGluCase{g, 300, false});
+      add(t, large, MoeLayerCase{g, 300, MoePath::automatic});
+    }
   // Experts in MLX's fp modes: the decode layer (mxfp4 / nvfp4 in bf16, T * k <= 64), qmv (mxfp8 and
   // f16 at decode sizes) and the expert tile route's mma.sync kernel (sorted prefill rows, bf16).
   for (QuantMode mode : {QuantMode::mxfp4, QuantMode::mxfp8, QuantMode::nvfp4})
