@@ -61,7 +61,8 @@ void set_product_mode(ProductMode mode);
 ProductMode product_mode();
 
 // EXPERTQMM_WGMMA=0|1: 0 turns the sm_90a wgmma kernels off (the mma.sync kernels run instead), for
-// comparison; unset or 1: used where the build and the device have them.
+// comparison; unset: the builds chosen by measurement, where the build and the device have them;
+// 1: also the builds not chosen yet (the 8-bit codes' one, bench/NOTES.md step 26), for their A/B.
 void set_wgmma(RouteSwitch s);
 RouteSwitch wgmma_setting();
 
