@@ -111,3 +111,49 @@ TEST(GpuGatherQmm, IntoWritesTheCallersOutput) {
     }
   }
 }
+
+// qmv with the GeGLU epilogue (the Gemma 4 block's 8-bit dense MLP at one token) writes the bits of
+// the two one-row qmv launches it replaces followed by the GLU product: the same sums in the same
+// order at the same K split. Gemma 4's gate/up shape and a narrow one (N = 200: a partial column set;
+// 64 chunks: no K split), one and three rows, bf16 and f16; and the calls it refuses.
+TEST(GpuGatherQmm, QmvGluIsTwoQmvsAndTheGluProduct) {
+  EXPERTQMM_REQUIRE_GPU();
+  for (DType dtype : {DType::bf16, DType::f16})
+    for (const std::pair<int64_t, int64_t>& nk : {std::pair<int64_t, int64_t>{2112, 2816}, {200, 256}})
+      for (int64_t T : {1, 3}) {
+        const std::string what = detail::cat(dtype_name(dtype), " N=", nk.first, " K=", nk.second, " T=", T);
+        const QuantizedWeight gate = test::to_device(test::random_codes(1, nk.first, nk.second, 8, 64, dtype), Device::cuda);
+        const QuantizedWeight up = test::to_device(test::random_codes(1, nk.first, nk.second, 8, 64, dtype), Device::cuda);
+        const Tensor x = test::random_tensor({T, nk.second}, dtype, 1.0f, Device::cuda);
+        const detail::GatherQmmProblem pg = cuda::single_matrix_problem(x.data(), T, nk.second, dtype, gate);
+        const detail::GatherQmmProblem pu = cuda::single_matrix_problem(x.data(), T, nk.second, dtype, up);
+        ASSERT_TRUE(cuda::supports_qmv_glu(pg, pu, Activation::geglu).ok) << what;
+        Tensor g = Tensor::empty({T, nk.first}, dtype, Device::cuda), u = Tensor::empty({T, nk.first}, dtype, Device::cuda);
+        cuda::gather_qmm_into_route("qmv_one_row", pg, g.data(), nullptr);
+        cuda::gather_qmm_into_route("qmv_one_row", pu, u.data(), nullptr);
+        const Tensor want = glu_product(Activation::geglu, g, u);
+        Tensor got = Tensor::empty({T, nk.first}, dtype, Device::cuda);
+        test::poison(got);
+        cuda::call_qmv_glu(pg, pu, Activation::geglu, got.data());
+        cuda_check();
+        EXPECT_EQ(got.to_host_bytes(), want.to_host_bytes()) << what;
+      }
+  // Refused: swiglu (no such epilogue in the table), 4-bit codes (no kernel), two different x, an
+  // expert batch.
+  const QuantizedWeight q8 = test::to_device(test::random_codes(1, 200, 256, 8, 64), Device::cuda);
+  const QuantizedWeight q4 = test::to_device(test::random_codes(1, 200, 256, 4, 64), Device::cuda);
+  const Tensor x = test::random_tensor({2, 256}, DType::bf16, 1.0f, Device::cuda);
+  const detail::GatherQmmProblem p8 = cuda::single_matrix_problem(x.data(), 1, 256, DType::bf16, q8);
+  const detail::GatherQmmProblem p4 = cuda::single_matrix_problem(x.data(), 1, 256, DType::bf16, q4);
+  const detail::GatherQmmProblem other_x =
+      cuda::single_matrix_problem(static_cast<const uint16_t*>(x.data()) + 256, 1, 256, DType::bf16, q8);
+  EXPECT_EQ(cuda::supports_qmv_glu(p8, p8, Activation::swiglu).reason, Fallback::topology);
+  EXPECT_EQ(cuda::supports_qmv_glu(p4, p4, Activation::geglu).reason, Fallback::quantization);
+  EXPECT_EQ(cuda::supports_qmv_glu(p8, other_x, Activation::geglu).reason, Fallback::shape);
+  detail::GatherQmmProblem batched = p8;
+  batched.B = 2;
+  batched.batch = {2};
+  EXPECT_FALSE(cuda::supports_qmv_glu(batched, p8, Activation::geglu).ok);
+  Tensor out = Tensor::empty({1, 200}, DType::bf16, Device::cuda);
+  EXPECT_THROW(cuda::call_qmv_glu(p4, p4, Activation::geglu, out.data()), Error);
+}

@@ -9,6 +9,7 @@
 #include <algorithm>
 
 #include "cuda/device/dequant.cuh"
+#include "cuda/device/glu.cuh"
 #include "cuda/device/staging.cuh"
 #include "cuda/gather_qmm_routes.h"
 #include "cuda/runtime.cuh"
@@ -40,9 +41,14 @@ constexpr int64_t kQmvMaxK = 8192;    // x row staged as float in shared memory:
 constexpr int kQmvMultiRowCtasPerSm = 2;
 constexpr size_t kQmvMultiRowMaxSmem = 113 * 1024;
 
+// What a qmv kernel writes: each column's sum (plain), or act(T(gate)) * T(up) of two weight sets of
+// one geometry, q the gate's and up the up's (geglu: the Gemma 4 block's dense MLP at one token).
+enum class QmvEpilogue { plain, geglu };
+
 struct QmvArgs {
   const void* x;           // x_batch matrices of (M, K) T, x_batch_stride elements apart
   device::QuantView q;     // (E, N, K*bits/32) codes, (E, N, K/group_size) raw T scales and biases
+  device::QuantView up;    // QmvEpilogue::geglu: the up weights, q's geometry
   const int32_t* lhs;  // (B,) or nullptr (identity)
   const int32_t* rhs;  // (B,) or nullptr (identity)
   void* out;           // (B*M, N) T
@@ -137,9 +143,14 @@ struct QmvBatch {
 // only then stage x (its loads overlap the weights'), then the math. Later batches (K beyond
 // 64 chunks per slice) load and compute in turn. Lanes reduce with xor shuffles; with
 // k_split > 1 the slices meet in shared memory.
-template <class T, int kBits, int kVecWords, int kFp, int kRows>
+// kEpi = geglu (affine, one row per CTA): the lane's batch holds one chunk of each column of both
+// weight sets, each set's sums in the plain kernel's order (so T(gate) and T(up) are the bits two
+// one-row launches at the same k_split write), and the store is act(T(gate)) * T(up) rounded to T.
+template <class T, int kBits, int kVecWords, int kFp, int kRows, QmvEpilogue kEpi = QmvEpilogue::plain>
 __global__ void __launch_bounds__(kQmvThreads, kRows == 1 ? kQmvMinCtasPerSm : kQmvMultiRowCtasPerSm)
     qmv_kernel(QmvArgs a) {
+  constexpr bool kGlu = kEpi != QmvEpilogue::plain;
+  static_assert(!kGlu || (kFp == 0 && kRows == 1), "the GLU epilogue is built for affine codes, one row per CTA");
   constexpr int kValsPerChunk = kVecWords * (32 / kBits);
   constexpr int kScales = scales_per_chunk(kFp, kValsPerChunk);
   constexpr int kUnit = kValsPerChunk < kQmvStageVals ? kValsPerChunk : kQmvStageVals;  // values per staged unit
@@ -176,15 +187,21 @@ __global__ void __launch_bounds__(kQmvThreads, kRows == 1 ? kQmvMinCtasPerSm : k
   const uint16_t* scale_col0 = kFp ? nullptr : a.q.scales + group_row0;
   const uint16_t* bias_col0 = kFp ? nullptr : a.q.biases + group_row0;
   const uint8_t* fp_col0 = kFp ? a.q.fp_scales + group_row0 : nullptr;
+  const uint32_t* up_w_col0 = kGlu ? a.up.w + col_row * a.q.words_per_row : nullptr;
+  const uint16_t* up_scale_col0 = kGlu ? a.up.scales + group_row0 : nullptr;
+  const uint16_t* up_bias_col0 = kGlu ? a.up.biases + group_row0 : nullptr;
   const int chunk_stride = 32 * a.k_split;  // between one lane's consecutive chunks
   // Several rows per CTA: one chunk per column in a batch, the registers going to the rows' sums
   // (8 rows x 4 columns) instead; the rows' math per batch covers the next batch's load.
-  constexpr int kChunks = kRows == 1 ? kQmvChunksPerLane : 1;
+  // The GLU epilogue: one chunk per column too, the registers going to the second weight set.
+  constexpr int kChunks = kRows == 1 && !kGlu ? kQmvChunksPerLane : 1;
   const int batch_stride = kChunks * chunk_stride;
 
-  QmvBatch<T, kVecWords, kFp, kScales, kChunks> batch;
+  QmvBatch<T, kVecWords, kFp, kScales, kChunks> batch, up_batch;
   int chunk0 = slice * 32 + lane;
   batch.load(a, w_col0, scale_col0, bias_col0, fp_col0, cols_left, chunk0, chunk_stride, kValsPerChunk);
+  if constexpr (kGlu)
+    up_batch.load(a, up_w_col0, up_scale_col0, up_bias_col0, nullptr, cols_left, chunk0, chunk_stride, kValsPerChunk);
 
   // Stage x: thread i takes units i, i + 256, ... of the rows' units laid end to end; 16-byte loads
   // when the rows are aligned.
@@ -216,11 +233,13 @@ __global__ void __launch_bounds__(kQmvThreads, kRows == 1 ? kQmvMinCtasPerSm : k
   }
   __syncthreads();
 
-  float acc[kRows][kQmvColsPerWarp];
+  float acc[kRows][kQmvColsPerWarp], acc_up[kQmvColsPerWarp];  // acc_up: the GLU's up sums (row 0)
 #pragma unroll
   for (int r = 0; r < kRows; ++r)
 #pragma unroll
     for (int i = 0; i < kQmvColsPerWarp; ++i) acc[r][i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < kQmvColsPerWarp; ++i) acc_up[i] = 0.f;
 
   for (;;) {
 #pragma unroll
@@ -258,11 +277,13 @@ __global__ void __launch_bounds__(kQmvThreads, kRows == 1 ? kQmvMinCtasPerSm : k
         }
       } else {
         const int x_off = padded(c * kValsPerChunk);
-        float dot[kRows][kQmvColsPerWarp];
+        float dot[kRows][kQmvColsPerWarp], dot_up[kQmvColsPerWarp];
 #pragma unroll
         for (int r = 0; r < kRows; ++r)
 #pragma unroll
           for (int i = 0; i < kQmvColsPerWarp; ++i) dot[r][i] = 0.f;
+#pragma unroll
+        for (int i = 0; i < kQmvColsPerWarp; ++i) dot_up[i] = 0.f;
 #pragma unroll
         for (int wi = 0; wi < kVecWords; ++wi) {
 #pragma unroll
@@ -272,6 +293,11 @@ __global__ void __launch_bounds__(kQmvThreads, kRows == 1 ? kQmvMinCtasPerSm : k
             word_x<kBits>(xs + r * xs_stride + x_off, wi, xv);
 #pragma unroll
             for (int i = 0; i < kQmvColsPerWarp; ++i) dot[r][i] = word_dot<kBits>(batch.words[it][i][wi], xv, dot[r][i]);
+            if constexpr (kGlu) {
+#pragma unroll
+              for (int i = 0; i < kQmvColsPerWarp; ++i)
+                dot_up[i] = word_dot<kBits>(up_batch.words[it][i][wi], xv, dot_up[i]);
+            }
           }
         }
 #pragma unroll
@@ -284,12 +310,19 @@ __global__ void __launch_bounds__(kQmvThreads, kRows == 1 ? kQmvMinCtasPerSm : k
 #pragma unroll
           for (int i = 0; i < kQmvColsPerWarp; ++i)
             acc[r][i] += batch.scale[it][i][0] * dot[r][i] + batch.bias[it][i] * sx;
+          if constexpr (kGlu) {
+#pragma unroll
+            for (int i = 0; i < kQmvColsPerWarp; ++i)
+              acc_up[i] += up_batch.scale[it][i][0] * dot_up[i] + up_batch.bias[it][i] * sx;
+          }
         }
       }
     }
     chunk0 += batch_stride;
     if (chunk0 - lane >= a.num_chunks) break;  // warp-uniform: no lane has chunks left
     batch.load(a, w_col0, scale_col0, bias_col0, fp_col0, cols_left, chunk0, chunk_stride, kValsPerChunk);
+    if constexpr (kGlu)
+      up_batch.load(a, up_w_col0, up_scale_col0, up_bias_col0, nullptr, cols_left, chunk0, chunk_stride, kValsPerChunk);
   }
 
 #pragma unroll
@@ -298,6 +331,20 @@ __global__ void __launch_bounds__(kQmvThreads, kRows == 1 ? kQmvMinCtasPerSm : k
     for (int i = 0; i < kQmvColsPerWarp; ++i)
 #pragma unroll
       for (int offset = 16; offset > 0; offset >>= 1) acc[r][i] += __shfl_xor_sync(0xffffffffu, acc[r][i], offset);
+  if constexpr (kGlu) {
+#pragma unroll
+    for (int i = 0; i < kQmvColsPerWarp; ++i)
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) acc_up[i] += __shfl_xor_sync(0xffffffffu, acc_up[i], offset);
+  }
+  // The stored value of a column from its sums: T(sum), or act(T(gate)) * T(up) rounded to T.
+  auto result = [](float gate, float up) {
+    if constexpr (kGlu)
+      return Elem<T>::from_float(device::glu<Activation::geglu>(Elem<T>::to_float(Elem<T>::from_float(gate)),
+                                                                Elem<T>::to_float(Elem<T>::from_float(up))));
+    else
+      return Elem<T>::from_float(gate);
+  };
 
   T* out = static_cast<T*>(a.out) + (static_cast<int64_t>(b) * a.M + m0) * a.N;  // the CTA's first row
   if (a.k_split == 1) {
@@ -306,33 +353,39 @@ __global__ void __launch_bounds__(kQmvThreads, kRows == 1 ? kQmvMinCtasPerSm : k
       for (int r = 0; r < kRows; ++r)
 #pragma unroll
         for (int i = 0; i < kQmvColsPerWarp; ++i)
-          if (r < rows && i < cols_left) out[static_cast<int64_t>(r) * a.N + col0 + i] = Elem<T>::from_float(acc[r][i]);
+          if (r < rows && i < cols_left) out[static_cast<int64_t>(r) * a.N + col0 + i] = result(acc[r][i], acc_up[i]);
     }
     return;
   }
+  // partial: (k_split, kRows, cols_per_cta) sums, then (GLU) the up sums of the one row.
+  float* partial_up = partial + a.k_split * kRows * cols_per_cta;
   if (lane == 0) {
 #pragma unroll
     for (int r = 0; r < kRows; ++r)
 #pragma unroll
-      for (int i = 0; i < kQmvColsPerWarp; ++i)
+      for (int i = 0; i < kQmvColsPerWarp; ++i) {
         partial[(slice * kRows + r) * cols_per_cta + col_set * kQmvColsPerWarp + i] = acc[r][i];
+        if (kGlu) partial_up[slice * cols_per_cta + col_set * kQmvColsPerWarp + i] = acc_up[i];
+      }
   }
   __syncthreads();
   for (int j = threadIdx.x; j < rows * cols_per_cta; j += kQmvThreads) {
     const int r = kRows == 1 ? 0 : j / cols_per_cta, c = j - r * cols_per_cta;
     const int n = blockIdx.x * cols_per_cta + c;
     if (n >= a.N) continue;
-    float sum = 0.f;
+    float sum = 0.f, sum_up = 0.f;
     for (int s = 0; s < a.k_split; ++s) sum += partial[(s * kRows + r) * cols_per_cta + c];
-    out[static_cast<int64_t>(r) * a.N + n] = Elem<T>::from_float(sum);
+    if (kGlu)
+      for (int s = 0; s < a.k_split; ++s) sum_up += partial_up[s * cols_per_cta + c];
+    out[static_cast<int64_t>(r) * a.N + n] = result(sum, sum_up);
   }
 }
 
 size_t qmv_multi_row_smem() { return std::min(kQmvMultiRowMaxSmem, device_smem_optin()); }
 
-template <class T, int kBits, int kVecWords, int kFp = 0, int kRows = 1>
+template <class T, int kBits, int kVecWords, int kFp = 0, int kRows = 1, QmvEpilogue kEpi = QmvEpilogue::plain>
 void launch_qmv(const QmvArgs& a, dim3 grid, size_t smem) {
-  auto* kernel = qmv_kernel<T, kBits, kVecWords, kFp, kRows>;
+  auto* kernel = qmv_kernel<T, kBits, kVecWords, kFp, kRows, kEpi>;
   static const bool smem_configured = [kernel] {  // the multi-row kernels stage up to 113 KB
     if (kRows > 1)
       EXPERTQMM_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -346,7 +399,8 @@ void launch_qmv(const QmvArgs& a, dim3 grid, size_t smem) {
 
 // The qmv kernels by (dtype, mode, bits, words per chunk, rows per CTA): 16-byte loads when every
 // weight row starts 16-byte aligned, single words otherwise (K % 8 == 0 is all qmv asks of K);
-// several rows per CTA for affine 16-byte rows (the dense MLP's and other single-matrix calls).
+// several rows per CTA for affine 16-byte rows (the dense MLP's and other single-matrix calls);
+// the GeGLU epilogue for 8-bit affine 16-byte rows (the Gemma 4 block's 8-bit dense MLP at one token).
 // ptxas (sm_90a): 120-128 registers; 4-bit at 8 rows spills 28 B, the others none.
 struct QmvVariant {
   DType dtype;
@@ -355,6 +409,7 @@ struct QmvVariant {
   int vec_words;
   void (*launch)(const QmvArgs&, dim3, size_t);
   int rows_per_cta = 1;
+  QmvEpilogue epilogue = QmvEpilogue::plain;
 };
 constexpr QuantMode kAffine = QuantMode::affine, kMxfp4 = QuantMode::mxfp4, kMxfp8 = QuantMode::mxfp8,
                     kNvfp4 = QuantMode::nvfp4;
@@ -373,19 +428,25 @@ const QmvVariant kQmvVariants[] = {
     {DType::bf16, kAffine, 8, 4, launch_qmv<__nv_bfloat16, 8, 4, 0, 4>, 4}, {DType::bf16, kAffine, 8, 4, launch_qmv<__nv_bfloat16, 8, 4, 0, 8>, 8},
     {DType::f16, kAffine, 4, 4, launch_qmv<__half, 4, 4, 0, 4>, 4},         {DType::f16, kAffine, 4, 4, launch_qmv<__half, 4, 4, 0, 8>, 8},
     {DType::f16, kAffine, 8, 4, launch_qmv<__half, 8, 4, 0, 4>, 4},         {DType::f16, kAffine, 8, 4, launch_qmv<__half, 8, 4, 0, 8>, 8},
+    {DType::bf16, kAffine, 8, 4, launch_qmv<__nv_bfloat16, 8, 4, 0, 1, QmvEpilogue::geglu>, 1, QmvEpilogue::geglu},
+    {DType::f16, kAffine, 8, 4, launch_qmv<__half, 8, 4, 0, 1, QmvEpilogue::geglu>, 1, QmvEpilogue::geglu},
 };
 
 // Per staged row: xs and unit_sum (at most K / 4 units: 8-bit single-word chunks); then the split-K
-// partials of rows_per_cta rows. staged_rows: the most rows a CTA stages (min(rows_per_cta, M)).
-size_t qmv_smem_bytes(int64_t K, int staged_rows = 1, int rows_per_cta = 1) {
+// partials of rows_per_cta rows (twice for a GLU epilogue's two weight sets). staged_rows: the most
+// rows a CTA stages (min(rows_per_cta, M)).
+size_t qmv_smem_bytes(int64_t K, int staged_rows = 1, int rows_per_cta = 1, QmvEpilogue epi = QmvEpilogue::plain) {
   const int64_t per_row = round_up4(padded(static_cast<int>(K))) + round_up4(static_cast<int>(K / 4));
-  return sizeof(float) * (staged_rows * per_row + kQmvPartials * rows_per_cta);
+  const int sets = epi == QmvEpilogue::plain ? 1 : 2;
+  return sizeof(float) * (staged_rows * per_row + kQmvPartials * rows_per_cta * sets);
 }
 
-// The table's kernel for p at vec_words words per chunk and r rows per CTA, or null.
-const QmvVariant* find_qmv_variant(const detail::GatherQmmProblem& p, int vec_words, int r) {
+// The table's kernel for p at vec_words words per chunk, r rows per CTA and an epilogue, or null.
+const QmvVariant* find_qmv_variant(const detail::GatherQmmProblem& p, int vec_words, int r,
+                                   QmvEpilogue epi = QmvEpilogue::plain) {
   for (const QmvVariant& v : kQmvVariants)
-    if (v.dtype == p.dtype && v.mode == p.mode && v.bits == p.bits && v.vec_words == vec_words && v.rows_per_cta == r)
+    if (v.dtype == p.dtype && v.mode == p.mode && v.bits == p.bits && v.vec_words == vec_words &&
+        v.rows_per_cta == r && v.epilogue == epi)
       return &v;
   return nullptr;
 }
@@ -432,13 +493,17 @@ RouteSupport supports_qmv(const detail::GatherQmmProblem& p) {
 
 namespace {
 
-// rows_per_cta: 0 for qmv_rows_per_cta's choice, else that many (1: the one-row kernel).
-void run_qmv(const detail::GatherQmmProblem& p, void* out, int rows_per_cta) {
+// rows_per_cta: 0 for qmv_rows_per_cta's choice, else that many (1: the one-row kernel). glu_up: the
+// up weights of a GeGLU epilogue (supports_qmv_glu holds; one row per CTA), else null.
+void run_qmv(const detail::GatherQmmProblem& p, void* out, int rows_per_cta,
+             const detail::GatherQmmProblem* glu_up = nullptr) {
   const RouteSupport s = supports_qmv(p);
   EXPERTQMM_CHECK(s.ok, "gather_qmm", "qmv does not support ", p.describe(), " (", fallback_name(s.reason), ")");
+  const QmvEpilogue epi = glu_up ? QmvEpilogue::geglu : QmvEpilogue::plain;
   QmvArgs a{};
   a.x = p.x.data();
   a.q = quant_view(p);
+  if (glu_up) a.up = quant_view(*glu_up);
   a.lhs = p.lhs_is_identity ? nullptr : static_cast<const int32_t*>(p.lhs.data());
   a.rhs = p.rhs_is_identity ? nullptr : static_cast<const int32_t*>(p.rhs.data());
   a.out = out;
@@ -453,7 +518,7 @@ void run_qmv(const detail::GatherQmmProblem& p, void* out, int rows_per_cta) {
   a.num_chunks = a.q.words_per_row / vec_words;
   a.x_vec = is_aligned(p.x.data(), 16) && p.x_batch_stride % 8 == 0;  // K % 8 == 0: every row aligned
 
-  const int r = rows_per_cta > 0 ? rows_per_cta : qmv_rows_per_cta(p, vec_words);
+  const int r = glu_up ? 1 : rows_per_cta > 0 ? rows_per_cta : qmv_rows_per_cta(p, vec_words);
   a.row_blocks = static_cast<int>((p.M + r - 1) / r);
 
   // Split K across warps while the grid would not fill the resident CTA slots (3 per SM; 2 for
@@ -467,11 +532,11 @@ void run_qmv(const detail::GatherQmmProblem& p, void* out, int rows_per_cta) {
 
   const int cols_per_cta = (kQmvWarps / k_split) * kQmvColsPerWarp;
   const dim3 grid(ceil_div(p.N, cols_per_cta), static_cast<unsigned>(cta_rows));
-  const size_t smem = qmv_smem_bytes(p.K, static_cast<int>(std::min<int64_t>(r, p.M)), r);
-  const QmvVariant* v = find_qmv_variant(p, vec_words, r);
+  const size_t smem = qmv_smem_bytes(p.K, static_cast<int>(std::min<int64_t>(r, p.M)), r, epi);
+  const QmvVariant* v = find_qmv_variant(p, vec_words, r, epi);
   if (v == nullptr)
     throw Error("gather_qmm", detail::cat("qmv has no kernel for dtype=", dtype_name(p.dtype), " bits=", p.bits,
-                                          " rows per CTA=", r));
+                                          " rows per CTA=", r, glu_up ? " with the GeGLU epilogue" : ""));
   v->launch(a, grid, smem);
 }
 
@@ -479,5 +544,30 @@ void run_qmv(const detail::GatherQmmProblem& p, void* out, int rows_per_cta) {
 
 void call_qmv(const detail::GatherQmmProblem& p, void* out, Workspace*) { run_qmv(p, out, 0); }
 void call_qmv_one_row(const detail::GatherQmmProblem& p, void* out, Workspace*) { run_qmv(p, out, 1); }
+
+RouteSupport supports_qmv_glu(const detail::GatherQmmProblem& gate, const detail::GatherQmmProblem& up,
+                              Activation act) {
+  if (act != Activation::geglu) return route_miss(Fallback::topology);  // the table's epilogue
+  for (const detail::GatherQmmProblem* p : {&gate, &up}) {
+    const RouteSupport s = supports_qmv(*p);
+    if (!s.ok) return s;
+    // One weight matrix, identity indices: the block's dense linears (single_matrix_problem).
+    if (p->B != 1 || p->w_batch != 1 || !p->lhs_is_identity || !p->rhs_is_identity) return route_miss(Fallback::topology);
+    if (p->w_row_words() % 4 != 0 || !is_aligned(p->w.data(), 16)) return route_miss(Fallback::alignment);
+  }
+  const bool same = gate.N == up.N && gate.K == up.K && gate.M == up.M && gate.bits == up.bits &&
+                    gate.group_size == up.group_size && gate.mode == up.mode && gate.dtype == up.dtype &&
+                    gate.x.data() == up.x.data() && gate.x_batch_stride == up.x_batch_stride;
+  if (!same) return route_miss(Fallback::shape);
+  if (find_qmv_variant(gate, 4, 1, QmvEpilogue::geglu) == nullptr) return route_miss(Fallback::quantization);
+  return route_ok();
+}
+
+void call_qmv_glu(const detail::GatherQmmProblem& gate, const detail::GatherQmmProblem& up, Activation act, void* out) {
+  const RouteSupport s = supports_qmv_glu(gate, up, act);
+  EXPERTQMM_CHECK(s.ok, "gather_qmm", "qmv with the GLU epilogue does not support gate ", gate.describe(), " and up ",
+                  up.describe(), " (", fallback_name(s.reason), ")");
+  run_qmv(gate, out, 1, &up);
+}
 
 }  // namespace expertqmm::cuda

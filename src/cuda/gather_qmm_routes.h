@@ -50,6 +50,12 @@ RouteSupport supports_qmv(const detail::GatherQmmProblem& p);
 void call_qmv(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
 // The test hook's qmv_one_row: one row per CTA whatever M (the multi-row kernels' comparison).
 void call_qmv_one_row(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
+// qmv with the GLU product in its epilogue: out [M, N] = act(T(x gate^T)) * T(x up^T) for two single
+// weight matrices of one geometry read by one launch, one row per CTA (the Gemma 4 block's 8-bit
+// dense MLP at one token: one launch for gate, up and the GeGLU). The table has geglu for 8-bit
+// affine 16-byte weight rows; gate and up must be single_matrix_problem's of the same x.
+RouteSupport supports_qmv_glu(const detail::GatherQmmProblem& gate, const detail::GatherQmmProblem& up, Activation act);
+void call_qmv_glu(const detail::GatherQmmProblem& gate, const detail::GatherQmmProblem& up, Activation act, void* out);
 
 // --- rhs_tiles: the generic tensor-core route (gather_qmm_rhs_tiles.cu) ------------------------
 // Operand checks shared by every route built on device/tile_gemm.cuh (dtype, bits, group size,

@@ -3,8 +3,9 @@
 // has grown to a size, no allocation (graph-capturable):
 //   entry norms (one kernel): x1 = rms_norm(h, pre_ff), x2 = rms_norm(h, pre_ff_2)
 //   then two branches that share nothing but their inputs:
-//     side stream:   a = GLU(x1 @ gate^T, x1 @ up^T) -> d = a @ down^T, one of three ways (DenseMlpWay):
-//                    T <= 8 (4-bit): one decode gate/up launch; T >= 512 (4-bit, sm_90a): the
+//     side stream:   a = GLU(x1 @ gate^T, x1 @ up^T) -> d = a @ down^T, one of four ways (DenseMlpWay):
+//                    T <= 8 (4-bit): one decode gate/up launch; T = 1 (8-bit): one qmv launch with
+//                    the GeGLU in its epilogue; T >= 512 (4-bit, sm_90a): the
 //                    linears as T rows of one expert on the expert tile route, gate and up in one
 //                    wgmma launch with the GeGLU; else two gather_qmm calls (M = T, B = 1) and the
 //                    GLU product
@@ -50,7 +51,12 @@ void linear_into(const Linear& l, DType dtype, const void* x, int64_t T, void* o
 // selector chooses the kernel's 8-bit build (wgmma_tiles_fit; bench/NOTES.md step 26).
 constexpr int64_t kDenseRowsMinTokens = 512;
 
-enum class DenseMlpWay { decode_glu, expert_rows, linears };
+enum class DenseMlpWay { decode_glu, qmv_glu, expert_rows, linears };
+
+// Up to this many tokens a dense MLP the decode GLU kernel does not take (8-bit) runs gate, up and the
+// GeGLU as one qmv launch (one row per CTA). At T = 2-7 the multi-row qmv kernels read each weight
+// once per 4-8 rows (step 21), which one-row GLU launches would give up (bench/NOTES.md step 27).
+constexpr int64_t kQmvGluMaxTokens = 1;
 
 // Whether the dense MLP may run as expert rows, from the shapes alone (the arena then reserves its
 // ids and plan); the kernels' own rules are checked once the buffers are placed (gemma4_ffn_into).
@@ -141,9 +147,15 @@ void gemma4_ffn_into(Tensor& out, const Tensor& h, const Gemma4FfnWeights& w, Wo
   Workspace& side_ws = ws.branch();
   const Tensor x1 = Tensor::view(at(x1_off), {T, H}, dt, Device::cuda);
   DenseMlpWay dense_way = DenseMlpWay::linears;
-  if (mode == ProductMode::fused && w.mlp.gate.is_quantized() && w.mlp.up.is_quantized() &&
-      supports_decode_glu(x1, w.mlp.gate.quantized, w.mlp.up.quantized, Activation::geglu).ok)
+  const bool quantized_glu = mode == ProductMode::fused && w.mlp.gate.is_quantized() && w.mlp.up.is_quantized();
+  if (quantized_glu && supports_decode_glu(x1, w.mlp.gate.quantized, w.mlp.up.quantized, Activation::geglu).ok)
     dense_way = DenseMlpWay::decode_glu;
+  detail::GatherQmmProblem gate_one, up_one;  // qmv_glu: gate and up as single matrices
+  if (dense_way == DenseMlpWay::linears && quantized_glu && T <= kQmvGluMaxTokens) {
+    gate_one = single_matrix_problem(at(x1_off), T, H, dt, w.mlp.gate.quantized);
+    up_one = single_matrix_problem(at(x1_off), T, H, dt, w.mlp.up.quantized);
+    if (supports_qmv_glu(gate_one, up_one, Activation::geglu).ok) dense_way = DenseMlpWay::qmv_glu;
+  }
   detail::GatherQmmProblem gate_rows, up_rows, down_rows;
   if (rows) {
     auto* ids = static_cast<int32_t*>(at(ids_off));
@@ -159,6 +171,8 @@ void gemma4_ffn_into(Tensor& out, const Tensor& h, const Gemma4FfnWeights& w, Wo
   if (dense_way == DenseMlpWay::decode_glu) {
     // Decode sizes: gate, up and the GeGLU in one launch (the dense MLP as one always-chosen expert).
     launch_decode_glu(x1, w.mlp.gate.quantized, w.mlp.up.quantized, Activation::geglu, at(act_off));
+  } else if (dense_way == DenseMlpWay::qmv_glu) {
+    call_qmv_glu(gate_one, up_one, Activation::geglu, at(act_off));
   } else if (dense_way == DenseMlpWay::expert_rows) {
     // Prefill sizes: every row is expert 0's, so the plan is T / 128 full tiles; the selector counts
     // the three GEMMs on the tile route as the MoE layer's plan does.
