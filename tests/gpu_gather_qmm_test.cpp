@@ -122,13 +122,14 @@ TEST(GpuGatherQmm, QmvGluIsTwoQmvsAndTheGluProduct) {
     for (const std::pair<int64_t, int64_t>& nk : {std::pair<int64_t, int64_t>{2112, 2816}, {200, 256}})
       for (int64_t T : {1, 3}) {
         const std::string what = detail::cat(dtype_name(dtype), " N=", nk.first, " K=", nk.second, " T=", T);
-        const QuantizedWeight gate = test::to_device(test::random_codes(1, nk.first, nk.second, 8, 64, dtype), Device::cuda);
-        const QuantizedWeight up = test::to_device(test::random_codes(1, nk.first, nk.second, 8, 64, dtype), Device::cuda);
+        auto codes = [&] { return test::to_device(test::random_codes(1, nk.first, nk.second, 8, 64, dtype), Device::cuda); };
+        const QuantizedWeight gate = codes(), up = codes();
         const Tensor x = test::random_tensor({T, nk.second}, dtype, 1.0f, Device::cuda);
         const detail::GatherQmmProblem pg = cuda::single_matrix_problem(x.data(), T, nk.second, dtype, gate);
         const detail::GatherQmmProblem pu = cuda::single_matrix_problem(x.data(), T, nk.second, dtype, up);
         ASSERT_TRUE(cuda::supports_qmv_glu(pg, pu, Activation::geglu).ok) << what;
-        Tensor g = Tensor::empty({T, nk.first}, dtype, Device::cuda), u = Tensor::empty({T, nk.first}, dtype, Device::cuda);
+        Tensor g = Tensor::empty({T, nk.first}, dtype, Device::cuda);
+        Tensor u = Tensor::empty({T, nk.first}, dtype, Device::cuda);
         cuda::gather_qmm_into_route("qmv_one_row", pg, g.data(), nullptr);
         cuda::gather_qmm_into_route("qmv_one_row", pu, u.data(), nullptr);
         const Tensor want = glu_product(Activation::geglu, g, u);

@@ -47,7 +47,8 @@ RouteCounters counters_of(const char* primitive) {
 // sm_90a build on compute capability 9.0).
 bool dense_mlp_on_expert_rows(int dense_bits, ProductMode mode, int64_t T) {
 #ifdef EXPERTQMM_HAVE_CUDA
-  return (dense_bits == 4 || (dense_bits == 8 && wgmma_setting() == RouteSwitch::on)) && mode == ProductMode::fused && T >= 512 && expert_tiles_setting() != RouteSwitch::off &&
+  const bool bits_taken = dense_bits == 4 || (dense_bits == 8 && wgmma_setting() == RouteSwitch::on);
+  return bits_taken && mode == ProductMode::fused && T >= 512 && expert_tiles_setting() != RouteSwitch::off &&
          cuda::wgmma_available();
 #else
   (void)dense_bits, (void)mode, (void)T;

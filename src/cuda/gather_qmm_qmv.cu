@@ -552,7 +552,8 @@ RouteSupport supports_qmv_glu(const detail::GatherQmmProblem& gate, const detail
     const RouteSupport s = supports_qmv(*p);
     if (!s.ok) return s;
     // One weight matrix, identity indices: the block's dense linears (single_matrix_problem).
-    if (p->B != 1 || p->w_batch != 1 || !p->lhs_is_identity || !p->rhs_is_identity) return route_miss(Fallback::topology);
+    if (p->B != 1 || p->w_batch != 1 || !p->lhs_is_identity || !p->rhs_is_identity)
+      return route_miss(Fallback::topology);
     if (p->w_row_words() % 4 != 0 || !is_aligned(p->w.data(), 16)) return route_miss(Fallback::alignment);
   }
   const bool same = gate.N == up.N && gate.K == up.K && gate.M == up.M && gate.bits == up.bits &&
