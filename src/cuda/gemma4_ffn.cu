@@ -82,6 +82,41 @@ detail::GatherQmmProblem one_expert_rows(const QuantizedWeight& q, DType dt, voi
   return p;
 }
 
+// The dense branch's choice, made once the arena is placed, with the problems it runs.
+struct DenseMlpPlan {
+  DenseMlpWay way = DenseMlpWay::linears;
+  detail::GatherQmmProblem gate, up, down;  // qmv_glu: gate and up as single matrices; expert_rows: all three
+};
+
+// x1 [T, H] the MLP's input, act [T, I] its GLU output, d [T, H] its output; ids / plan: the arena's
+// expert_rows slots (null when dense_rows_wanted said no).
+DenseMlpPlan plan_dense_mlp(const Gemma4Mlp& m, ProductMode mode, const Tensor& x1, void* act, void* d, int32_t* ids,
+                            void* plan) {
+  const DType dt = x1.dtype();
+  const int64_t T = x1.size(0), H = x1.size(1), I = m.gate.out_features();
+  DenseMlpPlan p;
+  const bool quantized_glu = mode == ProductMode::fused && m.gate.is_quantized() && m.up.is_quantized();
+  if (quantized_glu && supports_decode_glu(x1, m.gate.quantized, m.up.quantized, Activation::geglu).ok) {
+    p.way = DenseMlpWay::decode_glu;
+    return p;
+  }
+  if (quantized_glu && T <= kQmvGluMaxTokens) {
+    p.gate = single_matrix_problem(x1.data(), T, H, dt, m.gate.quantized);
+    p.up = single_matrix_problem(x1.data(), T, H, dt, m.up.quantized);
+    if (supports_qmv_glu(p.gate, p.up, Activation::geglu).ok) p.way = DenseMlpWay::qmv_glu;
+    return p;
+  }
+  if (ids != nullptr) {
+    p.gate = one_expert_rows(m.gate.quantized, dt, x1.data(), T, H, ids, plan);
+    p.up = one_expert_rows(m.up.quantized, dt, x1.data(), T, H, ids, plan);
+    p.down = one_expert_rows(m.down.quantized, dt, act, T, I, ids, plan);
+    // The kernels' shape and alignment rules (group 64 / 128, K % 64, 16-byte outputs).
+    if (gate_up_glu_fits(p.gate, p.up) && wgmma_tiles_fit(p.down) && is_aligned(act, 16) && is_aligned(d, 16))
+      p.way = DenseMlpWay::expert_rows;
+  }
+  return p;
+}
+
 }  // namespace
 
 void gemma4_ffn_into(Tensor& out, const Tensor& h, const Gemma4FfnWeights& w, Workspace& ws) {
@@ -146,54 +181,35 @@ void gemma4_ffn_into(Tensor& out, const Tensor& h, const Gemma4FfnWeights& w, Wo
   branch.enter();
   Workspace& side_ws = ws.branch();
   const Tensor x1 = Tensor::view(at(x1_off), {T, H}, dt, Device::cuda);
-  DenseMlpWay dense_way = DenseMlpWay::linears;
-  const bool quantized_glu = mode == ProductMode::fused && w.mlp.gate.is_quantized() && w.mlp.up.is_quantized();
-  if (quantized_glu && supports_decode_glu(x1, w.mlp.gate.quantized, w.mlp.up.quantized, Activation::geglu).ok)
-    dense_way = DenseMlpWay::decode_glu;
-  detail::GatherQmmProblem gate_one, up_one;  // qmv_glu: gate and up as single matrices
-  if (dense_way == DenseMlpWay::linears && quantized_glu && T <= kQmvGluMaxTokens) {
-    gate_one = single_matrix_problem(at(x1_off), T, H, dt, w.mlp.gate.quantized);
-    up_one = single_matrix_problem(at(x1_off), T, H, dt, w.mlp.up.quantized);
-    if (supports_qmv_glu(gate_one, up_one, Activation::geglu).ok) dense_way = DenseMlpWay::qmv_glu;
-  }
-  detail::GatherQmmProblem gate_rows, up_rows, down_rows;
-  if (rows) {
-    auto* ids = static_cast<int32_t*>(at(ids_off));
-    const void* plan = at(plan_off);
-    gate_rows = one_expert_rows(w.mlp.gate.quantized, dt, at(x1_off), T, H, ids, plan);
-    up_rows = one_expert_rows(w.mlp.up.quantized, dt, at(x1_off), T, H, ids, plan);
-    down_rows = one_expert_rows(w.mlp.down.quantized, dt, at(act_off), T, I, ids, plan);
-    // The kernels' shape and alignment rules (group 64 / 128, K % 64, 16-byte outputs).
-    if (gate_up_glu_fits(gate_rows, up_rows) && wgmma_tiles_fit(down_rows) && is_aligned(at(act_off), 16) &&
-        is_aligned(at(d_off), 16))
-      dense_way = DenseMlpWay::expert_rows;
-  }
-  if (dense_way == DenseMlpWay::decode_glu) {
+  const DenseMlpPlan dense = plan_dense_mlp(w.mlp, mode, x1, at(act_off), at(d_off),
+                                            rows ? static_cast<int32_t*>(at(ids_off)) : nullptr,
+                                            rows ? at(plan_off) : nullptr);
+  if (dense.way == DenseMlpWay::decode_glu) {
     // Decode sizes: gate, up and the GeGLU in one launch (the dense MLP as one always-chosen expert).
     launch_decode_glu(x1, w.mlp.gate.quantized, w.mlp.up.quantized, Activation::geglu, at(act_off));
-  } else if (dense_way == DenseMlpWay::qmv_glu) {
-    call_qmv_glu(gate_one, up_one, Activation::geglu, at(act_off));
-  } else if (dense_way == DenseMlpWay::expert_rows) {
+  } else if (dense.way == DenseMlpWay::qmv_glu) {
+    call_qmv_glu(dense.gate, dense.up, Activation::geglu, at(act_off));
+  } else if (dense.way == DenseMlpWay::expert_rows) {
     // Prefill sizes: every row is expert 0's, so the plan is T / 128 full tiles; the selector counts
     // the three GEMMs on the tile route as the MoE layer's plan does.
     cudaStream_t side = current_stream();
     EXPERTQMM_CUDA_CHECK(cudaMemsetAsync(at(ids_off), 0, bytes_of(T, DType::i32), side));
     launch_build_tile_plan_at(static_cast<const int32_t*>(at(ids_off)), T, 1, at(plan_off), side);
-    for (const detail::GatherQmmProblem* g : {&gate_rows, &up_rows})
+    for (const detail::GatherQmmProblem* g : {&dense.gate, &dense.up})
       EXPERTQMM_CHECK(is_expert_tiles(select_gather_qmm_route(*g)), op, "the dense MLP's rows missed the tile route: ",
                       g->describe());
-    launch_gate_up_glu(gate_rows, up_rows, Activation::geglu, at(act_off));
-    const GatherQmmRoute& down_route = select_gather_qmm_route(down_rows);
+    launch_gate_up_glu(dense.gate, dense.up, Activation::geglu, at(act_off));
+    const GatherQmmRoute& down_route = select_gather_qmm_route(dense.down);
     EXPERTQMM_CHECK(is_expert_tiles(down_route), op, "the dense MLP's rows missed the tile route: ",
-                    down_rows.describe());
-    run_gather_qmm_route(down_route, down_rows, at(d_off), &side_ws);
+                    dense.down.describe());
+    run_gather_qmm_route(down_route, dense.down, at(d_off), &side_ws);
   } else {
     linear_into(w.mlp.gate, dt, at(x1_off), T, at(gate_off), side_ws);
     linear_into(w.mlp.up, dt, at(x1_off), T, at(up_off), side_ws);
     launch_glu_product(Activation::geglu, mode, dt, at(gate_off), at(up_off), T, I, I, at(act_off),
                        mode == ProductMode::separate ? at(inter_off) : nullptr, current_stream());
   }
-  if (dense_way != DenseMlpWay::expert_rows) linear_into(w.mlp.down, dt, at(act_off), T, at(d_off), side_ws);
+  if (dense.way != DenseMlpWay::expert_rows) linear_into(w.mlp.down, dt, at(act_off), T, at(d_off), side_ws);
   branch.leave();
   // Expert branch on the thread's stream, beside the dense one: the router reads h itself, the
   // experts x2. Then the exit waits for both.
