@@ -11,7 +11,8 @@
 // through gather_qmm in the MoE layer beyond the decode sizes), 8-bit (the QAT upload) and 4-bit (mlx-community's)
 // g64, bf16. The bench's protocol pieces (tools/expertqmm/replay_timing.h): one call captured as a graph
 // after a warm-up call (so the workspace has grown), a flush of 2 x the L2 before each replay, median
-// of 50 replays. Prints JSON. Built as dense_linear_probe with the CUDA build; gpu-check's bench-extra
+// of 50 replays. Also the 8-bit gate/up/GeGLU at one token as one qmv launch (step 27) against the
+// three launches it replaces. Prints JSON. Built as dense_linear_probe with the CUDA build; gpu-check's bench-extra
 // runs it (probe-dense-linear.json).
 #include <cuda_runtime.h>
 
@@ -24,6 +25,7 @@
 #include "core/float16.h"
 #include "core/gather_qmm_problem.h"
 #include "cuda/gather_qmm.h"
+#include "cuda/moe_internal.h"  // launch_glu_product
 #include "expertqmm/backend.h"
 #include "expertqmm/moe.h"
 #include "expertqmm/quant.h"
@@ -143,6 +145,27 @@ int main() {
         }
       }
     }
+  // Gate, up and the GeGLU at one token, 8-bit (the block's dense branch, step 27): one qmv launch with
+  // the GeGLU epilogue against the two qmv launches and the GLU product it replaces.
+  {
+    const QuantizedWeight gate = device_weight(2112, 2816, 8, seed++), up = device_weight(2112, 2816, 8, seed++);
+    const Tensor x = random_bf16({1, 2816}, 1.0f, seed++, Device::cuda);
+    Tensor g = Tensor::empty({1, 2112}, DType::bf16, Device::cuda);
+    Tensor u = Tensor::empty({1, 2112}, DType::bf16, Device::cuda);
+    Tensor act = Tensor::empty({1, 2112}, DType::bf16, Device::cuda);
+    const detail::GatherQmmProblem pg = cuda::single_matrix_problem(x.data(), 1, 2816, DType::bf16, gate);
+    const detail::GatherQmmProblem pu = cuda::single_matrix_problem(x.data(), 1, 2816, DType::bf16, up);
+    Workspace ws;
+    const double fused = median_us(flush, [&] { cuda::call_qmv_glu(pg, pu, Activation::geglu, act.data()); });
+    const double three = median_us(flush, [&] {
+      cuda::gather_qmm_into(pg, g.data(), &ws);
+      cuda::gather_qmm_into(pu, u.data(), &ws);
+      cuda::launch_glu_product(Activation::geglu, ProductMode::fused, DType::bf16, g.data(), u.data(), 1, 2112, 2112,
+                               act.data(), nullptr, cuda::current_stream());
+    });
+    std::printf(",\n  {\"linear\": \"gate_up_glu\", \"bits\": 8, \"N\": 2112, \"K\": 2816, \"tokens\": 1, "
+                "\"qmv_glu_us\": %.2f, \"two_qmv_and_glu_us\": %.2f}", fused, three);
+  }
   std::printf("\n]}\n");
   return 0;
 }
