@@ -56,6 +56,14 @@ bool dense_mlp_on_expert_rows(int dense_bits, ProductMode mode, int64_t T) {
 #endif
 }
 
+// Whether the block's dense MLP runs gate, up and the GLU product as one launch (gemma4_ffn.cu
+// plan_dense_mlp, counted as dense_mlp_glu hits): 4-bit at T <= 8 (the decode GLU kernel), 8-bit at
+// T = 1 (qmv's GeGLU epilogue), or as expert rows; the fused product mode only.
+bool dense_glu_fused(int dense_bits, ProductMode mode, int64_t T) {
+  if (mode != ProductMode::fused || dense_bits == 0) return false;
+  return (dense_bits == 4 && T <= 8) || (dense_bits == 8 && T == 1) || dense_mlp_on_expert_rows(dense_bits, mode, T);
+}
+
 // The CPU and GPU routers work on bf16 logits with different summation orders, so a token whose
 // k-th and (k+1)-th logits sit within rounding of each other may pick a different expert on each
 // backend (tests/gpu_ops_test.cpp pins the router itself). Such tokens are compared separately:
@@ -84,6 +92,9 @@ TEST(GpuGemma4Ffn, MatchesTheCpuReferenceInBothProductModes) {
         const RouteCounters mm = counters_of("gather_mm");
         EXPECT_EQ(mm.attempts, dense_bits ? 0u : 3u) << what;
         EXPECT_EQ(mm.hits, !dense_bits && T > 64 && expert_tiles_setting() != RouteSwitch::off ? 3u : 0u) << what;
+        const RouteCounters glu = counters_of("dense_mlp_glu");
+        EXPECT_EQ(glu.attempts, 1u) << what;
+        EXPECT_EQ(glu.hits, dense_glu_fused(dense_bits, mode, T) ? 1u : 0u) << what;
         const uint64_t qmm_hits = counters_of("gather_qmm").hits;
         const auto key = std::make_pair(static_cast<int>(mode), T);
         if (dense_bits == 0) qmm_hits_16bit[key] = qmm_hits;
@@ -124,6 +135,7 @@ TEST(GpuGemma4Ffn, EightBitWgmmaBuildWhenSwitchedOn) {
       diagnostics::reset();
       const Tensor got = gemma4_ffn(h.to(Device::cuda), gpu_w);
       hits[s == RouteSwitch::on] = counters_of("gather_qmm").hits;
+      EXPECT_EQ(counters_of("dense_mlp_glu").hits, s == RouteSwitch::on && T >= 512 ? 1u : 0u) << what;
       test::expect_close_where_routed_alike(expected, got, test::to_i32(route(h, cpu_w.moe.router).indices),
                                             test::to_i32(route(h.to(Device::cuda), gpu_w.moe.router).indices),
                                             cpu_w.moe.router.top_k, what);

@@ -53,6 +53,7 @@ const char* primitive_name(Primitive p) {
     case Primitive::gather_qmm: return "gather_qmm";
     case Primitive::moe_decode_layer: return "moe_decode_layer";
     case Primitive::gather_mm: return "gather_mm";
+    case Primitive::dense_mlp_glu: return "dense_mlp_glu";
     case Primitive::count_: break;
   }
   throw Error("primitive_name", cat("value ", static_cast<int>(p), " is not a Primitive"));

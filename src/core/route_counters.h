@@ -9,8 +9,11 @@ namespace expertqmm::detail {
 
 // gather_qmm: the expert tile route vs the generic routes. moe_decode_layer: the three-kernel decode
 // layer vs the general moe_layer_into path (a "hit" is a layer served by the decode kernels).
-// gather_mm: the 16-bit expert tile route vs the GEMV and simt routes.
-enum class Primitive : uint8_t { gather_qmm, moe_decode_layer, gather_mm, count_ };
+// gather_mm: the 16-bit expert tile route vs the GEMV and simt routes. dense_mlp_glu: the Gemma 4
+// block's dense MLP with gate, up and the GLU product in one launch (the decode GLU kernel, qmv's
+// GeGLU epilogue, or the wgmma tile kernel's GLU form on T rows of one expert) vs two linears and
+// the GLU kernel (not requested: the separate product mode).
+enum class Primitive : uint8_t { gather_qmm, moe_decode_layer, gather_mm, dense_mlp_glu, count_ };
 constexpr int kPrimitiveCount = static_cast<int>(Primitive::count_);
 const char* primitive_name(Primitive p);
 

@@ -16,6 +16,7 @@
 // (Workspace::branch), so that in a graph it is a parallel path: at decode the dense MLP's weights
 // stream while the router and the experts run, instead of after them.
 // Every buffer is [T, H] or [T, I_dense] in h's dtype (validated by src/ops/gemma4_ffn.cpp).
+#include "core/route_counters.h"
 #include "cuda/dense_linear.h"
 #include "cuda/gather_qmm.h"
 #include "cuda/gather_qmm_wgmma.h"
@@ -89,31 +90,41 @@ struct DenseMlpPlan {
 };
 
 // x1 [T, H] the MLP's input, act [T, I] its GLU output, d [T, H] its output; ids / plan: the arena's
-// expert_rows slots (null when dense_rows_wanted said no).
+// expert_rows slots (null when dense_rows_wanted said no). Counts the choice under
+// Primitive::dense_mlp_glu: a hit is any fused way; a miss names why the last candidate refused.
 DenseMlpPlan plan_dense_mlp(const Gemma4Mlp& m, ProductMode mode, const Tensor& x1, void* act, void* d, int32_t* ids,
                             void* plan) {
   const DType dt = x1.dtype();
   const int64_t T = x1.size(0), H = x1.size(1), I = m.gate.out_features();
   DenseMlpPlan p;
-  const bool quantized_glu = mode == ProductMode::fused && m.gate.is_quantized() && m.up.is_quantized();
-  if (quantized_glu && supports_decode_glu(x1, m.gate.quantized, m.up.quantized, Activation::geglu).ok) {
-    p.way = DenseMlpWay::decode_glu;
-    return p;
-  }
-  if (quantized_glu && T <= kQmvGluMaxTokens) {
-    p.gate = single_matrix_problem(x1.data(), T, H, dt, m.gate.quantized);
-    p.up = single_matrix_problem(x1.data(), T, H, dt, m.up.quantized);
-    if (supports_qmv_glu(p.gate, p.up, Activation::geglu).ok) p.way = DenseMlpWay::qmv_glu;
-    return p;
-  }
-  if (ids != nullptr) {
+  auto choose = [&]() -> Fallback {  // sets p.way on a fused way; else the miss class
+    if (!m.gate.is_quantized() || !m.up.is_quantized()) return Fallback::quantization;  // codes only
+    const RouteSupport decode = supports_decode_glu(x1, m.gate.quantized, m.up.quantized, Activation::geglu);
+    if (decode.ok) {
+      p.way = DenseMlpWay::decode_glu;
+      return Fallback::disabled;
+    }
+    if (T <= kQmvGluMaxTokens) {
+      p.gate = single_matrix_problem(x1.data(), T, H, dt, m.gate.quantized);
+      p.up = single_matrix_problem(x1.data(), T, H, dt, m.up.quantized);
+      const RouteSupport glu = supports_qmv_glu(p.gate, p.up, Activation::geglu);
+      if (glu.ok) p.way = DenseMlpWay::qmv_glu;
+      return glu.reason;
+    }
+    if (ids == nullptr) return T < kDenseRowsMinTokens ? Fallback::shape : Fallback::quantization;
     p.gate = one_expert_rows(m.gate.quantized, dt, x1.data(), T, H, ids, plan);
     p.up = one_expert_rows(m.up.quantized, dt, x1.data(), T, H, ids, plan);
     p.down = one_expert_rows(m.down.quantized, dt, act, T, I, ids, plan);
     // The kernels' shape and alignment rules (group 64 / 128, K % 64, 16-byte outputs).
-    if (gate_up_glu_fits(p.gate, p.up) && wgmma_tiles_fit(p.down) && is_aligned(act, 16) && is_aligned(d, 16))
-      p.way = DenseMlpWay::expert_rows;
-  }
+    if (!gate_up_glu_fits(p.gate, p.up) || !wgmma_tiles_fit(p.down)) return Fallback::quantization;
+    if (!is_aligned(act, 16) || !is_aligned(d, 16)) return Fallback::alignment;
+    p.way = DenseMlpWay::expert_rows;
+    return Fallback::disabled;
+  };
+  const bool requested = mode == ProductMode::fused;  // the separate mode asks for the GLU apart
+  const Fallback why = requested ? choose() : Fallback::disabled;
+  const bool fused = p.way != DenseMlpWay::linears;
+  detail::record_selection(detail::Primitive::dense_mlp_glu, requested, fused, fused, why);
   return p;
 }
 
