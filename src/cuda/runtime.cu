@@ -198,10 +198,10 @@ constexpr detail::DeviceRetractionReader kReaders[] = {read_retractions<P>...};
 }  // namespace
 
 unsigned long long* retraction_counter(detail::Primitive p) {
-  static_assert(detail::kPrimitiveCount == 3, "one reader per primitive below");
+  static_assert(detail::kPrimitiveCount == 4, "one reader per primitive below");
   static std::once_flag registered[detail::kPrimitiveCount];
   const int i = static_cast<int>(p);
-  std::call_once(registered[i], [&] { detail::set_device_retraction_reader(kReaders<0, 1, 2>[i], p); });
+  std::call_once(registered[i], [&] { detail::set_device_retraction_reader(kReaders<0, 1, 2, 3>[i], p); });
   return retraction_counters() + i;
 }
 
