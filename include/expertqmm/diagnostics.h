@@ -1,9 +1,12 @@
 // Route selector counters, per primitive. Relaxed atomics on the host; retractions decided on the
 // device are folded in by snapshot(), which therefore synchronizes the CUDA stream.
 //   attempts  = calls that reached the selector
-//   requested = attempts where the expert tile route was requested (not disabled)
+//   requested = attempts where the primitive's fast path was requested (not disabled)
 //   available = attempts where its supports_* predicate held
-//   hits      = attempts served by the expert tile route
+//   hits      = attempts served by it
+// The primitives and their fast paths: gather_qmm and gather_mm (the expert tile route),
+// moe_decode_layer (the three-kernel decode layer), dense_mlp_glu (the Gemma 4 block's dense MLP with
+// gate, up and the GLU product in one launch).
 // Invariant: attempts == hits + sum(fallbacks), every fallback class mutually exclusive.
 #pragma once
 #include <cstdint>
