@@ -56,21 +56,6 @@ QuantizedWeight device_weight(int64_t N, int64_t K, int bits, uint32_t seed) {
   return d;
 }
 
-// The same linear as T rows of one expert: x [T, 1, K], rhs = zeros [T] (sorted), lhs the identity.
-detail::GatherQmmProblem one_expert_rows(detail::GatherQmmProblem p, const Tensor& zero_ids) {
-  const int64_t T = p.M;
-  p.M = 1;
-  p.B = T;
-  p.batch = {T};
-  p.x_batch = T;
-  p.x_batch_stride = p.K;
-  p.rhs = zero_ids;
-  p.rhs_is_identity = false;
-  p.lhs_is_identity = true;
-  p.sorted_indices = true;
-  return p;
-}
-
 // Median µs of `call` as a graph replay after an L2 flush.
 template <class Call>
 double median_us(const timing::DeviceBuffer& flush, Call call) {
@@ -124,10 +109,10 @@ int main() {
           variants = {{"single", single, ""}, {"single", single, "qmv_one_row"}};
           if (T >= 2) variants.push_back({"single", single, "rhs_tiles"});
         } else {
-          const Tensor ids = Tensor::view(zero_ids.data(), {T}, DType::i32, Device::cuda);
-          variants = {{"single", single, ""}, {"one_expert_rows", one_expert_rows(single, ids), ""}};
+          const detail::GatherQmmProblem rows = cuda::one_expert_rows_problem(single, zero_ids.data_as<int32_t>());
+          variants = {{"single", single, ""}, {"one_expert_rows", rows, ""}};
           // 8-bit: the wgmma kernel's 8-bit build, which the selector does not choose yet (step 26).
-          if (bits == 8) variants.push_back({"one_expert_rows", one_expert_rows(single, ids), "expert_tiles_wgmma"});
+          if (bits == 8) variants.push_back({"one_expert_rows", rows, "expert_tiles_wgmma"});
         }
         for (const Variant& v : variants) {
           Workspace ws;

@@ -167,6 +167,25 @@ detail::GatherQmmProblem single_matrix_problem(const void* x, int64_t T, int64_t
   return p;
 }
 
+detail::GatherQmmProblem one_expert_rows_problem(const detail::GatherQmmProblem& single, int32_t* zero_ids,
+                                                 const void* plan) {
+  EXPERTQMM_CHECK(single.B == 1 && single.w_batch == 1 && single.rhs_is_identity && single.lhs_is_identity, kOp,
+                  "one_expert_rows_problem takes a single-matrix problem, got ", single.describe());
+  detail::GatherQmmProblem p = single;
+  const int64_t T = single.M;
+  p.M = 1;
+  p.B = T;
+  p.batch = {T};
+  p.x_batch = T;
+  p.x_batch_stride = p.K;
+  p.x = Tensor::view(single.x.data(), {T, 1, p.K}, p.dtype, Device::cuda);
+  p.rhs = Tensor::view(zero_ids, {T}, DType::i32, Device::cuda);
+  p.rhs_is_identity = false;
+  p.sorted_indices = true;
+  p.tile_plan = plan;
+  return p;
+}
+
 Tensor gather_qmm(const detail::GatherQmmProblem& p) {
   Tensor out = gathered_output(p);
   gather_qmm_into(p, out.data(), nullptr);

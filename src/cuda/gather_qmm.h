@@ -26,6 +26,11 @@ void run_gather_qmm_route(const GatherQmmRoute& route, const detail::GatherQmmPr
 detail::GatherQmmProblem single_matrix_problem(const void* x, int64_t T, int64_t K, DType dtype,
                                                const QuantizedWeight& q, const Tensor& scales = Tensor(),
                                                const Tensor& biases = Tensor());
+// The same product as T rows of expert 0 of a one-expert batch (x [T, 1, K], B = T, rhs = zero_ids,
+// sorted): the expert tile route's form of a dense linear. zero_ids: T zeroed int32 on the device;
+// plan: a prebuilt tile plan of those ids, or null for the route to build one.
+detail::GatherQmmProblem one_expert_rows_problem(const detail::GatherQmmProblem& single, int32_t* zero_ids,
+                                                 const void* plan = nullptr);
 
 // Bytes of fp32 slices the rhs_tiles route's split-K takes for a problem of `rows` (B * M) rows, N
 // columns and K (0 when it would not split); see GatherQmmProblem::split_k_scratch.

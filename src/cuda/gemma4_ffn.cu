@@ -66,23 +66,6 @@ bool dense_rows_wanted(const Gemma4Mlp& m, int64_t T, ProductMode mode) {
          m.down.is_quantized() && expert_tiles_setting() != RouteSwitch::off && wgmma_available();
 }
 
-// out [T, N] = x [T, K] @ dequant(q)^T as T rows of expert 0 of a one-expert batch, on `plan`.
-detail::GatherQmmProblem one_expert_rows(const QuantizedWeight& q, DType dt, void* x, int64_t T, int64_t K,
-                                         int32_t* zero_ids, const void* plan) {
-  detail::GatherQmmProblem p = single_matrix_problem(x, T, K, dt, q);
-  p.M = 1;
-  p.B = T;
-  p.batch = {T};
-  p.x_batch = T;
-  p.x_batch_stride = K;
-  p.x = Tensor::view(x, {T, 1, K}, dt, Device::cuda);
-  p.rhs = Tensor::view(zero_ids, {T}, DType::i32, Device::cuda);
-  p.rhs_is_identity = false;
-  p.sorted_indices = true;
-  p.tile_plan = plan;
-  return p;
-}
-
 // The dense branch's choice, made once the arena is placed, with the problems it runs.
 struct DenseMlpPlan {
   DenseMlpWay way = DenseMlpWay::linears;
@@ -112,9 +95,9 @@ DenseMlpPlan plan_dense_mlp(const Gemma4Mlp& m, ProductMode mode, const Tensor& 
       return glu.reason;
     }
     if (ids == nullptr) return T < kDenseRowsMinTokens ? Fallback::shape : Fallback::quantization;
-    p.gate = one_expert_rows(m.gate.quantized, dt, x1.data(), T, H, ids, plan);
-    p.up = one_expert_rows(m.up.quantized, dt, x1.data(), T, H, ids, plan);
-    p.down = one_expert_rows(m.down.quantized, dt, act, T, I, ids, plan);
+    p.gate = one_expert_rows_problem(single_matrix_problem(x1.data(), T, H, dt, m.gate.quantized), ids, plan);
+    p.up = one_expert_rows_problem(single_matrix_problem(x1.data(), T, H, dt, m.up.quantized), ids, plan);
+    p.down = one_expert_rows_problem(single_matrix_problem(act, T, I, dt, m.down.quantized), ids, plan);
     // The kernels' shape and alignment rules (group 64 / 128, K % 64, 16-byte outputs).
     if (!gate_up_glu_fits(p.gate, p.up) || !wgmma_tiles_fit(p.down)) return Fallback::quantization;
     if (!is_aligned(act, 16) || !is_aligned(d, 16)) return Fallback::alignment;
