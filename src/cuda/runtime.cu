@@ -1,9 +1,11 @@
 // Device memory (a caching allocator: freed blocks return to per-size free lists, so steady-state
 // calls never reach cudaMalloc/cudaFree), device queries and the fault record.
+#include <array>
 #include <atomic>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <utility>
 #include <string>
 #include <unordered_map>
 
@@ -192,16 +194,19 @@ uint64_t read_retractions(bool reset) {
   return v;
 }
 
+// One reader per primitive, read_retractions<0> .. <kPrimitiveCount - 1>.
 template <int... P>
-constexpr detail::DeviceRetractionReader kReaders[] = {read_retractions<P>...};
+constexpr std::array<detail::DeviceRetractionReader, sizeof...(P)> readers_of(std::integer_sequence<int, P...>) {
+  return {read_retractions<P>...};
+}
+constexpr auto kReaders = readers_of(std::make_integer_sequence<int, detail::kPrimitiveCount>{});
 
 }  // namespace
 
 unsigned long long* retraction_counter(detail::Primitive p) {
-  static_assert(detail::kPrimitiveCount == 4, "one reader per primitive below");
   static std::once_flag registered[detail::kPrimitiveCount];
   const int i = static_cast<int>(p);
-  std::call_once(registered[i], [&] { detail::set_device_retraction_reader(kReaders<0, 1, 2, 3>[i], p); });
+  std::call_once(registered[i], [&] { detail::set_device_retraction_reader(kReaders[i], p); });
   return retraction_counters() + i;
 }
 
