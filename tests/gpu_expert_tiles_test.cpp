@@ -63,6 +63,27 @@ TEST(SanitizeGpuExpertTiles, EveryWgmmaWidthPinned) {
   EXPECT_THROW(set_wgmma_width(48), Error);
 }
 
+// The wgmma kernel's 8-bit build is the selector's choice from 32 rows per expert on average
+// (kWgmma8BitMinRowsPerExpert), the mma.sync kernel's below: the selected route's output holds the
+// pinned kernel's bytes (8 experts, bf16, group 64, 8 * 32 rows, then one row fewer).
+TEST(SanitizeGpuExpertTiles, EightBitBuildFromThirtyTwoRowsPerExpert) {
+  EXPERTQMM_REQUIRE_GPU();
+  const QuantizedWeight q8 = test::random_codes(8, 200, 192, 8, 64, DType::bf16);
+  for (int64_t rows : {8 * cuda::kWgmma8BitMinRowsPerExpert, 8 * cuda::kWgmma8BitMinRowsPerExpert - 1}) {
+    const test::GatherCall c = test::rows_call(q8, DType::bf16, sorted_ids(rows, 8), true);
+    if (!cuda::supports_expert_tiles_wgmma(c.problem()).ok) return;  // no sm_90a kernels on this device
+    ASSERT_EQ(cuda::gather_qmm_selected_route(c.problem()), "expert_tiles") << rows << " rows";
+    const bool wgmma = rows >= 8 * cuda::kWgmma8BitMinRowsPerExpert;
+    const std::vector<float> pinned = test::run_route(c, wgmma ? "expert_tiles_wgmma" : "expert_tiles_mma_sync");
+    const std::vector<float> selected = test::run_route(c);
+    ASSERT_EQ(selected.size(), pinned.size());
+    size_t differing = 0;
+    for (size_t i = 0; i < selected.size(); ++i) differing += selected[i] != pinned[i];
+    EXPECT_EQ(differing, 0u) << rows << " rows, the " << (wgmma ? "wgmma" : "mma.sync") << " kernel expected";
+    EXPECT_LE(test::rel_error(selected, test::run_route(c, "simt")), 1e-2) << rows << " rows " << test::seed_note();
+  }
+}
+
 // Every field changed alone sends the call to the generic routes with the named fallback class,
 // and the answer stays right.
 TEST(SanitizeGpuExpertTiles, OneFieldSelectorMisses) {

@@ -43,11 +43,11 @@ RouteCounters counters_of(const char* primitive) {
 }
 
 // Whether the block's dense MLP runs as T rows of one expert on the wgmma tile route (gemma4_ffn.cu:
-// 4-bit, or 8-bit with EXPERTQMM_WGMMA=1 until that build is chosen, fused product, T >= 512, an
-// sm_90a build on compute capability 9.0).
+// 4-bit, or 8-bit in bf16 (T rows of one expert pass the 8-bit build's 32 rows per expert), fused
+// product, T >= 512, an sm_90a build on compute capability 9.0). The tests here run bf16.
 bool dense_mlp_on_expert_rows(int dense_bits, ProductMode mode, int64_t T) {
 #ifdef EXPERTQMM_HAVE_CUDA
-  const bool bits_taken = dense_bits == 4 || (dense_bits == 8 && wgmma_setting() == RouteSwitch::on);
+  const bool bits_taken = dense_bits == 4 || dense_bits == 8;
   return bits_taken && mode == ProductMode::fused && T >= 512 && expert_tiles_setting() != RouteSwitch::off &&
          cuda::wgmma_available();
 #else
@@ -110,11 +110,12 @@ TEST(GpuGemma4Ffn, MatchesTheCpuReferenceInBothProductModes) {
   set_product_mode(saved);
 }
 
-// EXPERTQMM_WGMMA=1 (set_wgmma(on)) runs the wgmma kernel's 8-bit build, which the selector does not
-// choose by default yet (bench/NOTES.md step 26): 8-bit experts at 300 and 520 tokens (gate/up with
-// the GeGLU in the epilogue, down with the combine) and, at 520, the 8-bit dense MLP as rows of one
-// expert (three tile-route hits more than unset). Both settings against the CPU reference.
-TEST(GpuGemma4Ffn, EightBitWgmmaBuildWhenSwitchedOn) {
+// The wgmma kernel's 8-bit build by its rows-per-expert rule (kWgmma8BitMinRowsPerExpert = 32):
+// 8-bit experts (16 of them, top-4) at 40 tokens (10 rows per expert: mma.sync unless
+// EXPERTQMM_WGMMA=1), 300 (75: the 8-bit build, gate/up with the GeGLU in the epilogue, down with the
+// combine) and 520, where the 8-bit dense MLP also runs as rows of one expert (a dense_mlp_glu hit and
+// three tile-route hits) under both settings. Both settings against the CPU reference.
+TEST(GpuGemma4Ffn, EightBitWgmmaBuildByRowsPerExpert) {
   EXPERTQMM_REQUIRE_GPU();
 #ifdef EXPERTQMM_HAVE_CUDA
   if (!cuda::wgmma_available()) GTEST_SKIP() << "no sm_90a wgmma kernels on this device";
@@ -125,7 +126,7 @@ TEST(GpuGemma4Ffn, EightBitWgmmaBuildWhenSwitchedOn) {
   c.default_quant = {8, 64};  // the experts 8-bit too
   const Gemma4FfnWeights cpu_w = synthetic_gemma4_layer(c, 0, 13);
   const Gemma4FfnWeights gpu_w = cpu_w.to(Device::cuda);
-  for (int64_t T : {300, 520}) {
+  for (int64_t T : {40, 300, 520}) {
     const Tensor h = test::random_tensor({T, 256}, DType::bf16, 1.0f);
     const Tensor expected = gemma4_ffn(h, cpu_w);
     uint64_t hits[2] = {0, 0};
@@ -135,12 +136,12 @@ TEST(GpuGemma4Ffn, EightBitWgmmaBuildWhenSwitchedOn) {
       diagnostics::reset();
       const Tensor got = gemma4_ffn(h.to(Device::cuda), gpu_w);
       hits[s == RouteSwitch::on] = counters_of("gather_qmm").hits;
-      EXPECT_EQ(counters_of("dense_mlp_glu").hits, s == RouteSwitch::on && T >= 512 ? 1u : 0u) << what;
+      EXPECT_EQ(counters_of("dense_mlp_glu").hits, T >= 512 ? 1u : 0u) << what;
       test::expect_close_where_routed_alike(expected, got, test::to_i32(route(h, cpu_w.moe.router).indices),
                                             test::to_i32(route(h.to(Device::cuda), gpu_w.moe.router).indices),
                                             cpu_w.moe.router.top_k, what);
     }
-    EXPECT_EQ(hits[1], hits[0] + (T >= 512 ? 3u : 0u)) << "T=" << T;
+    EXPECT_EQ(hits[1], hits[0]) << "T=" << T;  // the same GEMMs on the tile route, whichever kernel
   }
 }
 

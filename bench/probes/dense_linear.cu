@@ -1,12 +1,13 @@
 // Probe: the Gemma 4 block's dense linears alone (bench/NOTES.md step 21 and the issue-15 dense
 // plan). The block runs its dense MLP as gather_qmm on one weight matrix (x [T, K] @ W^T); this
 // times that call by itself, so that a route's cost is not hidden behind the experts it runs beside:
-//   T <= 64: the selector (qmv, several rows per CTA where it takes them) against the one-row kernel
-//            (the test hook's qmv_one_row): step 21's change in isolation; from T = 2 also the
-//            tensor-core rhs_tiles, where qmv's rows would cross over to it;
+//   T <= 64: the selector (qmv, several rows per CTA where it takes them, up to kQmvMaxSharedRows;
+//            rhs_tiles above) against the one-row kernel (the test hook's qmv_one_row, within qmv's
+//            rows): step 21's change in isolation; from T = 2 also the tensor-core rhs_tiles
+//            pinned, which sets kQmvMaxSharedRows (T = 2-8 one by one);
 //   T > 64:  the single-matrix form (the selector: rhs_tiles) against the same linear as T rows of
-//            one expert (x [T, 1, K], ids all 0, sorted: the expert tile route, wgmma for 4-bit;
-//            8-bit also pinned to the wgmma kernel's 8-bit build).
+//            one expert (x [T, 1, K], ids all 0, sorted: the expert tile route, wgmma), and pinned
+//            to the mma.sync kernel (8-bit: the kernel below kWgmma8BitMinRowsPerExpert).
 // Shapes: gate / up [2112, 2816], down [2816, 2112] and the router's projection [128, 2816] (x [1, T, K]
 // through gather_qmm in the MoE layer beyond the decode sizes), 8-bit (the QAT upload) and 4-bit (mlx-community's)
 // g64, bf16. The bench's protocol pieces (tools/expertqmm/replay_timing.h): one call captured as a graph
@@ -83,7 +84,7 @@ int main() {
     int64_t N, K;
   };
   const LinearShape linears[] = {{"gate_up", 2112, 2816}, {"down", 2816, 2112}, {"router", 128, 2816}};
-  const int64_t tokens[] = {1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048};
+  const int64_t tokens[] = {1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64, 128, 256, 512, 1024, 2048};
   const timing::DeviceBuffer flush(timing::l2_flush_bytes());
   const int64_t max_T = 2048;
   std::vector<int32_t> zeros(max_T, 0);
@@ -106,13 +107,13 @@ int main() {
         };
         std::vector<Variant> variants;
         if (T <= 64) {
-          variants = {{"single", single, ""}, {"single", single, "qmv_one_row"}};
+          variants = {{"single", single, ""}};
+          if (T <= cuda::kQmvMaxSharedRows) variants.push_back({"single", single, "qmv_one_row"});  // qmv's rows
           if (T >= 2) variants.push_back({"single", single, "rhs_tiles"});
         } else {
           const detail::GatherQmmProblem rows = cuda::one_expert_rows_problem(single, zero_ids.data_as<int32_t>());
           variants = {{"single", single, ""}, {"one_expert_rows", rows, ""}};
-          // 8-bit: the wgmma kernel's 8-bit build, which the selector does not choose yet (step 26).
-          if (bits == 8) variants.push_back({"one_expert_rows", rows, "expert_tiles_wgmma"});
+          variants.push_back({"one_expert_rows", rows, "expert_tiles_mma_sync"});
         }
         for (const Variant& v : variants) {
           Workspace ws;

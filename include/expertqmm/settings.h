@@ -62,7 +62,8 @@ ProductMode product_mode();
 
 // EXPERTQMM_WGMMA=0|1: 0 turns the sm_90a wgmma kernels off (the mma.sync kernels run instead), for
 // comparison; unset: the builds chosen by measurement, where the build and the device have them;
-// 1: also the builds not chosen yet (the 8-bit codes' one, bench/NOTES.md step 26), for their A/B.
+// 1: also where the measured rules do not choose them (the 8-bit codes' build below 32 rows per
+// expert: kWgmma8BitMinRowsPerExpert), for their A/B.
 void set_wgmma(RouteSwitch s);
 RouteSwitch wgmma_setting();
 

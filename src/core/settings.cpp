@@ -54,7 +54,7 @@ const Variable kVariables[] = {
     {"EXPERTQMM_DETERMINISTIC", "0|1", "1: the same output bits every run (combine in slot order; unset: 0)",
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.deterministic = parse_switch(n, v); },
      [] { return std::string(deterministic() ? "1" : "0"); }},
-    {"EXPERTQMM_WGMMA", "0|1", "0: the sm_90a wgmma kernels off, mma.sync instead; 1: also the builds not chosen yet (8-bit codes) (unset: the chosen ones where built and run)",
+    {"EXPERTQMM_WGMMA", "0|1", "0: the sm_90a wgmma kernels off, mma.sync instead; 1: also where the measured rules do not choose them (8-bit codes below 32 rows per expert) (unset: the measured rules)",
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.wgmma = parse_switch(n, v); },
      [] { return std::string(switch_text(wgmma_setting())); }},
     {"EXPERTQMM_WGMMA_WIDTH", "32|64|128", "pins one token width of the wgmma GEMM (unset: the measured table)",

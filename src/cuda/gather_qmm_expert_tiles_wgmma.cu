@@ -532,10 +532,6 @@ const WgmmaVariant kVariants[] = {
     {DType::bf16, WgmmaForm::combine, 128, false, launch_variant<__nv_bfloat16, WgmmaForm::combine, 128, false, 8>, 8},
 };
 constexpr int kWide8BitTokens = 128;  // the one 8-bit build
-// Whether the selector and the layer plan choose the 8-bit build by default (wgmma_tiles_fit), or
-// only with EXPERTQMM_WGMMA=1 (set_wgmma(on)) and through the test hook's route: off until its GPU
-// tests and its measurement against the mma.sync kernel (bench/NOTES.md step 26) have run.
-constexpr bool kChoose8BitWgmma = false;
 
 // The build by mean rows per expert (rows / E), first entry with rows <= max_rows_per_expert * E
 // (measured, bench/NOTES.md: n64 beats n128 at 4 and 32 rows per expert, n128 wins at 64 and 128;
@@ -573,7 +569,7 @@ bool wgmma_builds_take(const detail::GatherQmmProblem& p) {
 }
 
 bool wgmma_tiles_fit(const detail::GatherQmmProblem& p) {
-  return wgmma_builds_take(p) && (p.bits == 4 || kChoose8BitWgmma || wgmma_setting() == RouteSwitch::on);
+  return wgmma_builds_take(p) && (p.bits == 4 || wgmma_8bit_rows_enough(p) || wgmma_setting() == RouteSwitch::on);
 }
 
 void launch_expert_tiles_wgmma(const WgmmaTileArgs& p, WgmmaForm form, DType dtype, const ExpertTile* tiles,

@@ -28,14 +28,24 @@ using GatherQmmRoute = Route<detail::GatherQmmProblem>;  // route_table.h
 RouteSupport supports_expert_tiles(const detail::GatherQmmProblem& p);
 void call_expert_tiles(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
 // The route with its kernel pinned (tests): the sm_80 mma.sync kernel, or the sm_90a wgmma one
-// (supported where a build takes the problem, wgmma_builds_take: also the 8-bit build the selector
-// does not choose yet; gather_qmm_wgmma.h).
+// (supported where a build takes the problem, wgmma_builds_take: also the 8-bit build below its
+// rows-per-expert rule; gather_qmm_wgmma.h).
 void call_expert_tiles_mma_sync(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
 RouteSupport supports_expert_tiles_wgmma(const detail::GatherQmmProblem& p);
 // True when this build carries sm_90a code and the current device is compute capability 9.0
 // (queried once; EXPERTQMM_WGMMA=0 in the environment turns the kernels off, for comparison).
 bool wgmma_available();
 void call_expert_tiles_wgmma(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
+// The wgmma kernel's 8-bit codes have one build (n128 tiles), which the selector and the layer plan
+// choose from this many rows per expert on average (B >= 32 * E); below, the mma.sync kernel.
+// Measured (bench/NOTES.md step 26, H200): the q8 layer at 4 / 32 / 128 rows per expert (T = 64 /
+// 512 / 2048) 427 / 499 / 897 us on the 8-bit build against 368 / 520 / 1330 on mma.sync; the
+// block's 8-bit dense MLP as rows of one expert, 30 layers at 512 / 2048 tokens, 416.5 / 1040.5 us
+// per layer against 431.5 / 1160.4 for rhs_tiles.
+constexpr int64_t kWgmma8BitMinRowsPerExpert = 32;
+inline bool wgmma_8bit_rows_enough(const detail::GatherQmmProblem& p) {
+  return p.B >= kWgmma8BitMinRowsPerExpert * p.w_batch;
+}
 
 // --- qmv: decode sizes (gather_qmm_qmv.cu) -------------------------------------------------------
 // Problems with at most this many rows (B * M) go to qmv; the benchmark tunes it.

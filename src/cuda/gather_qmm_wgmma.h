@@ -36,8 +36,8 @@ struct WgmmaTileArgs {
 // epilogue's stores): the caller checks its pointer.
 bool wgmma_builds_take(const detail::GatherQmmProblem& p);
 // Whether the selector and the layer plan choose the wgmma kernel for p: wgmma_builds_take, 8-bit
-// codes only once chosen (kChoose8BitWgmma) or with EXPERTQMM_WGMMA=1 (the test hook's route runs
-// them meanwhile).
+// codes from kWgmma8BitMinRowsPerExpert rows per expert (gather_qmm_routes.h) or at any size with
+// EXPERTQMM_WGMMA=1 (the test hook's route runs them at any size too).
 bool wgmma_tiles_fit(const detail::GatherQmmProblem& p);
 
 // Runs the plan (built by launch_build_tile_plan on the same stream) in the given form; fp: an

@@ -5,7 +5,7 @@
 //   then two branches that share nothing but their inputs:
 //     side stream:   a = GLU(x1 @ gate^T, x1 @ up^T) -> d = a @ down^T, one of four ways (DenseMlpWay):
 //                    T <= 8 (4-bit): one decode gate/up launch; T = 1 (8-bit): one qmv launch with
-//                    the GeGLU in its epilogue; T >= 512 (4-bit, sm_90a): the
+//                    the GeGLU in its epilogue; T >= 512 (sm_90a; 4-bit, or 8-bit bf16): the
 //                    linears as T rows of one expert on the expert tile route, gate and up in one
 //                    wgmma launch with the GeGLU; else two gather_qmm calls (M = T, B = 1) and the
 //                    GLU product
@@ -48,8 +48,9 @@ void linear_into(const Linear& l, DType dtype, const void* x, int64_t T, void* o
 // matrix, gate and up in one launch with the GeGLU in its epilogue. bench/NOTES.md step 24
 // (probe-dense-linear.json, 4-bit g64 alone, 512 / 1024 / 2048 tokens): gate or up 44.6 / 64.5 / 97.2
 // us against rhs_tiles' 55.9 / 89.5 / 139.8, down 48.8 / 50.4 / 76.5 against 45.0 / 71.3 / 124.7. Below
-// 512 the 128-row tiles leave SMs idle (4 x 17 CTAs for gate at 512). 8-bit codes follow once the
-// selector chooses the kernel's 8-bit build (wgmma_tiles_fit; bench/NOTES.md step 26).
+// 512 the 128-row tiles leave SMs idle (4 x 17 CTAs for gate at 512). 8-bit codes likewise, on the
+// kernel's 8-bit build (T rows of one expert pass its 32 rows per expert; bench/NOTES.md step 26:
+// the block at 512 / 2048 tokens 416.5 / 1040.5 us per layer against 431.5 / 1160.4 on rhs_tiles).
 constexpr int64_t kDenseRowsMinTokens = 512;
 
 enum class DenseMlpWay { decode_glu, qmv_glu, expert_rows, linears };

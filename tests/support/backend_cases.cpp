@@ -367,8 +367,9 @@ void moe_rows(Table& t) {
   }
   for (int64_t T : {2, 40}) add(t, small, MoeLayerCase{MoeGeometry{}, T, MoePath::automatic});
   // 8-bit affine experts (the q8 preset) at prefill sizes, bf16 and f16, group 64 and 128, separate
-  // and fused gate/up: the expert tile route's mma.sync kernel (the wgmma kernel's 8-bit build runs
-  // its GLU, plain and combine forms here once the selector chooses it: kChoose8BitWgmma).
+  // and fused gate/up: at 300 tokens (75 rows per expert) bf16 runs the wgmma kernel's 8-bit build
+  // (its GLU, plain and combine forms; from 32 rows per expert: kWgmma8BitMinRowsPerExpert) and f16
+  // the mma.sync kernel; at 60 tokens (15 rows per expert) both run the mma.sync kernel.
   for (DType dtype : {DType::bf16, DType::f16})
     for (int group : {64, 128}) {
       MoeGeometry g;
@@ -378,8 +379,10 @@ void moe_rows(Table& t) {
       g.group = group;
       g.dtype = dtype;
       g.fused = group == 128;
-      add(t, large, SwitchGluCase{g, 300, false});
-      add(t, large, MoeLayerCase{g, 300, MoePath::automatic});
+      for (int64_t T : {60, 300}) {
+        add(t, large, SwitchGluCase{g, T, false});
+        add(t, large, MoeLayerCase{g, T, MoePath::automatic});
+      }
     }
   // Experts in MLX's fp modes: the decode layer (mxfp4 / nvfp4 in bf16, T * k <= 64), qmv (mxfp8 and
   // f16 at decode sizes) and the expert tile route's mma.sync kernel (sorted prefill rows, bf16).
