@@ -33,8 +33,9 @@ constexpr int kRouterCachedScales = kRouterThreads;  // per_expert_scale prefetc
 //      in index order, and the qmv dot (word_dot); acc[t] += s * dot + b * sum(x);
 //   5. shuffles, then the 8 warps' partials in warp order -> logits[t, e], rounded to D.
 // Each CTA then bumps a device counter (after __threadfence); the CTA that finishes last does the
-// top-k (warp t = token t, device::warp_topk_softmax, indices into shared memory, per_expert_scale
-// from the prefetched copy), writes indices and weights, resets the counter, and builds the
+// top-k (Gemma at T * E <= 256: thread i ranks key i against its token's E keys, device::key_rank,
+// then warp t the token's weights; else warp t = token t, device::warp_topk_softmax; indices into
+// shared memory, per_expert_scale from the prefetched copy), writes indices and weights, resets the counter, and builds the
 // DecodePlan from the shared indices: thread b < n counts the rows with a smaller expert id and the
 // earlier rows with the same id, which is row b's place in the stably sorted order; first rows of
 // an expert name groups.
@@ -277,18 +278,46 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
   }
   __threadfence();
   if (tid == 0) atomicExch(a.counter, 0u);  // ready for the next call (graph replays)
-  for (int t = warp; t < a.T; t += kRouterWarps) {
-    const float* lrow = a.logits + t * a.E;
-    uint16_t* wrow_out = a.weights + t * a.k;
-    auto store = [&](int slot, float w) { wrow_out[slot] = Elem<D>::store(w); };
-    if constexpr (kSoftmaxTopk)
-      device::warp_softmax_topk([&](int64_t x) { return __ldcg(lrow + x); }, a.E, a.k, a.renormalize,
-                                [](float v) { return round_to<D>(v); }, ids + t * a.k, store);
-    else
-      device::warp_topk_softmax(
-          [&](int64_t x) { return __ldcg(lrow + x); }, a.E, a.k,
-          [&](int64_t x) { return x < kRouterCachedScales ? pes_s[x] : load_any(a.per_expert_scale, a.pes_dtype, x); },
-          ids + t * a.k, store);
+  auto expert_scale = [&](int64_t x) {
+    return x < kRouterCachedScales ? pes_s[x] : load_any(a.per_expert_scale, a.pes_dtype, x);
+  };
+  if (!kSoftmaxTopk && a.T * a.E <= kRouterThreads && a.k <= 32) {
+    // 1-2 tokens (T * E <= 256): every (token, expert) key ranked at once, one per thread
+    // (device::key_rank: the same order as the warp's k passes below, whose shuffle chains were
+    // this CTA's serial tail), then warp t < T the token's weights from its k slot keys.
+    __shared__ uint32_t key_hi[kRouterThreads];                // [T, E] routing keys' high words
+    __shared__ unsigned long long slot_key[kDecodeMaxRows];   // [T, k] the key of each slot
+    const int items = a.T * a.E;
+    const int tok = tid / a.E, ex = tid - tok * a.E;  // logits are [T, E]: flat index tid
+    unsigned long long key = 0ull;
+    if (tid < items) {
+      key = device::routing_key(__ldcg(a.logits + tid), ex);
+      key_hi[tid] = static_cast<uint32_t>(key >> 32);
+    }
+    __syncthreads();
+    if (tid < items) {
+      const int rank = device::key_rank(key_hi + tok * a.E, a.E, ex);
+      if (rank < a.k) slot_key[tok * a.k + rank] = key;
+    }
+    __syncthreads();
+    if (warp < a.T) {
+      uint16_t* wrow_out = a.weights + warp * a.k;
+      const unsigned long long mine = lane < a.k ? slot_key[warp * a.k + lane] : 0ull;
+      device::warp_topk_softmax_of_slots(mine, a.k, expert_scale, ids + warp * a.k,
+                                         [&](int slot, float w) { wrow_out[slot] = Elem<D>::store(w); });
+    }
+  } else {
+    for (int t = warp; t < a.T; t += kRouterWarps) {
+      const float* lrow = a.logits + t * a.E;
+      uint16_t* wrow_out = a.weights + t * a.k;
+      auto store = [&](int slot, float w) { wrow_out[slot] = Elem<D>::store(w); };
+      if constexpr (kSoftmaxTopk)
+        device::warp_softmax_topk([&](int64_t x) { return __ldcg(lrow + x); }, a.E, a.k, a.renormalize,
+                                  [](float v) { return round_to<D>(v); }, ids + t * a.k, store);
+      else
+        device::warp_topk_softmax([&](int64_t x) { return __ldcg(lrow + x); }, a.E, a.k, expert_scale, ids + t * a.k,
+                                  store);
+    }
   }
   __syncthreads();
 

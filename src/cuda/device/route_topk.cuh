@@ -109,6 +109,48 @@ __device__ __forceinline__ void warp_topk_weights(Logit logit, int64_t E, int k,
   }
 }
 
+// The slots' weights once lane l < k of a warp holds the routing key of slot l (k <= 32; lanes >= k
+// hold anything): the second half of warp_topk_weights for one block, the same arithmetic and
+// order: numerators against slot 0's logit, their sum folded in slot order through shuffles, then
+// finish. Writes indices[l] and the slot's weight for l < k; called by all 32 lanes.
+template <class Numerator, class Finish, class StoreWeight>
+__device__ __forceinline__ void warp_weights_of_slots(unsigned long long mine, int k, Numerator numerator,
+                                                      Finish finish, int32_t* indices, StoreWeight store_weight) {
+  const int lane = threadIdx.x & 31;
+  const float max_logit = key_logit(__shfl_sync(0xffffffffu, mine, 0));
+  const float p = lane < k ? numerator(key_logit(mine), max_logit) : 0.0f;
+  float sum = 0.0f;
+  for (int j = 0; j < k; ++j) sum = __fadd_rn(sum, __shfl_sync(0xffffffffu, p, j));
+  if (lane < k) {
+    const int32_t e = key_expert(mine);
+    indices[lane] = e;
+    store_weight(lane, finish(e, p, sum));
+  }
+}
+
+// A token's top-k by rank instead of k passes: the thread of expert i (of E) counts the experts
+// whose routing key is larger: key_hi[j] > key_hi[i], or equal with j > i (the key's low word is the
+// id, so this is routing_key's order exactly). Ranks are a permutation of 0..E-1; rank r < k is slot
+// r. key_hi: the token's E high words in shared memory (routing_key >> 32), written and made visible
+// by the caller. About 4 instructions per expert and no shuffle chain, so a CTA ranks every
+// expert at once (the decode router's last CTA at 1-2 tokens: one key per thread).
+__device__ __forceinline__ int key_rank(const uint32_t* key_hi, int E, int i) {
+  const uint32_t mine = key_hi[i];
+  auto above = [&](int j) {
+    const uint32_t other = key_hi[j];
+    return static_cast<int>((other > mine) | ((other == mine) & (j > i)));
+  };
+  int r[4] = {0, 0, 0, 0};  // four counts, so the adds do not form one chain
+  int j = 0;
+#pragma unroll 2
+  for (; j + 4 <= E; j += 4) {
+#pragma unroll
+    for (int q = 0; q < 4; ++q) r[q] += above(j + q);
+  }
+  for (; j < E; ++j) r[0] += above(j);
+  return (r[0] + r[1]) + (r[2] + r[3]);
+}
+
 // The Qwen3-MoE router's top-k (RouterKind::softmax_topk, mlx-lm qwen3_moe): p = softmax over the
 // token's E logits (fp32, exp * 1/sum), each rounded by round_p (to the logits' dtype); top-k by p;
 // weights p (renormalize: round_p(p / round_p(sum of the k)), as mlx-lm's bf16 ops round).
@@ -134,12 +176,26 @@ __device__ __forceinline__ void warp_softmax_topk(Logit logit, int64_t E, int k,
 
 // The Gemma 4 router's top-k (spec gemma4-moe.md 5): top-k by logit, softmax over the k, times
 // per_expert_scale (expert_scale(e) -> float).
+__device__ __forceinline__ float topk_softmax_numerator(float s, float s0) { return expf(__fsub_rn(s, s0)); }
+template <class ExpertScale>
+__device__ __forceinline__ float topk_softmax_finish(ExpertScale expert_scale, int32_t e, float p, float sum) {
+  return __fmul_rn(__fdiv_rn(p, sum), expert_scale(e));
+}
 template <class Logit, class ExpertScale, class StoreWeight>
 __device__ __forceinline__ void warp_topk_softmax(Logit logit, int64_t E, int k, ExpertScale expert_scale,
                                                   int32_t* indices, StoreWeight store_weight) {
   warp_topk_weights(
-      logit, E, k, [](float s, float s0) { return expf(__fsub_rn(s, s0)); },
-      [&](int32_t e, float p, float sum) { return __fmul_rn(__fdiv_rn(p, sum), expert_scale(e)); }, indices,
+      logit, E, k, [](float s, float s0) { return topk_softmax_numerator(s, s0); },
+      [&](int32_t e, float p, float sum) { return topk_softmax_finish(expert_scale, e, p, sum); }, indices,
+      store_weight);
+}
+// The same top-k and weights from a slot's key (warp_weights_of_slots; k <= 32).
+template <class ExpertScale, class StoreWeight>
+__device__ __forceinline__ void warp_topk_softmax_of_slots(unsigned long long mine, int k, ExpertScale expert_scale,
+                                                           int32_t* indices, StoreWeight store_weight) {
+  warp_weights_of_slots(
+      mine, k, [](float s, float s0) { return topk_softmax_numerator(s, s0); },
+      [&](int32_t e, float p, float sum) { return topk_softmax_finish(expert_scale, e, p, sum); }, indices,
       store_weight);
 }
 
