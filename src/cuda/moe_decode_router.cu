@@ -33,7 +33,7 @@ constexpr int kRouterCachedScales = kRouterThreads;  // per_expert_scale prefetc
 //      in index order, and the qmv dot (word_dot); acc[t] += s * dot + b * sum(x);
 //   5. shuffles, then the 8 warps' partials in warp order -> logits[t, e], rounded to D.
 // Each CTA then bumps a device counter (after __threadfence); the CTA that finishes last does the
-// top-k (Gemma at T * E <= 256: thread i ranks key i against its token's E keys, device::key_rank,
+// top-k (Gemma at T = 1, E <= 256: thread i ranks key i against the E keys, device::key_rank,
 // then warp t the token's weights; else warp t = token t, device::warp_topk_softmax; indices into
 // shared memory, per_expert_scale from the prefetched copy), writes indices and weights, resets the counter, and builds the
 // DecodePlan from the shared indices: thread b < n counts the rows with a smaller expert id and the
@@ -281,10 +281,11 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
   auto expert_scale = [&](int64_t x) {
     return x < kRouterCachedScales ? pes_s[x] : load_any(a.per_expert_scale, a.pes_dtype, x);
   };
-  if (!kSoftmaxTopk && a.T * a.E <= kRouterThreads && a.k <= 32) {
-    // 1-2 tokens (T * E <= 256): every (token, expert) key ranked at once, one per thread
-    // (device::key_rank: the same order as the warp's k passes below, whose shuffle chains were
-    // this CTA's serial tail), then warp t < T the token's weights from its k slot keys.
+  if (!kSoftmaxTopk && a.T == 1 && a.E <= kRouterThreads && a.k <= 32) {
+    // One token (E <= 256): every expert's key ranked at once, one per thread (device::key_rank: the
+    // same order as the warp's k passes below, whose shuffle chains were this CTA's serial tail), then
+    // warp 0 the weights from the k slot keys. At T = 2 the two warps' passes ran in parallel and the
+    // rank lost (bench/NOTES.md step 29: layer -2.3% at T = 1, +1.2% at T = 2).
     __shared__ uint32_t key_hi[kRouterThreads];                // [T, E] routing keys' high words
     __shared__ unsigned long long slot_key[kDecodeMaxRows];   // [T, k] the key of each slot
     const int items = a.T * a.E;
