@@ -1,10 +1,10 @@
 // Probe: the Gemma 4 block's dense linears alone (bench/NOTES.md step 21 and the issue-15 dense
 // plan). The block runs its dense MLP as gather_qmm on one weight matrix (x [T, K] @ W^T); this
 // times that call by itself, so that a route's cost is not hidden behind the experts it runs beside:
-//   T <= 64: the selector (qmv, several rows per CTA where it takes them, up to kQmvMaxSharedRows;
-//            rhs_tiles above) against the one-row kernel (the test hook's qmv_one_row, within qmv's
-//            rows): step 21's change in isolation; from T = 2 also the tensor-core rhs_tiles
-//            pinned, which sets kQmvMaxSharedRows (T = 2-8 one by one);
+//   T <= 64: the selector (qmv where it takes the rows, several per CTA: kQmvMaxSharedRows and the
+//            narrow router's kQmvMaxSharedRowsNarrow; rhs_tiles above) against the one-row kernel (the
+//            test hook's qmv_one_row, where qmv takes them): step 21's change in isolation; from T = 2
+//            also the tensor-core rhs_tiles pinned, which set those limits (T = 2-8 one by one);
 //   T > 64:  the single-matrix form (the selector: rhs_tiles) against the same linear as T rows of
 //            one expert (x [T, 1, K], ids all 0, sorted: the expert tile route, wgmma), and pinned
 //            to the mma.sync kernel (8-bit: the kernel below kWgmma8BitMinRowsPerExpert).
@@ -108,7 +108,7 @@ int main() {
         std::vector<Variant> variants;
         if (T <= 64) {
           variants = {{"single", single, ""}};
-          if (T <= cuda::kQmvMaxSharedRows) variants.push_back({"single", single, "qmv_one_row"});  // qmv's rows
+          if (cuda::supports_qmv(single).ok) variants.push_back({"single", single, "qmv_one_row"});  // qmv's rows
           if (T >= 2) variants.push_back({"single", single, "rhs_tiles"});
         } else {
           const detail::GatherQmmProblem rows = cuda::one_expert_rows_problem(single, zero_ids.data_as<int32_t>());

@@ -455,9 +455,9 @@ const QmvVariant* find_qmv_variant(const detail::GatherQmmProblem& p, int vec_wo
 // linear's tokens) and the table has a multi-row kernel (affine, 16-byte weight rows), as long as the grid
 // still gives every SM a CTA at k_split 2 and the staged rows fit qmv_multi_row_smem(). So the
 // router's projection (N = 128: 8 column blocks) stays at one row per CTA, and Gemma 4's dense MLP
-// takes 4 rows per CTA in gate and up (K = 2,816: 8 rows would stage 124 KB) and 8 in down (K =
-// 2,112: 93 KB) at T = 5-7, 4 at T = 2-4 (from 8 rows rhs_tiles takes them: kQmvMaxSharedRows; a
-// 4-bit dense MLP at T <= 8 runs gate and up on the decode GLU kernel instead).
+// takes 4 rows per CTA at T = 2 (from 3 rows rhs_tiles takes them: kQmvMaxSharedRows; a 4-bit dense
+// MLP at T <= 8 runs gate and up on the decode GLU kernel instead). 5-7 rows per CTA-row (8 rows per
+// CTA) where rhs_tiles does not take a wide matrix (K % 64 != 0) or many narrow ones fill the grid.
 int qmv_rows_per_cta(const detail::GatherQmmProblem& p, int vec_words) {
   if (p.M < 2) return 1;
   constexpr int64_t kColsAtSplit2 = (kQmvWarps / 2) * kQmvColsPerWarp;
@@ -484,7 +484,8 @@ RouteSupport supports_qmv(const detail::GatherQmmProblem& p) {
   if (p.dtype != DType::bf16 && p.dtype != DType::f16) return route_miss(Fallback::dtype);
   if (p.bits != 4 && p.bits != 8) return route_miss(Fallback::quantization);
   if (!p.transpose) return route_miss(Fallback::quantization);  // codes run along N, not K
-  if (p.B * p.M > kQmvMaxRows || p.M > kQmvMaxSharedRows) return route_miss(Fallback::shape);
+  if (p.B * p.M > kQmvMaxRows || p.M > kQmvMaxSharedRowsNarrow) return route_miss(Fallback::shape);
+  if (p.M > kQmvMaxSharedRows && p.N > kQmvNarrowN && supports_rhs_tiles(p).ok) return route_miss(Fallback::shape);
   if (p.K <= 0 || p.N <= 0 || p.K > kQmvMaxK) return route_miss(Fallback::shape);
   if (!fits_int32(p.N) || !fits_int32(p.M) || !fits_int32(p.w_batch)) return route_miss(Fallback::shape);
   if (p.K % 8 != 0) return route_miss(Fallback::alignment);

@@ -52,10 +52,15 @@ inline bool wgmma_8bit_rows_enough(const detail::GatherQmmProblem& p) {
 constexpr int64_t kQmvMaxRows = 64;  // 8 tokens x top-8; why: supports_qmv in gather_qmm_qmv.cu
 constexpr int64_t kExpertTilesMinRows = kQmvMaxRows + 1;
 // The rows of one batch element (M) share its weight matrix: qmv reads that matrix once per 1-8 rows,
-// rhs_tiles' tensor-core tiles once per 16-64, so from 8 such rows rhs_tiles takes them (bench/NOTES.md
-// step 25, the dense MLP's linears alone at 8 / 64 tokens: gate 14.2 / 22.4 us against qmv's 17.2 /
-// 72.0, down 14.0 / 20.8 against 27.0 / 72.8).
-constexpr int64_t kQmvMaxSharedRows = 7;
+// rhs_tiles' tensor-core tiles once per 16-64. From 3 such rows qmv gives way to rhs_tiles where
+// rhs_tiles takes the problem and the matrix is wider than kQmvNarrowN (bench/NOTES.md step 30, the
+// dense-linear probe, each linear alone: rhs_tiles ~13-14 us flat from 2 to 8 rows of Gemma 4's
+// dense MLP, qmv 12-14 at 2-3 rows and 15-25 at 4-7; the router's 128-row projection stays on qmv,
+// 8.7 against 10.9, as its 2 column tiles leave rhs_tiles' grid small). At most kQmvMaxSharedRowsNarrow
+// shared rows in any case (from 8 rhs_tiles wins everywhere: step 25).
+constexpr int64_t kQmvMaxSharedRows = 2;
+constexpr int64_t kQmvNarrowN = 256;
+constexpr int64_t kQmvMaxSharedRowsNarrow = 7;
 RouteSupport supports_qmv(const detail::GatherQmmProblem& p);
 void call_qmv(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
 // The test hook's qmv_one_row: one row per CTA whatever M (the multi-row kernels' comparison).

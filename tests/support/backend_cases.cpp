@@ -228,27 +228,36 @@ void gather_qmm_rows(Table& t) {
   const Weight q8{DType::bf16, 8, 128, 8, 136, 256};
   for (const char* r : kAllRoutes) add(t, large, batched_of(r, q8, 4, 5, 6));
   for (const char* r : kManyRowRoutes) add(t, large, batched_of(r, q8, 3, 40, 4));
-  // qmv with several rows per CTA (2 <= M <= kQmvMaxSharedRows rows sharing a weight matrix, wide
-  // enough for a CTA per SM: the dense MLP's linears at T = 2-7): 8 rows per CTA at K = 1,024 (5, 6
-  // and 7 rows in the one row block), 4 at K = 2,816 (8 rows would not fit in shared memory; M = 3
-  // stages 3 rows), the single matrix of a dense linear (x [1, M, K]) and several batch elements, 8-
-  // and 4-bit, bf16 and f16; each also on the one-row kernel (the test hook's qmv_one_row), both
-  // against the reference. From 8 shared rows the selector takes rhs_tiles, and qmv refuses them.
+  // qmv with several rows per CTA (M >= 2 rows sharing a weight matrix, wide enough for a CTA per
+  // SM): at M = 2 the dense MLP's linears (4 rows per CTA, 2 staged); at 3-7 rows (8 rows per CTA
+  // from 5) only where rhs_tiles does not take the matrix (K % 64 != 0: group 32, K = 1,056 / 2,080)
+  // or many narrow matrices fill the grid (N = 256, 9 of them); the single matrix of a dense linear
+  // (x [1, M, K]) and several batch elements, 8- and 4-bit, bf16 and f16; each also on the one-row
+  // kernel (the test hook's qmv_one_row), both against the reference. The selector's side
+  // (kQmvMaxSharedRows, bench/NOTES.md step 30): a wide matrix rhs_tiles takes goes to rhs_tiles from
+  // 3 rows, qmv refusing it; a narrow one (the router's N = 128) stays on qmv to 7; from 8, rhs_tiles.
   struct MultiRow {
     Weight w;
     int64_t x_batch, M, B;
   };
-  for (const MultiRow& m : {MultiRow{{DType::bf16, 8, 64, 1, 2112, 1024}, 1, 7, 1},
-                            MultiRow{{DType::bf16, 8, 64, 1, 2112, 1024}, 1, 5, 1},
-                            MultiRow{{DType::f16, 8, 32, 3, 2120, 1024}, 2, 6, 3},
-                            MultiRow{{DType::bf16, 8, 64, 1, 2112, 2816}, 1, 3, 1},
-                            MultiRow{{DType::bf16, 8, 64, 2, 2816, 2816}, 1, 7, 2},
-                            MultiRow{{DType::bf16, 4, 64, 1, 2816, 2112}, 1, 7, 1},
-                            MultiRow{{DType::f16, 4, 128, 2, 2112, 2816}, 2, 6, 2}})
+  for (const MultiRow& m : {MultiRow{{DType::bf16, 8, 64, 1, 2112, 2816}, 1, 2, 1},
+                            MultiRow{{DType::f16, 4, 128, 2, 2112, 2816}, 2, 2, 2},
+                            MultiRow{{DType::bf16, 8, 32, 1, 2112, 1056}, 1, 7, 1},
+                            MultiRow{{DType::bf16, 8, 32, 1, 2112, 1056}, 1, 5, 1},
+                            MultiRow{{DType::f16, 8, 32, 3, 2120, 1056}, 2, 6, 3},
+                            MultiRow{{DType::bf16, 8, 32, 1, 2112, 2080}, 1, 3, 1},
+                            MultiRow{{DType::bf16, 4, 32, 2, 2816, 2080}, 1, 7, 2},
+                            MultiRow{{DType::bf16, 8, 64, 9, 256, 1024}, 9, 7, 9},
+                            MultiRow{{DType::bf16, 4, 64, 12, 256, 1024}, 12, 3, 12}})
     for (const char* r : {"qmv", "qmv_one_row"}) add(t, large, batched_of(r, m.w, m.x_batch, m.M, m.B));
-  add(t, large, picks(batched_of("", {DType::bf16, 8, 64, 1, 2112, 2816}, 1, 7, 1), "qmv"));
-  add(t, large, picks(batched_of("", {DType::bf16, 8, 64, 1, 2112, 2816}, 1, 8, 1), "rhs_tiles"));
-  add(t, large, refusal(batched_of("", {DType::bf16, 8, 64, 1, 2112, 2816}, 1, 8, 1), "qmv", "shape"));
+  const Weight dense8{DType::bf16, 8, 64, 1, 2112, 2816};
+  add(t, large, picks(batched_of("", dense8, 1, 2, 1), "qmv"));
+  add(t, large, picks(batched_of("", dense8, 1, 3, 1), "rhs_tiles"));
+  add(t, large, refusal(batched_of("", dense8, 1, 3, 1), "qmv", "shape"));
+  add(t, large, picks(batched_of("", {DType::bf16, 8, 32, 1, 2112, 1056}, 1, 7, 1), "qmv"));  // K % 64 != 0
+  add(t, large, picks(batched_of("", {DType::bf16, 8, 64, 1, 128, 2816}, 1, 7, 1), "qmv"));   // the router's
+  add(t, large, picks(batched_of("", dense8, 1, 8, 1), "rhs_tiles"));
+  add(t, large, refusal(batched_of("", {DType::bf16, 8, 64, 1, 128, 2816}, 1, 8, 1), "qmv", "shape"));
   // Split-K of rhs_tiles' 16-row tiles: few columns, many rows, long K (the router's projection);
   // slices of unequal k-tile counts (K = 576: 9 tiles in 2 slices), N off the 128-column grid, rows
   // off the 16-row grid, unsorted ids; and the router's own form, x [1, T, K] as one batch element.
