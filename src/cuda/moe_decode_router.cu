@@ -132,8 +132,11 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
       if (norm && u < U) device::load_unit(device::UnitsAny{true}, a.scale, a.scale_dtype, u, a.H, su[j]);
     }
     uint4 hv[kRouterUnits];
+    // Units past T * U are skipped as a CTA (a uniform exit: T = 1 stages 2 of the 12 units per
+    // thread, and the per-unit branches were ~100 of the router's ~880 instructions per warp).
 #pragma unroll
     for (int j = 0; j < kRouterUnits; ++j) {
+      if (base + kRouterThreads * j >= TU) break;  // uniform
       const int idx = base + tid + kRouterThreads * j;
       if (idx < TU) {
         const int t = idx / U, u = idx - t * U;
@@ -155,6 +158,7 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
     }
 #pragma unroll
     for (int j = 0; j < kRouterUnits; ++j) {
+      if (base + kRouterThreads * j >= TU) break;  // uniform
       const int idx = base + tid + kRouterThreads * j;
       if (idx < TU) {
         const int t = idx / U, u = idx - t * U;
@@ -178,6 +182,7 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
   // 3. inv_rms per token.
 #pragma unroll
   for (int t = 0; t < kDecodeMaxTokens; ++t) {
+    if (t >= a.T) break;  // uniform: only the call's tokens are reduced
     for (int off = 16; off > 0; off >>= 1) sq[t] = __fadd_rn(sq[t], __shfl_xor_sync(0xffffffffu, sq[t], off));
     if (lane == 0) red[warp][t] = sq[t];
   }
