@@ -13,6 +13,7 @@
 
 #include "expertqmm/diagnostics.h"
 #include "expertqmm/error.h"
+#include "support/backend_cases.h"  // gemm_tolerance
 #include "support/graph_capture.h"
 #include "support/moe_case.h"
 #include "support/test_util.h"
@@ -64,3 +65,47 @@ TEST(GpuMoeDecode, CapturedInACudaGraphAsThreeKernels) {
 #endif
 }
 
+
+// The decode router's one-token top-k (the last CTA ranks every expert's key, device::key_rank)
+// breaks exact ties as MLX and the CPU do: router rows duplicated in pairs make experts 2i and 2i+1
+// tie exactly, and with top-3 the third slot falls inside a tied pair, so a wrong rule would pick an
+// expert the CPU did not (its weights differ: an O(1) error). Dense bf16 and 8-bit projections,
+// several tokens' h one at a time.
+TEST(GpuMoeDecode, OneTokenTopkBreaksExactTiesLikeTheCpu) {
+  EXPERTQMM_REQUIRE_GPU();
+  test::DecodeSwitchGuard on(RouteSwitch::on);
+  for (int router_bits : {0, 8}) {
+    const test::MoeGeometry g{256, 128, 16, 3, 4, 64, router_bits, false, Activation::geglu, DType::bf16};
+    test::Layer l = test::make_layer(g);
+    RouterWeights& r = l.cpu.router;
+    auto pair_rows = [&](Tensor& t) {  // row 2i + 1 := row 2i of a [E, ...] tensor
+      std::vector<uint8_t> bytes = t.to_host_bytes();
+      const size_t row = bytes.size() / static_cast<size_t>(g.E);
+      for (int64_t e = 1; e < g.E; e += 2)
+        std::copy(bytes.begin() + (e - 1) * row, bytes.begin() + e * row, bytes.begin() + e * row);
+      t = Tensor::from_host(bytes.data(), t.shape(), t.dtype(), Device::cpu);
+    };
+    if (router_bits == 0) {
+      pair_rows(r.proj_dense);
+    } else {
+      pair_rows(r.proj.w);
+      pair_rows(r.proj.scales);
+      pair_rows(r.proj.biases);
+    }
+    l.gpu.router = test::router_to(r, Device::cuda);
+    for (int trial = 0; trial < 4; ++trial) {
+      const std::string what = detail::cat("router_bits=", router_bits, " trial ", trial);
+      const Tensor h = test::random_tensor({1, g.H}, g.dtype, 1.0f);
+      const Tensor x = test::random_tensor({1, g.H}, g.dtype, 1.0f);
+      const std::vector<int32_t> ci = test::to_i32(route(h, r).indices);
+      EXPECT_EQ(ci[2] % 2, 1) << what << ": the CPU's third slot should be a tied pair's higher id";
+      const uint64_t before = test::decode_hits();
+      Workspace ws;
+      const Tensor got = test::run_layer(h.to(Device::cuda), x.to(Device::cuda), l.gpu, ws);
+      cuda_check();
+      EXPECT_EQ(test::decode_hits(), before + 1) << what << ": the decode layer did not serve the call";
+      const std::vector<float> expected = test::to_float(moe_layer(h, x, l.cpu));
+      EXPECT_LE(test::rel_error(test::to_float(got), expected), test::gemm_tolerance(g.dtype)) << what;
+    }
+  }
+}

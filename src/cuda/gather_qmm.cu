@@ -94,6 +94,16 @@ size_t device_smem_optin() {
   return bytes;
 }
 
+size_t device_smem_per_sm() {
+  static const size_t bytes = [] {
+    int device = 0, per_sm = 0;
+    EXPERTQMM_CUDA_CHECK(cudaGetDevice(&device));
+    EXPERTQMM_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+    return static_cast<size_t>(per_sm);
+  }();
+  return bytes;
+}
+
 device::QuantView quant_view(const detail::GatherQmmProblem& p) {
   device::QuantView q;
   q.w = static_cast<const uint32_t*>(p.w.data());

@@ -1,17 +1,17 @@
 // Kernel 2 of the decode layer (moe_decode.h) on tensor cores, for 4-bit experts: gate and up of
 // every row routed to an expert, then the GLU product.
-#include "cuda/gather_qmm_routes.h"  // device_sm_count
+#include "cuda/gather_qmm_routes.h"  // device_sm_count, device_smem_per_sm
 #include "cuda/moe_decode_tiles.cuh"
 
 namespace expertqmm::cuda::decode {
 
 namespace {
 
-// kMinCtas: 2 (72 registers, 3 CTAs per SM by shared memory at Gemma's H), or 4 (capped at 64
-// registers: 4 x 52 KB of shared memory fit), for grids of more than one wave at 3 CTAs per SM (T >=
-// 2 at Gemma's geometry): more codes in flight per SM while other CTAs compute, the gate/up kernel
-// at T = 8 being at 47% of DRAM bandwidth (bench/NOTES.md step 31). Built only where ptxas keeps it
-// free of spills (kFourPerSm); the one-wave grids of T = 1 keep the 72-register build.
+// kMinCtas: 2 (72 registers: 3 CTAs per SM by registers), or 4 (capped at 64 registers) for grids of
+// more than one wave at 3 CTAs per SM (T >= 2 at Gemma's geometry) where 4 CTAs' shared memory fits
+// the SM (Hopper at Gemma's H: 4 x 52 KB): more codes in flight per SM while other CTAs compute, the
+// gate/up kernel at T = 8 being at 47% of DRAM bandwidth (bench/NOTES.md step 31). Built only where
+// ptxas keeps it free of spills (kFourPerSm); the one-wave grids of T = 1 keep the 72-register build.
 template <DType D, int G, bool kFp>
 constexpr bool kFourPerSm = !kFp && (G == 32 || (D == DType::bf16 && G == 64));
 
@@ -36,16 +36,18 @@ void launch_gate_up_mma(DType dtype, int G, Activation act, const GateUpArgs& a,
     kernel<<<grid, kThreads, smem, stream>>>(a);
     EXPERTQMM_CUDA_CHECK_LAUNCH(decode_gate_up_glu_mma_kernel);
   };
-  const bool many_waves = static_cast<int64_t>(grid.x) * grid.y > 3 * static_cast<int64_t>(device_sm_count());
+  constexpr size_t kReservedPerCta = 1024;  // the driver's shared memory per CTA
+  const bool four_per_sm = static_cast<int64_t>(grid.x) * grid.y > 3 * static_cast<int64_t>(device_sm_count()) &&
+                          4 * (smem + kReservedPerCta) <= device_smem_per_sm();
   auto with_group = [&](auto dtag, auto gtag) {
     constexpr DType DT = decltype(dtag)::value;
     constexpr int GS = decltype(gtag)::value;
     constexpr int kWide = kFourPerSm<DT, GS, false> ? 4 : 2;
     if (act == Activation::geglu) {
-      if (many_waves) launch(decode_gate_up_glu_mma_kernel<DT, GS, Activation::geglu, false, kWide>);
+      if (four_per_sm) launch(decode_gate_up_glu_mma_kernel<DT, GS, Activation::geglu, false, kWide>);
       else launch(decode_gate_up_glu_mma_kernel<DT, GS, Activation::geglu>);
     } else {
-      if (many_waves) launch(decode_gate_up_glu_mma_kernel<DT, GS, Activation::swiglu, false, kWide>);
+      if (four_per_sm) launch(decode_gate_up_glu_mma_kernel<DT, GS, Activation::swiglu, false, kWide>);
       else launch(decode_gate_up_glu_mma_kernel<DT, GS, Activation::swiglu>);
     }
   };

@@ -39,7 +39,7 @@ constexpr int kRouterCachedScales = kRouterThreads;  // per_expert_scale prefetc
 // DecodePlan from the shared indices: thread b < n counts the rows with a smaller expert id and the
 // earlier rows with the same id, which is row b's place in the stably sorted order; first rows of
 // an expert name groups.
-// Occupancy (ptxas, sm_90a): 119-121 registers, no spills; 1 CTA (8 warps) per SM is all it needs:
+// Occupancy (ptxas, sm_90a): 93-113 registers, no spills; 1 CTA (8 warps) per SM is all it needs:
 // grid E = 128 <= 132 SMs, one wave. Dynamic shared memory (T + 1) * 3168 floats at H = 2816:
 // 25 KB at T=1, 114 KB at T=8. In flight per SM: the expert row (2.8 KB + 88 B of scales/biases)
 // beside the norm inputs (norm weight 5.6 KB + h 5.6 KB per token: ~14 KB at T=1, ~53 KB at T=8,
@@ -133,10 +133,14 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
     }
     uint4 hv[kRouterUnits];
     // Units past T * U are skipped as a CTA (a uniform exit: T = 1 stages 2 of the 12 units per
-    // thread, and the per-unit branches were ~100 of the router's ~880 instructions per warp).
+    // thread, and the per-unit branches were ~100 of the router's ~880 instructions per warp). Not
+    // in the loads of the dense softmax_topk build, where ptxas then spills 40 bytes.
+    constexpr bool kLoadsExit = kQuant || !kSoftmaxTopk;
 #pragma unroll
     for (int j = 0; j < kRouterUnits; ++j) {
-      if (base + kRouterThreads * j >= TU) break;  // uniform
+      if constexpr (kLoadsExit) {
+        if (base + kRouterThreads * j >= TU) break;  // uniform
+      }
       const int idx = base + tid + kRouterThreads * j;
       if (idx < TU) {
         const int t = idx / U, u = idx - t * U;

@@ -41,7 +41,7 @@ struct DownTcLayout {
   }
 };
 
-// Work split: grid (ceil(I / 16), min(n, E)), 256 threads, __launch_bounds__(256, 2). CTA (x, g)
+// Work split: grid (ceil(I / 16), min(n, E)), 256 threads, __launch_bounds__(256, 2 or 4: moe_decode_gate_up.cu). CTA (x, g)
 // (col_block, g_idx below: the CTA's coordinates in that grid; tc_smem: its dynamic shared memory)
 // takes expert group g of the plan (CTAs past the plan's group count exit at once) and output
 // columns [16x, 16x + 16): two 16-row mma tiles, gate rows (staged rows 0..15) and up rows
@@ -60,7 +60,8 @@ struct DownTcLayout {
 //      sums them in warp order for (column i % 16, row i / 16): gate and up rounded to D, then the
 //      GLU, one rounding, into hidden[row, column].
 // Occupancy (Gemma, bf16, G=64): shared memory 46 KB codes + 5.6 KB scales/biases, 72 registers:
-// 3 CTAs (24 warps) per SM at any T; T=1: the 352 CTAs are one wave.
+// 3 CTAs (24 warps) per SM, 4 (64 registers) where the grid is more than a wave of 3 (step 31);
+// T=1: the 352 CTAs are one wave.
 // kFp (mxfp4 / nvfp4, bf16; G = kTcFpLayoutGroup): the scale codes are staged raw in the scales
 // region (32 rows of K / group bytes: at most the affine layout's 32 * K / 32 * 2), A holds value *
 // scale (tc_fp4_block_dot) and no sum-of-x mma or bias term follows.

@@ -245,6 +245,7 @@ void gather_qmm_rows(Table& t) {
                             MultiRow{{DType::bf16, 8, 32, 1, 2112, 1056}, 1, 7, 1},
                             MultiRow{{DType::bf16, 8, 32, 1, 2112, 1056}, 1, 5, 1},
                             MultiRow{{DType::f16, 8, 32, 3, 2120, 1056}, 2, 6, 3},
+                            MultiRow{{DType::f16, 4, 32, 2, 2112, 2080}, 2, 6, 2},
                             MultiRow{{DType::bf16, 8, 32, 1, 2112, 2080}, 1, 3, 1},
                             MultiRow{{DType::bf16, 4, 32, 2, 2816, 2080}, 1, 7, 2},
                             MultiRow{{DType::bf16, 8, 64, 9, 256, 1024}, 9, 7, 9},
