@@ -62,6 +62,13 @@ TEST(Settings, DecodeLayerVariable) {
   for (const char* bad : kSwitchBad) expect_rejected("EXPERTQMM_DECODE_LAYER", bad);
 }
 
+TEST(Settings, DecodeRouteInGateUpVariable) {
+  EXPECT_EQ(parse({}).decode_route_in_gate_up, RouteSwitch::automatic);
+  EXPECT_EQ(parse({{"EXPERTQMM_DECODE_ROUTE_IN_GATE_UP", "0"}}).decode_route_in_gate_up, RouteSwitch::off);
+  EXPECT_EQ(parse({{"EXPERTQMM_DECODE_ROUTE_IN_GATE_UP", "1"}}).decode_route_in_gate_up, RouteSwitch::on);
+  for (const char* bad : kSwitchBad) expect_rejected("EXPERTQMM_DECODE_ROUTE_IN_GATE_UP", bad);
+}
+
 TEST(Settings, ChainedLaunchVariable) {
   EXPECT_EQ(parse({{"EXPERTQMM_CHAINED_LAUNCH", "0"}}).chained_launch, RouteSwitch::off);
   EXPECT_EQ(parse({{"EXPERTQMM_CHAINED_LAUNCH", "1"}}).chained_launch, RouteSwitch::on);
@@ -111,7 +118,7 @@ TEST(Settings, ChainedLaunchScopeIsPerThreadAndRestores) {
 // Every variable of the table is parsed (a bad value of each is caught), and nothing else is.
 TEST(Settings, TableListsEveryVariableAndEachIsValidated) {
   const std::vector<SettingInfo> table = settings_table();
-  ASSERT_EQ(table.size(), 6u);
+  ASSERT_EQ(table.size(), 7u);
   for (const SettingInfo& row : table) {
     EXPECT_EQ(row.variable.rfind("EXPERTQMM_", 0), 0u) << row.variable;
     EXPECT_FALSE(row.values.empty() || row.current.empty() || row.what.empty()) << row.variable;

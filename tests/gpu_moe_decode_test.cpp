@@ -20,6 +20,11 @@
 
 using namespace expertqmm;
 
+namespace {
+using RouteInGateUpGuard =
+    test::SettingGuard<RouteSwitch, decode_route_in_gate_up_setting, set_decode_route_in_gate_up>;
+}  // namespace
+
 // Calls the decode layer does not take go to the general path.
 TEST(GpuMoeDecode, UnsupportedCallsFallBack) {
   EXPERTQMM_REQUIRE_GPU();
@@ -74,7 +79,9 @@ TEST(GpuMoeDecode, CapturedInACudaGraphAsThreeKernels) {
 TEST(GpuMoeDecode, OneTokenTopkBreaksExactTiesLikeTheCpu) {
   EXPERTQMM_REQUIRE_GPU();
   test::DecodeSwitchGuard on(RouteSwitch::on);
+  for (RouteSwitch in_gate_up : {RouteSwitch::automatic, RouteSwitch::on})  // who ranks: the router, or gate/up
   for (int router_bits : {0, 8}) {
+    RouteInGateUpGuard who(in_gate_up);
     const test::MoeGeometry g{256, 128, 16, 3, 4, 64, router_bits, false, Activation::geglu, DType::bf16};
     test::Layer l = test::make_layer(g);
     RouterWeights& r = l.cpu.router;
@@ -94,7 +101,8 @@ TEST(GpuMoeDecode, OneTokenTopkBreaksExactTiesLikeTheCpu) {
     }
     l.gpu.router = test::router_to(r, Device::cuda);
     for (int trial = 0; trial < 4; ++trial) {
-      const std::string what = detail::cat("router_bits=", router_bits, " trial ", trial);
+      const std::string what = detail::cat("router_bits=", router_bits, " trial ", trial, " EXPERTQMM_DECODE_ROUTE_IN_GATE_UP=",
+                                           in_gate_up == RouteSwitch::on ? "1" : "unset");
       const Tensor h = test::random_tensor({1, g.H}, g.dtype, 1.0f);
       const Tensor x = test::random_tensor({1, g.H}, g.dtype, 1.0f);
       const std::vector<int32_t> ci = test::to_i32(route(h, r).indices);
@@ -108,4 +116,58 @@ TEST(GpuMoeDecode, OneTokenTopkBreaksExactTiesLikeTheCpu) {
       EXPECT_LE(test::rel_error(test::to_float(got), expected), test::gemm_tolerance(g.dtype)) << what;
     }
   }
+}
+
+// EXPERTQMM_DECODE_ROUTE_IN_GATE_UP=1 (the gate/up CTAs rank the router's logits themselves, the
+// router ends at them): at one token the same output bits as the router's own top-k and plan (the
+// same order, the same weight arithmetic), captured in a graph too; Gemma 4's shape, E = 128 and 256
+// (one key per thread up to the CTA's 256), separate and fused gate_up, bf16 / f16, groups 32-128, a
+// dense router, mxfp4 experts. At T = 2 the setting changes nothing (the router routes).
+TEST(GpuMoeDecode, RouteInGateUpIsBitIdenticalAtOneToken) {
+  EXPERTQMM_REQUIRE_GPU();
+  test::DecodeSwitchGuard on(RouteSwitch::on);
+  std::vector<test::MoeGeometry> geometries = {
+      {2816, 704, 16, 8, 4, 64, 8, false, Activation::geglu, DType::bf16},
+      {2816, 704, 16, 8, 4, 64, 8, true, Activation::geglu, DType::f16},
+      {512, 256, 128, 8, 4, 64, 8, false, Activation::geglu, DType::bf16},
+      {256, 128, 256, 8, 4, 128, 8, true, Activation::swiglu, DType::bf16},
+      {320, 96, 16, 4, 4, 32, 0, false, Activation::geglu, DType::bf16}};
+  test::MoeGeometry fp4{512, 256, 32, 4, 4, 32, 8, false, Activation::geglu, DType::bf16};
+  fp4.mode = QuantMode::mxfp4;
+  geometries.push_back(fp4);
+  for (const test::MoeGeometry& g : geometries) {
+    const test::Layer l = test::make_layer(g);
+    for (int64_t T : {1, 2}) {
+      const std::string what = g.name() + detail::cat(" T=", T);
+      const Tensor h = test::random_tensor({T, g.H}, g.dtype, 1.0f, Device::cuda);
+      const Tensor x = test::random_tensor({T, g.H}, g.dtype, 1.0f, Device::cuda);
+      std::vector<uint8_t> bytes[2];
+      for (RouteSwitch s : {RouteSwitch::automatic, RouteSwitch::on}) {
+        RouteInGateUpGuard who(s);
+        const uint64_t before = test::decode_hits();
+        Workspace ws;
+        bytes[s == RouteSwitch::on] = test::run_layer(h, x, l.gpu, ws).to_host_bytes();
+        cuda_check();
+        EXPECT_EQ(test::decode_hits(), before + 1) << what << ": the decode layer did not serve the call";
+      }
+      EXPECT_EQ(bytes[1], bytes[0]) << what << ": the gate/up CTAs' routing differs from the router's";
+    }
+  }
+#ifdef EXPERTQMM_HAVE_CUDA
+  // Captured: the router then holds no ticket, and replays match the uncaptured call.
+  RouteInGateUpGuard who(RouteSwitch::on);
+  const test::MoeGeometry g{2816, 704, 16, 8, 4, 64, 8, false, Activation::geglu, DType::bf16};
+  const test::Layer l = test::make_layer(g);
+  const test::CaptureStream stream;
+  Workspace ws;
+  const Tensor h = test::random_tensor({1, g.H}, g.dtype, 1.0f, Device::cuda);
+  const Tensor x = test::random_tensor({1, g.H}, g.dtype, 1.0f, Device::cuda);
+  const Tensor expected = test::run_layer(h, x, l.gpu, ws);
+  cuda_check();
+  Tensor replayed = Tensor::empty({1, g.H}, g.dtype, Device::cuda);
+  cudaGraph_t graph = test::capture_graph(stream.get(), [&] { moe_layer_into(replayed, h, x, l.gpu, ws); }, "T=1");
+  ASSERT_NE(graph, nullptr);
+  EXPECT_EQ(test::kernel_nodes(graph), 3);
+  test::expect_replays_match(graph, stream.get(), replayed, expected, 3, "T=1 routed in gate/up");
+#endif
 }

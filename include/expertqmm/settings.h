@@ -26,6 +26,13 @@ RouteSwitch expert_tiles_setting();
 void set_decode_layer(RouteSwitch s);
 RouteSwitch decode_layer_setting();
 
+// EXPERTQMM_DECODE_ROUTE_IN_GATE_UP=0|1: at one token, the decode layer's gate/up CTAs rank the
+// router's logits themselves (each CTA finds its expert; one writes the k indices and weights for
+// the down kernel) and the router ends at its logits, without its last CTA's ticket, top-k and plan
+// (bench/NOTES.md step 33). `automatic` is off until measured.
+void set_decode_route_in_gate_up(RouteSwitch s);
+RouteSwitch decode_route_in_gate_up_setting();
+
 // EXPERTQMM_CHAINED_LAUNCH=0|1: programmatic dependent launches (sm_90) at the Gemma 4 block's two
 // boundaries that allow them at decode sizes: the router (which reads the block's input, not the
 // entry norms' output) starts while the entry norms run, and the exit kernel loads its other inputs

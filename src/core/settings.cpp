@@ -48,6 +48,10 @@ const Variable kVariables[] = {
     {"EXPERTQMM_DECODE_LAYER", "0|1", "the three-kernel decode MoE layer off or on (unset: on)",
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.decode_layer = parse_switch(n, v); },
      [] { return std::string(switch_text(decode_layer_setting())); }},
+    {"EXPERTQMM_DECODE_ROUTE_IN_GATE_UP", "0|1",
+     "1: at one token the decode layer's gate/up CTAs rank the router's logits, no routing CTA (unset: 0)",
+     [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.decode_route_in_gate_up = parse_switch(n, v); },
+     [] { return std::string(switch_text(decode_route_in_gate_up_setting())); }},
     {"EXPERTQMM_CHAINED_LAUNCH", "0|1", "programmatic dependent launches at the Gemma 4 block's decode boundaries (unset: on)",
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.chained_launch = parse_switch(n, v); },
      [] { return std::string(switch_text(chained_launch_setting())); }},
@@ -84,7 +88,7 @@ const EnvSettings& env() { return process_env().settings; }
 
 // API overrides: -1 = none (the environment decides), else the value.
 constexpr int kNone = -1;
-std::atomic<int> g_expert_tiles{kNone}, g_decode_layer{kNone}, g_chained_launch{kNone}, g_deterministic{kNone}, g_wgmma{kNone},
+std::atomic<int> g_expert_tiles{kNone}, g_decode_layer{kNone}, g_decode_route_in_gate_up{kNone}, g_chained_launch{kNone}, g_deterministic{kNone}, g_wgmma{kNone},
     g_wgmma_width{kNone};
 std::atomic<ProductMode> g_product_mode{ProductMode::fused};
 thread_local int t_chained_launch = kNone;  // ChainedLaunchScope's value on this thread
@@ -124,6 +128,10 @@ RouteSwitch expert_tiles_setting() { return read_switch(g_expert_tiles, env().ex
 
 void set_decode_layer(RouteSwitch s) { set_switch(g_decode_layer, s, "set_decode_layer"); }
 RouteSwitch decode_layer_setting() { return read_switch(g_decode_layer, env().decode_layer); }
+void set_decode_route_in_gate_up(RouteSwitch s) { set_switch(g_decode_route_in_gate_up, s, "set_decode_route_in_gate_up"); }
+RouteSwitch decode_route_in_gate_up_setting() {
+  return read_switch(g_decode_route_in_gate_up, env().decode_route_in_gate_up);
+}
 void set_chained_launch(RouteSwitch s) { set_switch(g_chained_launch, s, "set_chained_launch"); }
 RouteSwitch chained_launch_setting() {
   if (t_chained_launch != kNone) return static_cast<RouteSwitch>(t_chained_launch);

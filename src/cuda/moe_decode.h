@@ -99,6 +99,7 @@ struct RouterArgs {
   int32_t* indices;    // (T, k) out
   uint16_t* weights;   // (T, k) of D out
   DecodePlan* plan;    // out
+  bool route_in_gate_up;  // T = 1: end at the logits; the gate/up CTAs route (GateUpArgs::logits)
 };
 
 
@@ -119,6 +120,14 @@ struct GateUpArgs {
   int identity_rows;
   uint16_t* hidden;  // (n, I) of D: row t*k + j = act(gate) * up of slot (t, j)
   uint32_t* faults;
+  // One token routed by the CTAs themselves (EXPERTQMM_DECODE_ROUTE_IN_GATE_UP; rank_group in
+  // moe_decode_tiles.cuh): the router's (1, E) logits (E <= kThreads) instead of the plan; CTA (0, 0)
+  // writes the k indices and weights (of D; per_expert_scale of pes_dtype) for the down kernel.
+  const float* logits;  // null: the plan
+  const void* per_expert_scale;
+  DType pes_dtype;
+  int32_t* indices;
+  uint16_t* weights;
 };
 
 

@@ -18,7 +18,7 @@ constexpr bool kFourPerSm = !kFp && (G == 32 || (D == DType::bf16 && G == 64));
 template <DType D, int G, Activation A, bool kFp = false, int kMinCtas = 2>
 __global__ void __launch_bounds__(kThreads, kMinCtas) decode_gate_up_glu_mma_kernel(GateUpArgs a) {
   extern __shared__ __align__(16) unsigned char tc_smem[];
-  gate_up_glu_mma_tile<D, G, A, kFp>(a, blockIdx.x, blockIdx.y, tc_smem);
+  gate_up_glu_mma_tile<D, G, A, kFp, /*kRoutes=*/kMinCtas == 2>(a, blockIdx.x, blockIdx.y, tc_smem);
 }
 
 }  // namespace
@@ -38,7 +38,8 @@ void launch_gate_up_mma(DType dtype, int G, Activation act, const GateUpArgs& a,
   };
   constexpr size_t kReservedPerCta = 1024;  // the driver's shared memory per CTA
   const bool four_per_sm = static_cast<int64_t>(grid.x) * grid.y > 3 * static_cast<int64_t>(device_sm_count()) &&
-                          4 * (smem + kReservedPerCta) <= device_smem_per_sm();
+                          4 * (smem + kReservedPerCta) <= device_smem_per_sm() &&
+                          a.logits == nullptr;  // the 4-per-SM build does not route itself
   auto with_group = [&](auto dtag, auto gtag) {
     constexpr DType DT = decltype(dtag)::value;
     constexpr int GS = decltype(gtag)::value;

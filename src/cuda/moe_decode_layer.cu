@@ -7,6 +7,7 @@
 
 #include "cuda/moe_decode.h"
 #include "cuda/moe_internal.h"
+#include "expertqmm/settings.h"
 
 namespace expertqmm::cuda {
 
@@ -262,6 +263,19 @@ void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, 
   ga.plan = plan;
   ga.hidden = static_cast<uint16_t*>(arena_at(base, sc.hidden));
   ga.faults = device_faults();
+
+  // One token, Gemma's router, tensor-core gate/up: with EXPERTQMM_DECODE_ROUTE_IN_GATE_UP=1 the gate/up
+  // CTAs rank the logits themselves and the router ends at them (bench/NOTES.md step 33).
+  const bool route_in_gate_up = decode_route_in_gate_up_setting() == RouteSwitch::on && T == 1 && gemma4 &&
+                                gate.bits == 4 && E <= kThreads && k <= kDecodeMaxTopK;
+  ra.route_in_gate_up = route_in_gate_up;
+  if (route_in_gate_up) {
+    ga.logits = ra.logits;
+    ga.per_expert_scale = ra.per_expert_scale;
+    ga.pes_dtype = ra.pes_dtype;
+    ga.indices = ra.indices;
+    ga.weights = ra.weights;
+  }
 
   DownArgs da{};
   da.hidden = ga.hidden;

@@ -274,6 +274,12 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
     a.logits[tid * a.E + e] = round_to<D>(total);
   }
 
+  // One token with EXPERTQMM_DECODE_ROUTE_IN_GATE_UP: the gate/up CTAs rank these logits themselves
+  // (the next launch sees them), so no ticket, top-k or plan here.
+  if (a.route_in_gate_up) {
+    device::pdl_wait();
+    return;
+  }
   // The last CTA to finish routes.
   __threadfence();
   __syncthreads();

@@ -5,6 +5,7 @@
 #include "cuda/moe_decode.h"
 #include "cuda/device/cp_async.cuh"
 #include "cuda/device/glu.cuh"
+#include "cuda/device/route_topk.cuh"
 
 namespace expertqmm::cuda::decode {
 
@@ -24,6 +25,48 @@ struct GateUpTcLayout {
   }
 };
 
+
+// A gate/up CTA's expert group at one token when it routes itself (GateUpArgs::logits; bench/NOTES.md
+// step 33): thread i < E ranks expert i's routing key against the E keys (device::key_rank: the
+// router's order, ties to the higher id), rank r < k is slot r; the k chosen experts in increasing
+// id order are the plan's groups (one row each: T = 1 picks k distinct experts), so group g is the
+// g-th smallest chosen id and its row the slot that chose it. write_routing (CTA (0, 0)): warp 0 also
+// writes the k indices and weights with the router's arithmetic (warp_topk_softmax_of_slots), for
+// the down kernel. Called by every thread of the CTA (two barriers) before anything else.
+struct RankedGroup {
+  int expert, row;
+};
+template <DType D>
+__device__ __forceinline__ RankedGroup rank_group(const GateUpArgs& a, int g, bool write_routing) {
+  __shared__ uint32_t key_hi[kThreads];                 // (E) the keys' high words
+  __shared__ unsigned long long slot_key[kDecodeMaxTopK];  // (k) the key of each slot
+  const int tid = threadIdx.x;
+  unsigned long long key = 0ull;
+  if (tid < a.E) {
+    key = device::routing_key(__ldcg(a.logits + tid), tid);
+    key_hi[tid] = static_cast<uint32_t>(key >> 32);
+  }
+  __syncthreads();
+  if (tid < a.E) {
+    const int rank = device::key_rank(key_hi, a.E, tid);
+    if (rank < a.k) slot_key[rank] = key;
+  }
+  __syncthreads();
+  RankedGroup r{-1, 0};
+  for (int s = 0; s < a.k; ++s) {
+    const int e = device::key_expert(slot_key[s]);
+    int order = 0;
+    for (int o = 0; o < a.k; ++o) order += device::key_expert(slot_key[o]) < e;
+    if (order == g) r = {e, s};
+  }
+  if (write_routing && tid < 32) {
+    const unsigned long long mine = tid < a.k ? slot_key[tid] : 0ull;
+    device::warp_topk_softmax_of_slots(
+        mine, a.k, [&](int64_t e) { return load_any(a.per_expert_scale, a.pes_dtype, e); }, a.indices,
+        [&](int slot, float w) { a.weights[slot] = Elem<D>::store(w); });
+  }
+  return r;
+}
 
 // Shared memory of the tensor-core down kernel per slot warp (bytes), with its region offsets.
 struct DownTcLayout {
@@ -65,11 +108,21 @@ struct DownTcLayout {
 // kFp (mxfp4 / nvfp4, bf16; G = kTcFpLayoutGroup): the scale codes are staged raw in the scales
 // region (32 rows of K / group bytes: at most the affine layout's 32 * K / 32 * 2), A holds value *
 // scale (tc_fp4_block_dot) and no sum-of-x mma or bias term follows.
-template <DType D, int G, Activation A, bool kFp>
+// kRoutes: the build that can route itself (a.logits; the launcher never gives logits to the other).
+template <DType D, int G, Activation A, bool kFp, bool kRoutes = true>
 __device__ __forceinline__ void gate_up_glu_mma_tile(const GateUpArgs& a, int col_block, int g_idx, unsigned char* tc_smem) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 
-  const PlanGroup pg = plan_group(a, g_idx);
+  PlanGroup pg = plan_group(a, g_idx);
+  int routed_row = -1;  // a.logits: the CTA's one row (rank_group)
+  if constexpr (kRoutes) {
+    if (a.logits) {
+      const RankedGroup rg = rank_group<D>(a, g_idx, col_block == 0 && g_idx == 0);
+      pg = {a.k, rg.expert, g_idx, 1};
+      routed_row = rg.row;
+    }
+  }
+  auto row_of = [&](int i) { return routed_row >= 0 ? routed_row : plan_row(a, i); };  // entry i of the row order
   if (g_idx >= pg.groups) return;  // uniform
   const int e = pg.expert;
   const int begin = pg.begin;
@@ -130,7 +183,7 @@ __device__ __forceinline__ void gate_up_glu_mma_tile(const GateUpArgs& a, int co
   // 1c. the lane's activation row: B column g is the group's row g (token tok); units of 8 values,
   //     the lane's first unit of group grp is grp * G/8 + t * G/32.
   const bool live_n = g < count;
-  const int64_t tok = live_n ? plan_row(a, begin + g) / a.k : 0;
+  const int64_t tok = live_n ? row_of(begin + g) / a.k : 0;
   const uint4* xg = reinterpret_cast<const uint4*>(a.x + tok * a.x_stride) + t * (G / 32);
   auto load_x = [&](int grp, uint4 (&xb)[G / 32]) {
 #pragma unroll
@@ -210,7 +263,7 @@ __device__ __forceinline__ void gate_up_glu_mma_tile(const GateUpArgs& a, int co
       gate += red[(w * 2 * kTcRows + j) * kTcMaxN + n];
       up += red[(w * 2 * kTcRows + kTcRows + j) * kTcMaxN + n];
     }
-    const int64_t out_row = plan_row(a, begin + n);
+    const int64_t out_row = row_of(begin + n);
     a.hidden[out_row * a.I + col0 + j] = Elem<D>::store(device::glu<A>(round_to<D>(gate), round_to<D>(up)));
   }
 }
