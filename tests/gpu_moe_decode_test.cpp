@@ -141,11 +141,14 @@ TEST(GpuMoeDecode, RouteInGateUpIsBitIdenticalAtOneToken) {
       const std::string what = g.name() + detail::cat(" T=", T);
       const Tensor h = test::random_tensor({T, g.H}, g.dtype, 1.0f, Device::cuda);
       const Tensor x = test::random_tensor({T, g.H}, g.dtype, 1.0f, Device::cuda);
+      const Tensor other = test::random_tensor({T, g.H}, g.dtype, 1.0f, Device::cuda);
       std::vector<uint8_t> bytes[2];
+      Workspace ws;  // one arena: before each measured call the default path routes `other` into it,
+                     // so a routing the gate/up CTAs failed to write would show as other's
       for (RouteSwitch s : {RouteSwitch::automatic, RouteSwitch::on}) {
+        (void)test::run_layer(other, x, l.gpu, ws);
         RouteInGateUpGuard who(s);
         const uint64_t before = test::decode_hits();
-        Workspace ws;
         bytes[s == RouteSwitch::on] = test::run_layer(h, x, l.gpu, ws).to_host_bytes();
         cuda_check();
         EXPECT_EQ(test::decode_hits(), before + 1) << what << ": the decode layer did not serve the call";

@@ -113,14 +113,16 @@ template <DType D, int G, Activation A, bool kFp, bool kRoutes = true>
 __device__ __forceinline__ void gate_up_glu_mma_tile(const GateUpArgs& a, int col_block, int g_idx, unsigned char* tc_smem) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 
-  PlanGroup pg = plan_group(a, g_idx);
-  int routed_row = -1;  // a.logits: the CTA's one row (rank_group)
-  if constexpr (kRoutes) {
-    if (a.logits) {
-      const RankedGroup rg = rank_group<D>(a, g_idx, col_block == 0 && g_idx == 0);
-      pg = {a.k, rg.expert, g_idx, 1};
-      routed_row = rg.row;
-    }
+  PlanGroup pg;
+  int routed_row = -1;  // a.logits: the CTA's one row (rank_group); the plan is then not read
+  bool routes = false;
+  if constexpr (kRoutes) routes = a.logits != nullptr;
+  if (routes) {
+    const RankedGroup rg = rank_group<D>(a, g_idx, col_block == 0 && g_idx == 0);
+    pg = {a.k, rg.expert, g_idx, 1};
+    routed_row = rg.row;
+  } else {
+    pg = plan_group(a, g_idx);
   }
   auto row_of = [&](int i) { return routed_row >= 0 ? routed_row : plan_row(a, i); };  // entry i of the row order
   if (g_idx >= pg.groups) return;  // uniform
