@@ -74,33 +74,25 @@ const GatherQmmRoute& pick_route(const detail::GatherQmmProblem& p, bool record)
 
 }  // namespace
 
+namespace {
+int current_device_attribute(cudaDeviceAttr attribute) {
+  int device = 0, value = 0;
+  EXPERTQMM_CUDA_CHECK(cudaGetDevice(&device));
+  EXPERTQMM_CUDA_CHECK(cudaDeviceGetAttribute(&value, attribute, device));
+  return value;
+}
+}  // namespace
+
 int device_sm_count() {
-  static const int count = [] {
-    int device = 0, sms = 0;
-    EXPERTQMM_CUDA_CHECK(cudaGetDevice(&device));
-    EXPERTQMM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    return sms;
-  }();
+  static const int count = current_device_attribute(cudaDevAttrMultiProcessorCount);
   return count;
 }
-
 size_t device_smem_optin() {
-  static const size_t bytes = [] {
-    int device = 0, optin = 0;
-    EXPERTQMM_CUDA_CHECK(cudaGetDevice(&device));
-    EXPERTQMM_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    return static_cast<size_t>(optin);
-  }();
+  static const size_t bytes = current_device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
   return bytes;
 }
-
 size_t device_smem_per_sm() {
-  static const size_t bytes = [] {
-    int device = 0, per_sm = 0;
-    EXPERTQMM_CUDA_CHECK(cudaGetDevice(&device));
-    EXPERTQMM_CUDA_CHECK(cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
-    return static_cast<size_t>(per_sm);
-  }();
+  static const size_t bytes = current_device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor);
   return bytes;
 }
 

@@ -10,10 +10,12 @@ namespace {
 // kMinCtas: 2 (72 registers: 3 CTAs per SM by registers), or 4 (capped at 64 registers) for grids of
 // more than one wave at 3 CTAs per SM (T >= 2 at Gemma's geometry) where 4 CTAs' shared memory fits
 // the SM (Hopper at Gemma's H: 4 x 52 KB): more codes in flight per SM while other CTAs compute, the
-// gate/up kernel at T = 8 being at 47% of DRAM bandwidth (bench/NOTES.md step 31). Built only where
-// ptxas keeps it free of spills (kFourPerSm); the one-wave grids of T = 1 keep the 72-register build.
+// gate/up kernel at T = 8 being at 47% of DRAM bandwidth (bench/NOTES.md step 31). Built where the
+// 2-per-SM build holds more than 64 registers and the cap spills nothing (bf16, g32 / g64: ptxas;
+// the others already fit 4 by registers, or would spill); the one-wave grids of T = 1 keep the
+// 2-per-SM build, which alone routes a one-token call itself (step 33).
 template <DType D, int G, bool kFp>
-constexpr bool kFourPerSm = !kFp && (G == 32 || (D == DType::bf16 && G == 64));
+constexpr bool kFourPerSm = !kFp && D == DType::bf16 && (G == 32 || G == 64);
 
 template <DType D, int G, Activation A, bool kFp = false, int kMinCtas = 2>
 __global__ void __launch_bounds__(kThreads, kMinCtas) decode_gate_up_glu_mma_kernel(GateUpArgs a) {

@@ -33,10 +33,10 @@ constexpr int kRouterCachedScales = kRouterThreads;  // per_expert_scale prefetc
 //      in index order, and the qmv dot (word_dot); acc[t] += s * dot + b * sum(x);
 //   5. shuffles, then the 8 warps' partials in warp order -> logits[t, e], rounded to D.
 // Each CTA then bumps a device counter (after __threadfence); the CTA that finishes last does the
-// top-k (Gemma at T = 1, E <= 256: thread i ranks key i against the E keys, device::key_rank,
-// then warp t the token's weights; else warp t = token t, device::warp_topk_softmax; indices into
-// shared memory, per_expert_scale from the prefetched copy), writes indices and weights, resets the counter, and builds the
-// DecodePlan from the shared indices: thread b < n counts the rows with a smaller expert id and the
+// top-k (Gemma at T = 1, E <= 256: device::cta_rank_topk, one key per thread, then warp 0 the
+// weights; else warp t = token t, device::warp_topk_softmax; indices into shared memory,
+// per_expert_scale from the prefetched copy), writes indices and weights, resets the counter, and
+// builds the DecodePlan from the shared indices: thread b < n counts the rows with a smaller expert id and the
 // earlier rows with the same id, which is row b's place in the stably sorted order; first rows of
 // an expert name groups.
 // Occupancy (ptxas, sm_90a): 93-113 registers, no spills; 1 CTA (8 warps) per SM is all it needs:
@@ -296,31 +296,18 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
   auto expert_scale = [&](int64_t x) {
     return x < kRouterCachedScales ? pes_s[x] : load_any(a.per_expert_scale, a.pes_dtype, x);
   };
-  if (!kSoftmaxTopk && a.T == 1 && a.E <= kRouterThreads && a.k <= 32) {
+  if (!kSoftmaxTopk && a.T == 1 && a.E <= kRouterThreads && a.k <= kDecodeMaxTopK) {
     // One token (E <= 256): every expert's key ranked at once, one per thread (device::key_rank: the
     // same order as the warp's k passes below, whose shuffle chains were this CTA's serial tail), then
     // warp 0 the weights from the k slot keys. At T = 2 the two warps' passes ran in parallel and the
     // rank lost (bench/NOTES.md step 29: layer -2.3% at T = 1, +1.2% at T = 2).
-    __shared__ uint32_t key_hi[kRouterThreads];                // [T, E] routing keys' high words
-    __shared__ unsigned long long slot_key[kDecodeMaxRows];   // [T, k] the key of each slot
-    const int items = a.T * a.E;
-    const int tok = tid / a.E, ex = tid - tok * a.E;  // logits are [T, E]: flat index tid
-    unsigned long long key = 0ull;
-    if (tid < items) {
-      key = device::routing_key(__ldcg(a.logits + tid), ex);
-      key_hi[tid] = static_cast<uint32_t>(key >> 32);
-    }
-    __syncthreads();
-    if (tid < items) {
-      const int rank = device::key_rank(key_hi + tok * a.E, a.E, ex);
-      if (rank < a.k) slot_key[tok * a.k + rank] = key;
-    }
-    __syncthreads();
-    if (warp < a.T) {
-      uint16_t* wrow_out = a.weights + warp * a.k;
-      const unsigned long long mine = lane < a.k ? slot_key[warp * a.k + lane] : 0ull;
-      device::warp_topk_softmax_of_slots(mine, a.k, expert_scale, ids + warp * a.k,
-                                         [&](int slot, float w) { wrow_out[slot] = Elem<D>::store(w); });
+    __shared__ uint32_t key_hi[kRouterThreads];             // (E) routing keys' high words
+    __shared__ unsigned long long slot_key[kDecodeMaxTopK];  // (k) the key of each slot
+    device::cta_rank_topk(a.logits, a.E, a.k, key_hi, slot_key);
+    if (warp == 0) {
+      const unsigned long long mine = lane < a.k ? slot_key[lane] : 0ull;
+      device::warp_topk_softmax_of_slots(mine, a.k, expert_scale, ids,
+                                         [&](int slot, float w) { a.weights[slot] = Elem<D>::store(w); });
     }
   } else {
     for (int t = warp; t < a.T; t += kRouterWarps) {

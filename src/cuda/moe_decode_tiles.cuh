@@ -41,17 +41,7 @@ __device__ __forceinline__ RankedGroup rank_group(const GateUpArgs& a, int g, bo
   __shared__ uint32_t key_hi[kThreads];                 // (E) the keys' high words
   __shared__ unsigned long long slot_key[kDecodeMaxTopK];  // (k) the key of each slot
   const int tid = threadIdx.x;
-  unsigned long long key = 0ull;
-  if (tid < a.E) {
-    key = device::routing_key(__ldcg(a.logits + tid), tid);
-    key_hi[tid] = static_cast<uint32_t>(key >> 32);
-  }
-  __syncthreads();
-  if (tid < a.E) {
-    const int rank = device::key_rank(key_hi, a.E, tid);
-    if (rank < a.k) slot_key[rank] = key;
-  }
-  __syncthreads();
+  device::cta_rank_topk(a.logits, a.E, a.k, key_hi, slot_key);
   RankedGroup r{-1, 0};
   for (int s = 0; s < a.k; ++s) {
     const int e = device::key_expert(slot_key[s]);

@@ -151,6 +151,26 @@ __device__ __forceinline__ int key_rank(const uint32_t* key_hi, int E, int i) {
   return (r[0] + r[1]) + (r[2] + r[3]);
 }
 
+// One token's top-k by rank on a CTA (E <= blockDim.x): thread i < E makes expert i's routing key
+// from logits[i] (read through the L2: another grid or CTA wrote them), ranks it (key_rank) and, for
+// rank r < k, writes slot r's key. key_hi (E) and slot_key (k): the caller's shared memory. Called
+// by every thread of the CTA (two barriers); slot_key is complete on return.
+__device__ __forceinline__ void cta_rank_topk(const float* logits, int E, int k, uint32_t* key_hi,
+                                              unsigned long long* slot_key) {
+  const int tid = threadIdx.x;
+  unsigned long long key = 0ull;
+  if (tid < E) {
+    key = routing_key(__ldcg(logits + tid), tid);
+    key_hi[tid] = static_cast<uint32_t>(key >> 32);
+  }
+  __syncthreads();
+  if (tid < E) {
+    const int rank = key_rank(key_hi, E, tid);
+    if (rank < k) slot_key[rank] = key;
+  }
+  __syncthreads();
+}
+
 // The Qwen3-MoE router's top-k (RouterKind::softmax_topk, mlx-lm qwen3_moe): p = softmax over the
 // token's E logits (fp32, exp * 1/sum), each rounded by round_p (to the logits' dtype); top-k by p;
 // weights p (renormalize: round_p(p / round_p(sum of the k)), as mlx-lm's bf16 ops round).
