@@ -114,13 +114,14 @@ TEST(GpuGatherQmm, IntoWritesTheCallersOutput) {
 
 // qmv with the GeGLU epilogue (the Gemma 4 block's 8-bit dense MLP at one token) writes the bits of
 // the two one-row qmv launches it replaces followed by the GLU product: the same sums in the same
-// order at the same K split. Gemma 4's gate/up shape and a narrow one (N = 200: a partial column set;
-// 64 chunks: no K split), one and three rows, bf16 and f16; and the calls it refuses.
+// order at the same K split. Gemma 4's gate/up shape at one and two rows (from three rows qmv leaves a
+// matrix that wide to rhs_tiles) and a narrow one (N = 200: a partial column set; 64 chunks: no K
+// split) at one and three rows, bf16 and f16; and the calls it refuses.
 TEST(GpuGatherQmm, QmvGluIsTwoQmvsAndTheGluProduct) {
   EXPERTQMM_REQUIRE_GPU();
   for (DType dtype : {DType::bf16, DType::f16})
     for (const std::pair<int64_t, int64_t>& nk : {std::pair<int64_t, int64_t>{2112, 2816}, {200, 256}})
-      for (int64_t T : {1, 3}) {
+      for (int64_t T : {int64_t{1}, nk.first > 256 ? int64_t{2} : int64_t{3}}) {
         const std::string what = detail::cat(dtype_name(dtype), " N=", nk.first, " K=", nk.second, " T=", T);
         auto codes = [&] { return test::to_device(test::random_codes(1, nk.first, nk.second, 8, 64, dtype), Device::cuda); };
         const QuantizedWeight gate = codes(), up = codes();
@@ -140,7 +141,7 @@ TEST(GpuGatherQmm, QmvGluIsTwoQmvsAndTheGluProduct) {
         EXPECT_EQ(got.to_host_bytes(), want.to_host_bytes()) << what;
       }
   // Refused: swiglu (no such epilogue in the table), 4-bit codes (no kernel), two different x, an
-  // expert batch.
+  // expert batch, three rows of Gemma 4's gate/up (rhs_tiles' rows).
   const QuantizedWeight q8 = test::to_device(test::random_codes(1, 200, 256, 8, 64), Device::cuda);
   const QuantizedWeight q4 = test::to_device(test::random_codes(1, 200, 256, 4, 64), Device::cuda);
   const Tensor x = test::random_tensor({2, 256}, DType::bf16, 1.0f, Device::cuda);
@@ -155,6 +156,13 @@ TEST(GpuGatherQmm, QmvGluIsTwoQmvsAndTheGluProduct) {
   batched.B = 2;
   batched.batch = {2};
   EXPECT_FALSE(cuda::supports_qmv_glu(batched, p8, Activation::geglu).ok);
+  {
+    const QuantizedWeight wide = test::to_device(test::random_codes(1, 2112, 2816, 8, 64), Device::cuda);
+    const Tensor x3 = test::random_tensor({3, 2816}, DType::bf16, 1.0f, Device::cuda);
+    const detail::GatherQmmProblem p3 = cuda::single_matrix_problem(x3.data(), 3, 2816, DType::bf16, wide);
+    ASSERT_TRUE(cuda::supports_rhs_tiles(p3).ok);
+    EXPECT_EQ(cuda::supports_qmv_glu(p3, p3, Activation::geglu).reason, Fallback::shape);
+  }
   Tensor out = Tensor::empty({1, 200}, DType::bf16, Device::cuda);
   EXPECT_THROW(cuda::call_qmv_glu(p4, p4, Activation::geglu, out.data()), Error);
 }

@@ -9,6 +9,8 @@
 
 #ifdef EXPERTQMM_HAVE_CUDA
 #include <cuda_runtime.h>
+
+#include "cuda/moe_decode_select.h"
 #endif
 
 #include "expertqmm/diagnostics.h"
@@ -24,6 +26,35 @@ namespace {
 using RouteInGateUpGuard =
     test::SettingGuard<RouteSwitch, decode_route_in_gate_up_setting, set_decode_route_in_gate_up>;
 }  // namespace
+
+#ifdef EXPERTQMM_HAVE_CUDA
+// Who ranks a one-token call's experts (host selection only, no GPU needed): the gate/up CTAs in the
+// layer alone, the router's last CTA when the router is chained (the Gemma 4 block: bench/NOTES.md
+// step 33), at two or more tokens, for other routers, 8-bit experts, E > 256 and k > 8; the setting
+// forces either way.
+TEST(GpuMoeDecode, RouteInGateUpIsChosenForTheLayerAloneAtOneToken) {
+  {
+    RouteInGateUpGuard who(RouteSwitch::automatic);
+    EXPECT_TRUE(cuda::decode_routes_in_gate_up(1, true, 4, 128, 8, /*router_chained=*/false));
+    EXPECT_TRUE(cuda::decode_routes_in_gate_up(1, true, 4, 256, 1, false));
+    EXPECT_FALSE(cuda::decode_routes_in_gate_up(1, true, 4, 128, 8, /*router_chained=*/true));
+    EXPECT_FALSE(cuda::decode_routes_in_gate_up(2, true, 4, 128, 8, false));
+    EXPECT_FALSE(cuda::decode_routes_in_gate_up(1, false, 4, 128, 8, false));
+    EXPECT_FALSE(cuda::decode_routes_in_gate_up(1, true, 8, 128, 8, false));
+    EXPECT_FALSE(cuda::decode_routes_in_gate_up(1, true, 4, 257, 8, false));
+    EXPECT_FALSE(cuda::decode_routes_in_gate_up(1, true, 4, 128, 9, false));
+  }
+  {
+    RouteInGateUpGuard who(RouteSwitch::on);
+    EXPECT_TRUE(cuda::decode_routes_in_gate_up(1, true, 4, 128, 8, /*router_chained=*/true));
+    EXPECT_FALSE(cuda::decode_routes_in_gate_up(2, true, 4, 128, 8, true));
+  }
+  {
+    RouteInGateUpGuard who(RouteSwitch::off);
+    EXPECT_FALSE(cuda::decode_routes_in_gate_up(1, true, 4, 128, 8, /*router_chained=*/false));
+  }
+}
+#endif
 
 // Calls the decode layer does not take go to the general path.
 TEST(GpuMoeDecode, UnsupportedCallsFallBack) {
@@ -79,7 +110,7 @@ TEST(GpuMoeDecode, CapturedInACudaGraphAsThreeKernels) {
 TEST(GpuMoeDecode, OneTokenTopkBreaksExactTiesLikeTheCpu) {
   EXPERTQMM_REQUIRE_GPU();
   test::DecodeSwitchGuard on(RouteSwitch::on);
-  for (RouteSwitch in_gate_up : {RouteSwitch::automatic, RouteSwitch::on})  // who ranks: the router, or gate/up
+  for (RouteSwitch in_gate_up : {RouteSwitch::off, RouteSwitch::on})  // who ranks: the router, or gate/up
   for (int router_bits : {0, 8}) {
     RouteInGateUpGuard who(in_gate_up);
     const test::MoeGeometry g{256, 128, 16, 3, 4, 64, router_bits, false, Activation::geglu, DType::bf16};
@@ -102,7 +133,7 @@ TEST(GpuMoeDecode, OneTokenTopkBreaksExactTiesLikeTheCpu) {
     l.gpu.router = test::router_to(r, Device::cuda);
     for (int trial = 0; trial < 4; ++trial) {
       const std::string what = detail::cat("router_bits=", router_bits, " trial ", trial, " EXPERTQMM_DECODE_ROUTE_IN_GATE_UP=",
-                                           in_gate_up == RouteSwitch::on ? "1" : "unset");
+                                           in_gate_up == RouteSwitch::on ? "1" : "0");
       const Tensor h = test::random_tensor({1, g.H}, g.dtype, 1.0f);
       const Tensor x = test::random_tensor({1, g.H}, g.dtype, 1.0f);
       const std::vector<int32_t> ci = test::to_i32(route(h, r).indices);
@@ -143,10 +174,13 @@ TEST(GpuMoeDecode, RouteInGateUpIsBitIdenticalAtOneToken) {
       const Tensor x = test::random_tensor({T, g.H}, g.dtype, 1.0f, Device::cuda);
       const Tensor other = test::random_tensor({T, g.H}, g.dtype, 1.0f, Device::cuda);
       std::vector<uint8_t> bytes[2];
-      Workspace ws;  // one arena: before each measured call the default path routes `other` into it,
+      Workspace ws;  // one arena: before each measured call the router's path routes `other` into it,
                      // so a routing the gate/up CTAs failed to write would show as other's
-      for (RouteSwitch s : {RouteSwitch::automatic, RouteSwitch::on}) {
-        (void)test::run_layer(other, x, l.gpu, ws);
+      for (RouteSwitch s : {RouteSwitch::off, RouteSwitch::on}) {
+        {
+          RouteInGateUpGuard router_ranks(RouteSwitch::off);
+          (void)test::run_layer(other, x, l.gpu, ws);
+        }
         RouteInGateUpGuard who(s);
         const uint64_t before = test::decode_hits();
         bytes[s == RouteSwitch::on] = test::run_layer(h, x, l.gpu, ws).to_host_bytes();

@@ -91,10 +91,6 @@ size_t device_smem_optin() {
   static const size_t bytes = current_device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin);
   return bytes;
 }
-size_t device_smem_per_sm() {
-  static const size_t bytes = current_device_attribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor);
-  return bytes;
-}
 
 device::QuantView quant_view(const detail::GatherQmmProblem& p) {
   device::QuantView q;

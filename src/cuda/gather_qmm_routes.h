@@ -106,7 +106,6 @@ device::QuantView quant_view(const detail::GatherQmmProblem& p);
 device::QuantView quant_view(const QuantizedWeight& q, int64_t K);
 int device_sm_count();  // multiprocessors of the current device (queried once)
 size_t device_smem_optin();  // its dynamic shared memory per CTA with the opt-in (queried once)
-size_t device_smem_per_sm();  // its shared memory per SM (queried once; 1 KB of it reserved per CTA)
 inline bool is_aligned(const void* ptr, size_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 inline bool fits_int32(int64_t v) { return v >= 0 && v <= std::numeric_limits<int32_t>::max(); }
 inline int log2_of(int v) {

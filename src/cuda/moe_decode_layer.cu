@@ -6,6 +6,7 @@
 #include <unordered_set>
 
 #include "cuda/moe_decode.h"
+#include "cuda/moe_decode_select.h"
 #include "cuda/moe_internal.h"
 #include "expertqmm/settings.h"
 
@@ -205,6 +206,12 @@ DecodeScratch decode_scratch(int64_t T, int64_t k, int64_t E, int64_t I) {
   return sc;
 }
 
+bool decode_routes_in_gate_up(int64_t T, bool gemma_router, int gate_bits, int64_t E, int64_t k, bool router_chained) {
+  const RouteSwitch s = decode_route_in_gate_up_setting();
+  const bool wanted = s == RouteSwitch::on || (s == RouteSwitch::automatic && !router_chained);
+  return wanted && T == 1 && gemma_router && gate_bits == 4 && E <= decode::kThreads && k <= decode::kDecodeMaxTopK;
+}
+
 void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, const Tensor& h, const Tensor& x,
                        const MoeWeights& w, Workspace& ws, bool chain_router) {
   const RouterWeights& rt = w.router;
@@ -264,10 +271,7 @@ void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, 
   ga.hidden = static_cast<uint16_t*>(arena_at(base, sc.hidden));
   ga.faults = device_faults();
 
-  // One token, Gemma's router, tensor-core gate/up: with EXPERTQMM_DECODE_ROUTE_IN_GATE_UP=1 the gate/up
-  // CTAs rank the logits themselves and the router ends at them (bench/NOTES.md step 33).
-  const bool route_in_gate_up = decode_route_in_gate_up_setting() == RouteSwitch::on && T == 1 && gemma4 &&
-                                gate.bits == 4 && E <= kThreads && k <= kDecodeMaxTopK;
+  const bool route_in_gate_up = decode_routes_in_gate_up(T, gemma4, gate.bits, E, k, chain_router);
   ra.route_in_gate_up = route_in_gate_up;
   if (route_in_gate_up) {
     ga.logits = ra.logits;

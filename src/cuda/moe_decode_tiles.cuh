@@ -74,7 +74,7 @@ struct DownTcLayout {
   }
 };
 
-// Work split: grid (ceil(I / 16), min(n, E)), 256 threads, __launch_bounds__(256, 2 or 4: moe_decode_gate_up.cu). CTA (x, g)
+// Work split: grid (ceil(I / 16), min(n, E)), 256 threads, __launch_bounds__(256, 2). CTA (x, g)
 // (col_block, g_idx below: the CTA's coordinates in that grid; tc_smem: its dynamic shared memory)
 // takes expert group g of the plan (CTAs past the plan's group count exit at once) and output
 // columns [16x, 16x + 16): two 16-row mma tiles, gate rows (staged rows 0..15) and up rows
@@ -98,16 +98,13 @@ struct DownTcLayout {
 // kFp (mxfp4 / nvfp4, bf16; G = kTcFpLayoutGroup): the scale codes are staged raw in the scales
 // region (32 rows of K / group bytes: at most the affine layout's 32 * K / 32 * 2), A holds value *
 // scale (tc_fp4_block_dot) and no sum-of-x mma or bias term follows.
-// kRoutes: the build that can route itself (a.logits; the launcher never gives logits to the other).
-template <DType D, int G, Activation A, bool kFp, bool kRoutes = true>
+template <DType D, int G, Activation A, bool kFp>
 __device__ __forceinline__ void gate_up_glu_mma_tile(const GateUpArgs& a, int col_block, int g_idx, unsigned char* tc_smem) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 
   PlanGroup pg;
   int routed_row = -1;  // a.logits: the CTA's one row (rank_group); the plan is then not read
-  bool routes = false;
-  if constexpr (kRoutes) routes = a.logits != nullptr;
-  if (routes) {
+  if (a.logits != nullptr) {
     const RankedGroup rg = rank_group<D>(a, g_idx, col_block == 0 && g_idx == 0);
     pg = {a.k, rg.expert, g_idx, 1};
     routed_row = rg.row;
