@@ -208,41 +208,6 @@ TEST(GpuGemma4Ffn, ChainedLaunchesGiveTheSameBytes) {
 #endif
 }
 
-// EXPERTQMM_EXPERTS_FIRST: the block's decode experts (router, gate/up, down) launch at the device's
-// greatest priority. The same bytes as without (priority orders CTAs, not arithmetic), and a captured
-// block holds that priority on exactly those three kernel nodes, the dense branch's and the norms'
-// nodes none; at prefill sizes (no decode layer) no node has it.
-TEST(GpuGemma4Ffn, ExpertsFirstLaunchesTheDecodeExpertsUrgently) {
-  EXPERTQMM_REQUIRE_GPU();
-#ifdef EXPERTQMM_HAVE_CUDA
-  int least = 0, greatest = 0;
-  ASSERT_EQ(cudaDeviceGetStreamPriorityRange(&least, &greatest), cudaSuccess);
-  if (greatest == least) GTEST_SKIP() << "SKIP: the device has one stream priority";
-  const Gemma4FfnWeights w = synthetic_gemma4_layer(small_config(4), 0, 9).to(Device::cuda);
-  for (int64_t T : {1, 8, 40}) {
-    const std::string what = detail::cat("T=", T);
-    const Tensor h = test::random_tensor({T, 256}, DType::bf16, 1.0f, Device::cuda);
-    std::vector<uint8_t> plain;
-    {
-      test::ExpertsFirstGuard off(RouteSwitch::off);
-      plain = gemma4_ffn(h, w).to_host_bytes();
-    }
-    test::ExpertsFirstGuard on(RouteSwitch::on);
-    EXPECT_EQ(gemma4_ffn(h, w).to_host_bytes(), plain) << what;
-    test::expect_block_capture_replays(
-        [&](Tensor& out, const Tensor& x, Workspace& ws) { gemma4_ffn_into(out, x, w, ws); }, 256, {T}, 6,
-        [&](cudaGraph_t graph, const std::string& label) {
-          const std::vector<int> priorities = test::kernel_node_priorities(graph);
-          const auto urgent = std::count(priorities.begin(), priorities.end(), greatest);
-          EXPECT_EQ(urgent, T <= 8 ? 3 : 0) << label << ": kernel nodes at the greatest priority";
-          EXPECT_EQ(std::count(priorities.begin(), priorities.end(), 0) + urgent,
-                    static_cast<std::ptrdiff_t>(priorities.size()))
-              << label;
-        });
-  }
-#endif
-}
-
 TEST(GpuGemma4Ffn, ElementwiseOpsMatchTheCpu) {
   EXPERTQMM_REQUIRE_GPU();
   const Tensor x = test::random_tensor({37, 200}, DType::bf16, 2.0f);

@@ -57,15 +57,6 @@ class ChainedLaunchScope {
   int previous_;
 };
 
-// EXPERTQMM_EXPERTS_FIRST=0|1: inside the Gemma 4 block at decode sizes, the decode layer's three
-// kernels launch at the device's greatest stream priority (cudaLaunchAttributePriority), so that SM
-// slots freed while the dense MLP runs beside them on its branch go to the expert chain, the block's
-// critical path, first (bench/NOTES.md step 34). A graph keeps these priorities when instantiated
-// with cudaGraphInstantiateFlagUseNodePriority (PyTorch's CUDA graphs are; the bench's too).
-// `automatic` is off until measured.
-void set_experts_first(RouteSwitch s);
-RouteSwitch experts_first_setting();
-
 // EXPERTQMM_DETERMINISTIC=0|1: the same output bits on every run. Off (the default), the CUDA MoE
 // layer may add each expert's down output into its token's fp32 output row with atomics inside the
 // down GEMM (no [T*k, H] buffer, no combine pass), so the order of the k additions varies between

@@ -55,10 +55,6 @@ const Variable kVariables[] = {
     {"EXPERTQMM_CHAINED_LAUNCH", "0|1", "programmatic dependent launches at the Gemma 4 block's decode boundaries (unset: on)",
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.chained_launch = parse_switch(n, v); },
      [] { return std::string(switch_text(chained_launch_setting())); }},
-    {"EXPERTQMM_EXPERTS_FIRST", "0|1",
-     "1: the Gemma 4 block's decode experts launch at the device's greatest priority, ahead of the dense branch (unset: 0)",
-     [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.experts_first = parse_switch(n, v); },
-     [] { return std::string(switch_text(experts_first_setting())); }},
     {"EXPERTQMM_DETERMINISTIC", "0|1", "1: the same output bits every run (combine in slot order; unset: 0)",
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.deterministic = parse_switch(n, v); },
      [] { return std::string(deterministic() ? "1" : "0"); }},
@@ -92,7 +88,7 @@ const EnvSettings& env() { return process_env().settings; }
 
 // API overrides: -1 = none (the environment decides), else the value.
 constexpr int kNone = -1;
-std::atomic<int> g_expert_tiles{kNone}, g_decode_layer{kNone}, g_decode_route_in_gate_up{kNone}, g_chained_launch{kNone}, g_experts_first{kNone}, g_deterministic{kNone}, g_wgmma{kNone},
+std::atomic<int> g_expert_tiles{kNone}, g_decode_layer{kNone}, g_decode_route_in_gate_up{kNone}, g_chained_launch{kNone}, g_deterministic{kNone}, g_wgmma{kNone},
     g_wgmma_width{kNone};
 std::atomic<ProductMode> g_product_mode{ProductMode::fused};
 thread_local int t_chained_launch = kNone;  // ChainedLaunchScope's value on this thread
@@ -142,8 +138,6 @@ RouteSwitch chained_launch_setting() {
   return read_switch(g_chained_launch, env().chained_launch);
 }
 bool chained_launches() { return chained_launch_setting() != RouteSwitch::off; }
-void set_experts_first(RouteSwitch s) { set_switch(g_experts_first, s, "set_experts_first"); }
-RouteSwitch experts_first_setting() { return read_switch(g_experts_first, env().experts_first); }
 ChainedLaunchScope::ChainedLaunchScope(RouteSwitch s) : previous_(t_chained_launch) {
   EXPERTQMM_CHECK(valid_switch(s), "ChainedLaunchScope", "value ", static_cast<int>(s), " is not a RouteSwitch");
   t_chained_launch = static_cast<int>(s);

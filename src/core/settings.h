@@ -15,7 +15,6 @@ struct EnvSettings {
   RouteSwitch decode_layer = RouteSwitch::automatic;
   RouteSwitch decode_route_in_gate_up = RouteSwitch::automatic;  // automatic = on unless the router is chained
   RouteSwitch chained_launch = RouteSwitch::automatic;
-  RouteSwitch experts_first = RouteSwitch::automatic;  // automatic = off
   RouteSwitch deterministic = RouteSwitch::automatic;  // automatic = off
   RouteSwitch wgmma = RouteSwitch::automatic;          // automatic = on where available
   int wgmma_width = 0;                                 // 0: the measured table

@@ -210,8 +210,7 @@ void gemma4_ffn_into(Tensor& out, const Tensor& h, const Gemma4FfnWeights& w, Wo
   // experts x2. Then the exit waits for both.
   const Tensor x2 = Tensor::view(at(x2_off), {T, H}, dt, Device::cuda);
   Tensor moe_out = Tensor::view(at(moe_off), {T, H}, dt, Device::cuda);
-  cuda::moe_layer_into_chained(moe_out, h, x2, w.moe, ws,
-                               ExpertLaunch{chained, experts_first_setting() == RouteSwitch::on});
+  cuda::moe_layer_into_chained(moe_out, h, x2, w.moe, ws, /*router_overlaps_previous=*/chained);
   branch.join();
   launch_gemma4_exit(dt, na, chained);
 }

@@ -268,19 +268,19 @@ void launch_norm_kernel(DType dtype, const Gemma4NormArgs& a, bool rows_vec, boo
 }
 
 // The kernels as class templates, so that launch_norm_kernel picks the instance.
-// (chained: a programmatic dependent launch, runtime.cuh launch_kernel.)
+// (chained: a programmatic dependent launch, runtime.cuh launch_maybe_chained.)
 template <DType D, int kUnits, class Rows, class Weights>
 struct EntryNorms {
   static void launch(unsigned grid, unsigned threads, const Gemma4NormArgs& a, Rows rows, Weights weights, bool chained) {
-    launch_kernel(ffn_entry_norms_kernel<D, kUnits, Rows, Weights>, grid, threads, 0, current_stream(),
-                  LaunchOptions{chained}, a, rows, weights);
+    launch_maybe_chained(ffn_entry_norms_kernel<D, kUnits, Rows, Weights>, grid, threads, 0, current_stream(), chained,
+                         a, rows, weights);
   }
 };
 template <DType D, int kUnits, class Rows, class Weights>
 struct Exit {
   static void launch(unsigned grid, unsigned threads, const Gemma4NormArgs& a, Rows rows, Weights weights, bool chained) {
-    launch_kernel(ffn_exit_kernel<D, kUnits, Rows, Weights>, grid, threads, 0, current_stream(), LaunchOptions{chained},
-                  a, rows, weights);
+    launch_maybe_chained(ffn_exit_kernel<D, kUnits, Rows, Weights>, grid, threads, 0, current_stream(), chained, a,
+                         rows, weights);
   }
 };
 

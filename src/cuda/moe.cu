@@ -147,11 +147,11 @@ Tensor switch_glu(const Tensor& x, const Tensor& indices, const SwitchGLUWeights
 }
 
 void moe_layer_into(Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& weights, Workspace& ws) {
-  moe_layer_into_chained(out, h, x, weights, ws, ExpertLaunch{});
+  moe_layer_into_chained(out, h, x, weights, ws, /*router_overlaps_previous=*/false);
 }
 
 void moe_layer_into_chained(Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& weights, Workspace& ws,
-                            ExpertLaunch launch) {
+                            bool router_overlaps_previous) {
   const char* op = "moe_layer_into";
   EXPERTQMM_CHECK(out.device() == Device::cuda && h.device() == Device::cuda && x.device() == Device::cuda, op,
                   "cuda::moe_layer_into needs device tensors, got out ", out.describe(), ", h ", h.describe(), ", x ",
@@ -167,7 +167,7 @@ void moe_layer_into_chained(Tensor& out, const Tensor& h, const Tensor& x, const
   // fetched on both paths: a workspace warmed on either serves the other without allocating.
   auto* counter = static_cast<unsigned*>(ws.get_zeroed(detail::kSlotCounters, sizeof(unsigned)));
   if (p.path == LayerPath::decode)
-    return call_decode_layer(p.decode, counter, out, h, x, weights, ws, launch);
+    return call_decode_layer(p.decode, counter, out, h, x, weights, ws, router_overlaps_previous);
 
   // One arena for the routing outputs and every expert buffer (grow-only: a warmed-up workspace
   // serves any call at the same or a smaller size without allocating).

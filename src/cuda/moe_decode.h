@@ -319,28 +319,24 @@ constexpr uint32_t kTcOnePair = D == DType::bf16 ? 0x3F803F80u : 0x3C003C00u;
 // Kernel 1 (moe_decode_router.cu); proj_bits 0: a dense projection in D, else 4 or 8; fp: an fp
 // mode's projection (mxfp4 / nvfp4 4-bit, mxfp8 8-bit; bf16).
 size_t router_smem(int64_t T, int64_t H);
-// options.chained: a programmatic dependent launch (the kernel ahead of it on the stream writes
-// nothing the router reads; the router waits for it before it ends). options.urgent (every launcher):
-// at the device's greatest priority (the Gemma 4 block's EXPERTQMM_EXPERTS_FIRST).
+// chained: a programmatic dependent launch (the kernel ahead of it on the stream writes nothing the
+// router reads; the router waits for it before it ends).
 void launch_router(DType dtype, int proj_bits, const RouterArgs& a, size_t smem, cudaStream_t stream, bool fp = false,
-                   LaunchOptions options = {});
+                   bool chained = false);
 // Kernel 2 on tensor cores, 4-bit experts, group G in {32, 64, 128} (moe_decode_gate_up.cu); n = T*k.
 // fp: an fp4 mode's codes (mxfp4 / nvfp4, bf16; G is then the mode's group: 32 or 16).
 size_t gate_up_mma_smem(int64_t H, int G, bool fp = false);
 void launch_gate_up_mma(DType dtype, int G, Activation act, const GateUpArgs& a, int n, size_t smem,
-                        cudaStream_t stream, bool fp = false, LaunchOptions options = {});
+                        cudaStream_t stream, bool fp = false);
 // Kernel 3 on tensor cores, 4-bit experts (moe_decode_down.cu).
 size_t down_mma_smem(int64_t k, int64_t I, int G, bool fp = false);
-void launch_down_mma(DType dtype, int G, const DownArgs& a, int T, size_t smem, cudaStream_t stream, bool fp = false,
-                     LaunchOptions options = {});
+void launch_down_mma(DType dtype, int G, const DownArgs& a, int T, size_t smem, cudaStream_t stream, bool fp = false);
 // Kernels 2 and 3 for 8-bit experts (moe_decode_scalar.cu).
 int gate_up_scalar_rows_per_pass(int64_t T);  // GateUpArgs::rows_per_pass
 size_t gate_up_scalar_smem(int64_t T, int64_t H);
-void launch_gate_up_scalar(DType dtype, Activation act, const GateUpArgs& a, int n, size_t smem, cudaStream_t stream,
-                           LaunchOptions options = {});
+void launch_gate_up_scalar(DType dtype, Activation act, const GateUpArgs& a, int n, size_t smem, cudaStream_t stream);
 size_t down_scalar_smem(int64_t k, int64_t I);
-void launch_down_scalar(DType dtype, const DownArgs& a, int T, size_t smem, cudaStream_t stream,
-                        LaunchOptions options = {});
+void launch_down_scalar(DType dtype, const DownArgs& a, int T, size_t smem, cudaStream_t stream);
 
 // Lets `kernel` take up to kDecodeMaxSmem of dynamic shared memory (once per kernel).
 void allow_smem(const void* kernel);

@@ -21,12 +21,12 @@ size_t down_mma_smem(int64_t k, int64_t I, int G, bool fp) {
   return static_cast<size_t>(k) * DownTcLayout(static_cast<int>(I), fp ? kTcFpLayoutGroup : G).per_warp;
 }
 
-void launch_down_mma(DType dtype, int G, const DownArgs& a, int T, size_t smem, cudaStream_t stream, bool fp,
-                     LaunchOptions options) {
+void launch_down_mma(DType dtype, int G, const DownArgs& a, int T, size_t smem, cudaStream_t stream, bool fp) {
   const dim3 grid(static_cast<unsigned>(T), ceil_div(a.H, kTcRows));
   auto launch = [&](auto kernel) {
     allow_smem(reinterpret_cast<const void*>(kernel));
-    launch_kernel(kernel, grid, kThreads, smem, stream, options, a);
+    kernel<<<grid, kThreads, smem, stream>>>(a);
+    EXPERTQMM_CUDA_CHECK_LAUNCH(decode_down_combine_mma_kernel);
   };
   const bool bf16 = dtype == DType::bf16;
   if (fp) launch(decode_down_combine_mma_kernel<DType::bf16, kTcFpLayoutGroup, true>);  // the mode's group at run time

@@ -23,11 +23,12 @@ size_t gate_up_mma_smem(int64_t H, int G, bool fp) {
 }
 
 void launch_gate_up_mma(DType dtype, int G, Activation act, const GateUpArgs& a, int n, size_t smem,
-                        cudaStream_t stream, bool fp, LaunchOptions options) {
+                        cudaStream_t stream, bool fp) {
   const dim3 grid(ceil_div(a.I, kTcRows), static_cast<unsigned>(std::min(n, a.E)));
   auto launch = [&](auto kernel) {
     allow_smem(reinterpret_cast<const void*>(kernel));
-    launch_kernel(kernel, grid, kThreads, smem, stream, options, a);
+    kernel<<<grid, kThreads, smem, stream>>>(a);
+    EXPERTQMM_CUDA_CHECK_LAUNCH(decode_gate_up_glu_mma_kernel);
   };
   auto with_group = [&](auto dtag, auto gtag) {
     constexpr DType DT = decltype(dtag)::value;

@@ -213,7 +213,7 @@ bool decode_routes_in_gate_up(int64_t T, bool gemma_router, int gate_bits, int64
 }
 
 void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, const Tensor& h, const Tensor& x,
-                       const MoeWeights& w, Workspace& ws, ExpertLaunch launch) {
+                       const MoeWeights& w, Workspace& ws, bool chain_router) {
   const RouterWeights& rt = w.router;
   const SwitchGLUWeights& ex = w.experts;
   const int T = static_cast<int>(x.size(0)), H = static_cast<int>(x.size(1)), k = rt.top_k;
@@ -271,7 +271,7 @@ void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, 
   ga.hidden = static_cast<uint16_t*>(arena_at(base, sc.hidden));
   ga.faults = device_faults();
 
-  const bool route_in_gate_up = decode_routes_in_gate_up(T, gemma4, gate.bits, E, k, launch.router_overlaps_previous);
+  const bool route_in_gate_up = decode_routes_in_gate_up(T, gemma4, gate.bits, E, k, chain_router);
   ra.route_in_gate_up = route_in_gate_up;
   if (route_in_gate_up) {
     ga.logits = ra.logits;
@@ -297,19 +297,17 @@ void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, 
   // scalar kernels.
   const int proj_bits = quantized ? rt.proj.bits : 0;
   const bool fp_gate = gate.mode != QuantMode::affine, fp_down = ex.down.mode != QuantMode::affine;
-  const LaunchOptions router_launch{launch.router_overlaps_previous, launch.urgent}, next_launch{false, launch.urgent};
   launch_router(D, proj_bits, ra, router_smem(T, H), stream, quantized && rt.proj.mode != QuantMode::affine,
-                router_launch);
+                chain_router);
   if (gate.bits == 4)
     launch_gate_up_mma(D, gate.group_size, ex.activation, ga, n, gate_up_mma_smem(H, gate.group_size, fp_gate), stream,
-                       fp_gate, next_launch);
+                       fp_gate);
   else
-    launch_gate_up_scalar(D, ex.activation, ga, n, gate_up_scalar_smem(T, H), stream, next_launch);
+    launch_gate_up_scalar(D, ex.activation, ga, n, gate_up_scalar_smem(T, H), stream);
   if (ex.down.bits == 4)
-    launch_down_mma(D, ex.down.group_size, da, T, down_mma_smem(k, I, ex.down.group_size, fp_down), stream, fp_down,
-                    next_launch);
+    launch_down_mma(D, ex.down.group_size, da, T, down_mma_smem(k, I, ex.down.group_size, fp_down), stream, fp_down);
   else
-    launch_down_scalar(D, da, T, down_scalar_smem(k, I), stream, next_launch);
+    launch_down_scalar(D, da, T, down_scalar_smem(k, I), stream);
 }
 
 }  // namespace expertqmm::cuda

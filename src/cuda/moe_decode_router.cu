@@ -364,10 +364,10 @@ size_t router_smem(int64_t T, int64_t H) {
 }
 
 void launch_router(DType dtype, int proj_bits, const RouterArgs& a, size_t smem, cudaStream_t stream, bool fp,
-                   LaunchOptions options) {
+                   bool chained) {
   auto launch = [&](auto kernel) {
     allow_smem(reinterpret_cast<const void*>(kernel));
-    launch_kernel(kernel, static_cast<unsigned>(a.E), kRouterThreads, smem, stream, options, a);
+    launch_maybe_chained(kernel, static_cast<unsigned>(a.E), kRouterThreads, smem, stream, chained, a);
   };
   const bool bf16 = dtype == DType::bf16;
   auto with_kind = [&](auto dtag, auto ptag, auto fptag) {

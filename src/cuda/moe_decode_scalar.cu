@@ -318,12 +318,12 @@ size_t gate_up_scalar_smem(int64_t T, int64_t H) {
   return static_cast<size_t>(gate_up_scalar_rows_per_pass(T) * staged_floats(static_cast<int>(H))) * 4;
 }
 
-void launch_gate_up_scalar(DType dtype, Activation act, const GateUpArgs& a, int n, size_t smem, cudaStream_t stream,
-                           LaunchOptions options) {
+void launch_gate_up_scalar(DType dtype, Activation act, const GateUpArgs& a, int n, size_t smem, cudaStream_t stream) {
   const dim3 grid(ceil_div(a.I, kGuCols), static_cast<unsigned>(std::min(n, a.E)));
   auto launch = [&](auto kernel) {
     allow_smem(reinterpret_cast<const void*>(kernel));
-    launch_kernel(kernel, grid, kThreads, smem, stream, options, a);
+    kernel<<<grid, kThreads, smem, stream>>>(a);
+    EXPERTQMM_CUDA_CHECK_LAUNCH(decode_gate_up_glu_kernel);
   };
   const bool geglu = act == Activation::geglu;
   if (dtype == DType::bf16)
@@ -336,11 +336,12 @@ void launch_gate_up_scalar(DType dtype, Activation act, const GateUpArgs& a, int
 
 size_t down_scalar_smem(int64_t k, int64_t I) { return static_cast<size_t>(k * staged_floats(static_cast<int>(I))) * 4; }
 
-void launch_down_scalar(DType dtype, const DownArgs& a, int T, size_t smem, cudaStream_t stream, LaunchOptions options) {
+void launch_down_scalar(DType dtype, const DownArgs& a, int T, size_t smem, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(T), ceil_div(a.H, kDnCols));
   auto launch = [&](auto kernel) {
     allow_smem(reinterpret_cast<const void*>(kernel));
-    launch_kernel(kernel, grid, kThreads, smem, stream, options, a);
+    kernel<<<grid, kThreads, smem, stream>>>(a);
+    EXPERTQMM_CUDA_CHECK_LAUNCH(decode_down_combine_kernel);
   };
   if (dtype == DType::bf16) launch(decode_down_combine_kernel<DType::bf16>);
   else launch(decode_down_combine_kernel<DType::f16>);

@@ -107,25 +107,20 @@ struct DecodeScratch {
 };
 RouteSupport supports_decode_layer(const Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& weights);
 DecodeScratch decode_scratch(int64_t T, int64_t k, int64_t E, int64_t I);
-// How the Gemma 4 block has the experts' decode kernels launched (cuda::moe_layer_into: plainly).
-struct ExpertLaunch {
-  // The caller's promise that the kernel ahead of this call on the stream writes nothing the router
-  // reads (h is complete before it starts): the block, whose entry norms write only the experts' x.
-  // At decode sizes the router then starts while that kernel runs (a programmatic dependent launch;
-  // the router waits for it before it ends, so the experts' kernels find x written).
-  bool router_overlaps_previous = false;
-  // The decode kernels at the device's greatest priority, ahead of the dense branch beside them
-  // (EXPERTQMM_EXPERTS_FIRST; bench/NOTES.md step 34).
-  bool urgent = false;
-};
 // counter: one zeroed unsigned of ws's kSlotCounters, zero again when the kernels finish (one per
 // workspace, as the arena: a workspace serves one call at a time).
+// chain_router: launch the router as a programmatic dependent launch (the caller's promise: the
+// kernel ahead of it on the stream writes nothing the router reads).
 void call_decode_layer(const DecodeScratch& scratch, unsigned* counter, Tensor& out, const Tensor& h, const Tensor& x,
-                       const MoeWeights& weights, Workspace& ws, ExpertLaunch launch = {});
+                       const MoeWeights& weights, Workspace& ws, bool chain_router = false);
 
-// cuda::moe_layer_into with the block's launch choices (ExpertLaunch).
+// cuda::moe_layer_into for a caller that promises, with router_overlaps_previous, that the kernel
+// ahead of this call on the stream writes nothing the router reads (h is complete before it starts):
+// the Gemma 4 block, whose entry norms write only the experts' x. At decode sizes the router then
+// starts while that kernel runs (programmatic dependent launch; the router waits for it before it
+// ends, so the experts' kernels find x written).
 void moe_layer_into_chained(Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& weights, Workspace& ws,
-                            ExpertLaunch launch);
+                            bool router_overlaps_previous);
 
 // The decode gate/up kernel on one dense quantized MLP (moe_decode_layer.cu): hidden [T, I] =
 // act(x @ gate^T) * (x @ up^T) in one launch, the MLP run as a single always-chosen expert (the

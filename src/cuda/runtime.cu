@@ -168,21 +168,6 @@ bool chained_launch_available() {
   return major >= 9;
 }
 
-int greatest_stream_priority() {
-  constexpr int kDevices = 64;
-  static std::atomic<int> known[kDevices] = {};  // 0 unknown, else 1 + the priority's distance below 0
-  int device = 0;
-  EXPERTQMM_CUDA_CHECK(cudaGetDevice(&device));
-  if (device < kDevices) {
-    const int k = known[device].load(std::memory_order_relaxed);
-    if (k != 0) return -(k - 1);
-  }
-  int least = 0, greatest = 0;
-  EXPERTQMM_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-  if (device < kDevices) known[device].store(1 - greatest, std::memory_order_relaxed);
-  return greatest;
-}
-
 }  // namespace expertqmm::cuda
 
 namespace expertqmm::cuda {

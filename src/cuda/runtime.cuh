@@ -61,39 +61,23 @@ inline unsigned ceil_div(int64_t a, int64_t b) { return static_cast<unsigned>((a
 // Whether the current device takes programmatic dependent launches (compute capability 9.0 and up).
 bool chained_launch_available();
 
-// The current device's greatest (most urgent) stream priority (cudaDeviceGetStreamPriorityRange;
-// queried once per device).
-int greatest_stream_priority();
-
-// What a launch asks beyond its grid, block, shared memory and stream.
-struct LaunchOptions {
-  bool chained = false;  // a programmatic dependent launch where the device takes it (device/pdl.cuh
-                         // says what the kernel must then do)
-  bool urgent = false;   // at greatest_stream_priority() (cudaLaunchAttributePriority; a captured
-                         // graph keeps it as its node's priority)
-};
-
-// kernel<<<grid, block, smem, stream>>>(args...) with `options`.
+// kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent launch when `chained`
+// and the device takes it (device/pdl.cuh says what the kernel must then do).
 template <class... Params, class... Args>
-void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                   LaunchOptions options, Args&&... args) {
+void launch_maybe_chained(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                          bool chained, Args&&... args) {
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem;
   config.stream = stream;
-  cudaLaunchAttribute attribute[2];
-  unsigned n = 0;
-  if (options.chained && chained_launch_available()) {
-    attribute[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute[n++].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attribute[1];
+  if (chained && chained_launch_available()) {
+    attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[0].val.programmaticStreamSerializationAllowed = 1;
+    config.attrs = attribute;
+    config.numAttrs = 1;
   }
-  if (options.urgent) {
-    attribute[n].id = cudaLaunchAttributePriority;
-    attribute[n++].val.priority = greatest_stream_priority();
-  }
-  config.attrs = n > 0 ? attribute : nullptr;
-  config.numAttrs = n;
   EXPERTQMM_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 

@@ -41,23 +41,6 @@ cudaGraph_t capture_graph(cudaStream_t stream, const std::function<void()>& call
   return nullptr;
 }
 
-std::vector<int> kernel_node_priorities(cudaGraph_t graph) {
-  size_t nodes = 0;
-  EXPECT_EQ(cudaGraphGetNodes(graph, nullptr, &nodes), cudaSuccess);
-  std::vector<cudaGraphNode_t> all(nodes);
-  EXPECT_EQ(cudaGraphGetNodes(graph, all.data(), &nodes), cudaSuccess);
-  std::vector<int> priorities;
-  for (cudaGraphNode_t node : all) {
-    cudaGraphNodeType type;
-    EXPECT_EQ(cudaGraphNodeGetType(node, &type), cudaSuccess);
-    if (type != cudaGraphNodeTypeKernel) continue;
-    cudaLaunchAttributeValue value{};
-    EXPECT_EQ(cudaGraphKernelNodeGetAttribute(node, cudaLaunchAttributePriority, &value), cudaSuccess);
-    priorities.push_back(value.priority);
-  }
-  return priorities;
-}
-
 int kernel_nodes(cudaGraph_t graph) {
   size_t nodes = 0;
   EXPECT_EQ(cudaGraphGetNodes(graph, nullptr, &nodes), cudaSuccess);
@@ -75,7 +58,7 @@ int kernel_nodes(cudaGraph_t graph) {
 void expect_replays_match(cudaGraph_t graph, cudaStream_t stream, Tensor& replayed, const Tensor& expected,
                           int replays, const std::string& what) {
   cudaGraphExec_t exec = nullptr;
-  const cudaError_t made = cudaGraphInstantiate(&exec, graph, cudaGraphInstantiateFlagUseNodePriority);
+  const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
   EXPECT_EQ(made, cudaSuccess) << what << ": " << cudaGetErrorString(made);
   for (int replay = 0; made == cudaSuccess && replay < replays; ++replay) {
     poison(replayed);  // the replay, not the capture, must write every element

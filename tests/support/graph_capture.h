@@ -33,10 +33,8 @@ cudaGraph_t capture_graph(cudaStream_t stream, const std::function<void()>& call
 
 // Kernel nodes of `graph`.
 int kernel_nodes(cudaGraph_t graph);
-// The priority attribute of each kernel node of `graph` (0 where the launch set none).
-std::vector<int> kernel_node_priorities(cudaGraph_t graph);
 
-// Instantiates `graph` (with its nodes' priorities: cudaGraphInstantiateFlagUseNodePriority), replays it `replays` times, each into a freshly poisoned `replayed`, and
+// Instantiates `graph`, replays it `replays` times, each into a freshly poisoned `replayed`, and
 // expects the bytes of `expected` each time; then destroys the graph.
 void expect_replays_match(cudaGraph_t graph, cudaStream_t stream, Tensor& replayed, const Tensor& expected,
                           int replays, const std::string& what);

@@ -29,7 +29,6 @@ class SettingGuard {
 using ProductModeGuard = SettingGuard<ProductMode, product_mode, set_product_mode>;
 using DecodeSwitchGuard = SettingGuard<RouteSwitch, decode_layer_setting, set_decode_layer>;
 using ChainedLaunchGuard = SettingGuard<RouteSwitch, chained_launch_setting, set_chained_launch>;
-using ExpertsFirstGuard = SettingGuard<RouteSwitch, experts_first_setting, set_experts_first>;
 
 // A router over E experts choosing k, on the host, in `dtype`: a proj_bits-bit projection (CPU-
 // quantized, logits ~ N(0, 1); 0: a dense [E, H] one); a gemma4 router also gets RMSNorm scale

@@ -202,7 +202,7 @@ int run_bench_model(int argc, char** argv) {
       }
       EXPERTQMM_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
       cudaGraphExec_t exec = nullptr;
-      EXPERTQMM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, cudaGraphInstantiateFlagUseNodePriority));
+      EXPERTQMM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
       EXPERTQMM_CUDA_CHECK(cudaGraphLaunch(exec, stream));  // warm-up replay
       EXPERTQMM_CUDA_CHECK(cudaStreamSynchronize(stream));
       std::vector<double> us;

@@ -152,7 +152,7 @@ void capture_into(Graphs& g, cudaStream_t stream, const char* what, Body&& body)
   }
   g.graphs.push_back(graph);
   cudaGraphExec_t exec = nullptr;
-  EXPERTQMM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, cudaGraphInstantiateFlagUseNodePriority));
+  EXPERTQMM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
   g.execs.push_back(exec);
 }
 
