@@ -219,6 +219,10 @@ TEST_F(Cli, BadOptionsGiveOneLineAndExitCode2) {
       {"bench --preset tiny --json", "--json needs a file name"},
       {"bench --model /nonexistent --tokens 0", "--tokens: every value must be an integer in [1, 65536]"},
       {"bench --model /nonexistent --bogus 1", "unknown option --bogus"},
+      {"bench --model /nonexistent --versus EXPERTQMM_CHAINED_LAUNCH", "--versus: 'EXPERTQMM_CHAINED_LAUNCH' is not VAR=VALUE"},
+      {"bench --model /nonexistent --versus EXPERTQMM_CHAINED_LAUNCH=0,", "--versus: '' is not VAR=VALUE"},
+      {"bench --model /nonexistent --versus EXPERTQMM_CHAINED_LAUNCH=2", "EXPERTQMM_CHAINED_LAUNCH='2' is not valid"},
+      {"bench --model /nonexistent --versus EXPERTQMM_NOPE=1", "'EXPERTQMM_NOPE' is not a setting"},
       {"write-checkpoint --out /nonexistent/x --layers 5000", "--layers must be an integer in [1, 1000], got '5000'"},
       {"write-checkpoint --out /nonexistent/x --preset tiny --layers 2 --shards 3", "--shards must be an integer in [1, 2]"},
       {"write-checkpoint --out /nonexistent/x --seed 99999999999999999999", "--seed must be an integer in [0, "},
@@ -439,6 +443,28 @@ TEST_F(Cli, Qwen3BenchAndBenchModelOnCuda) {
   EXPECT_NE(mjson.find("\"family\": \"qwen3_moe\""), std::string::npos) << mjson;
   EXPECT_EQ(count_of(mjson, "\"us_per_layer\""), 2) << mjson;
   EXPECT_NE(model.output.find("(qwen3_moe): 3 layers"), std::string::npos) << model.output;
+  std::system(("rm -rf '" + dir + "'").c_str());
+}
+
+// bench --model --versus: each size measured as set and with the given settings in one process, the
+// rows labelled in the JSON and the table (with the change), on a synthetic Gemma 4 checkpoint.
+TEST_F(Cli, BenchModelVersusMeasuresBothConfigurationsOnCuda) {
+  if (!expertqmm::cuda_available()) GTEST_SKIP() << "SKIP: no CUDA device";
+  char dir_template[] = "/tmp/expertqmm_cli_versus_XXXXXX";
+  ASSERT_NE(mkdtemp(dir_template), nullptr);
+  const std::string dir = dir_template;
+  Result write = run_cli("write-checkpoint --preset tiny --layers 2 --out " + dir + "/ckpt");
+  ASSERT_EQ(write.exit_code, 0) << write.output;
+  const std::string versus = "EXPERTQMM_CHAINED_LAUNCH=0,EXPERTQMM_DECODE_ROUTE_IN_GATE_UP=1";
+  Result model = run_cli("bench --model " + dir + "/ckpt --tokens 1,8 --product fused --replays 4 --versus " + versus +
+                         " --json " + dir + "/model.json");
+  EXPECT_EQ(model.exit_code, 0) << model.output;
+  const std::string json = read_file(dir + "/model.json");
+  EXPECT_NE(json.find("\"versus\": \"" + versus + "\""), std::string::npos) << json;
+  EXPECT_EQ(count_of(json, "\"config\": \"default\""), 2) << json;
+  EXPECT_EQ(count_of(json, "\"config\": \"versus\""), 2) << json;
+  EXPECT_EQ(count_of(model.output, "  default\n"), 2) << model.output;
+  EXPECT_EQ(count_of(model.output, "%\n"), 2) << model.output;
   std::system(("rm -rf '" + dir + "'").c_str());
 }
 

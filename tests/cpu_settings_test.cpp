@@ -128,6 +128,54 @@ TEST(Settings, TableListsEveryVariableAndEachIsValidated) {
   EXPECT_NO_THROW(parse({{"EXPERTQMM_NOT_A_SETTING", "bogus"}}));
 }
 
+// set_setting: a variable's text as the environment would give it, as an API override; nullopt gives
+// the decision back to the environment; a bad value or an unknown name is an Error naming it, and
+// changes nothing.
+TEST(Settings, SetSettingOverridesByVariableName) {
+  const RouteSwitch tiles = expert_tiles_setting(), chained = chained_launch_setting();
+  const int width = wgmma_width();
+  const bool det = deterministic();
+  set_setting("EXPERTQMM_EXPERT_TILES", "0");
+  EXPECT_EQ(expert_tiles_setting(), RouteSwitch::off);
+  set_setting("EXPERTQMM_EXPERT_TILES", "1");
+  EXPECT_EQ(expert_tiles_setting(), RouteSwitch::on);
+  set_setting("EXPERTQMM_CHAINED_LAUNCH", "0");
+  EXPECT_FALSE(chained_launches());
+  set_setting("EXPERTQMM_WGMMA_WIDTH", "64");
+  EXPECT_EQ(wgmma_width(), 64);
+  set_setting("EXPERTQMM_DETERMINISTIC", "1");
+  EXPECT_TRUE(deterministic());
+  const std::vector<SettingInfo> table = settings_table();
+  for (const SettingInfo& row : table)
+    if (row.variable == "EXPERTQMM_WGMMA_WIDTH") EXPECT_EQ(row.current, "64");
+  try {
+    set_setting("EXPERTQMM_EXPERT_TILES", "2");
+    ADD_FAILURE() << "accepted EXPERTQMM_EXPERT_TILES=2";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("EXPERTQMM_EXPERT_TILES='2'"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(expert_tiles_setting(), RouteSwitch::on) << "a bad value must leave the setting as it was";
+  try {
+    set_setting("EXPERTQMM_NOT_A_SETTING", "1");
+    ADD_FAILURE() << "accepted an unknown variable";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("EXPERTQMM_NOT_A_SETTING"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("EXPERTQMM_WGMMA_WIDTH"), std::string::npos) << e.what();
+  }
+  // Dropping the overrides gives each setting back to the environment (the test's: unset).
+  for (const char* v : {"EXPERTQMM_EXPERT_TILES", "EXPERTQMM_CHAINED_LAUNCH", "EXPERTQMM_WGMMA_WIDTH",
+                        "EXPERTQMM_DETERMINISTIC"})
+    set_setting(v, std::nullopt);
+  EXPECT_EQ(expert_tiles_setting(), RouteSwitch::automatic);
+  EXPECT_EQ(chained_launch_setting(), RouteSwitch::automatic);
+  EXPECT_EQ(wgmma_width(), 0);
+  EXPECT_FALSE(deterministic());
+  set_expert_tiles(tiles);
+  set_chained_launch(chained);
+  set_wgmma_width(width);
+  set_deterministic(det);
+}
+
 // The first bad variable stops the parse, whichever others are fine.
 TEST(Settings, OneBadVariableAmongGoodOnesIsReported) {
   try {

@@ -4,6 +4,7 @@
 // of any variable is an Error naming it, then and on every later call.
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -90,5 +91,9 @@ struct SettingInfo {
   std::string what;
 };
 std::vector<SettingInfo> settings_table();
+// Overrides the setting of an EXPERTQMM_* `variable` as if the environment said `value` (the same
+// values, the same Error for a bad one or an unknown name); nullopt drops the override, so the
+// environment decides again. For tools that compare settings in one process (`bench --versus`).
+void set_setting(const std::string& variable, const std::optional<std::string>& value);
 
 }  // namespace expertqmm

@@ -32,6 +32,13 @@ int parse_wgmma_width(const char* variable, const std::optional<std::string>& va
   throw Error("settings", cat(variable, "='", *value, "' is not valid: use 32, 64 or 128, or leave it unset"));
 }
 
+// API overrides: -1 = none (the environment decides), else the value.
+constexpr int kNone = -1;
+std::atomic<int> g_expert_tiles{kNone}, g_decode_layer{kNone}, g_decode_route_in_gate_up{kNone}, g_chained_launch{kNone}, g_deterministic{kNone}, g_wgmma{kNone},
+    g_wgmma_width{kNone};
+std::atomic<ProductMode> g_product_mode{ProductMode::fused};
+thread_local int t_chained_launch = kNone;  // ChainedLaunchScope's value on this thread
+
 // The variables, as data: name, accepted values, what it does, and how it lands in EnvSettings.
 struct Variable {
   const char* name;
@@ -39,31 +46,41 @@ struct Variable {
   const char* what;
   void (*parse)(const char* name, const std::optional<std::string>& value, EnvSettings& into);
   std::string (*current)();
+  std::atomic<int>* override_slot;     // its API override (kNone: none)
+  int (*override_of)(const EnvSettings&);  // the override a parsed value stands for
 };
+int switch_override(RouteSwitch s) { return static_cast<int>(s); }
 
 const Variable kVariables[] = {
     {"EXPERTQMM_EXPERT_TILES", "0|1", "the expert tile route of gather_qmm off or on (unset: automatic)",
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.expert_tiles = parse_switch(n, v); },
-     [] { return std::string(switch_text(expert_tiles_setting())); }},
+     [] { return std::string(switch_text(expert_tiles_setting())); },
+     &g_expert_tiles, [](const EnvSettings& e) { return switch_override(e.expert_tiles); }},
     {"EXPERTQMM_DECODE_LAYER", "0|1", "the three-kernel decode MoE layer off or on (unset: on)",
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.decode_layer = parse_switch(n, v); },
-     [] { return std::string(switch_text(decode_layer_setting())); }},
+     [] { return std::string(switch_text(decode_layer_setting())); },
+     &g_decode_layer, [](const EnvSettings& e) { return switch_override(e.decode_layer); }},
     {"EXPERTQMM_DECODE_ROUTE_IN_GATE_UP", "0|1",
      "1: at one token the decode layer's gate/up CTAs rank the router's logits, no routing CTA; 0: the router's last CTA (unset: 1 in the MoE layer alone, 0 in the Gemma 4 block)",
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.decode_route_in_gate_up = parse_switch(n, v); },
-     [] { return std::string(switch_text(decode_route_in_gate_up_setting())); }},
+     [] { return std::string(switch_text(decode_route_in_gate_up_setting())); },
+     &g_decode_route_in_gate_up, [](const EnvSettings& e) { return switch_override(e.decode_route_in_gate_up); }},
     {"EXPERTQMM_CHAINED_LAUNCH", "0|1", "programmatic dependent launches at the Gemma 4 block's decode boundaries (unset: on)",
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.chained_launch = parse_switch(n, v); },
-     [] { return std::string(switch_text(chained_launch_setting())); }},
+     [] { return std::string(switch_text(chained_launch_setting())); },
+     &g_chained_launch, [](const EnvSettings& e) { return switch_override(e.chained_launch); }},
     {"EXPERTQMM_DETERMINISTIC", "0|1", "1: the same output bits every run (combine in slot order; unset: 0)",
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.deterministic = parse_switch(n, v); },
-     [] { return std::string(deterministic() ? "1" : "0"); }},
+     [] { return std::string(deterministic() ? "1" : "0"); },
+     &g_deterministic, [](const EnvSettings& e) { return e.deterministic == RouteSwitch::on ? 1 : 0; }},
     {"EXPERTQMM_WGMMA", "0|1", "0: the sm_90a wgmma kernels off, mma.sync instead; 1: also where the measured rules do not choose them (8-bit codes below 32 rows per expert) (unset: the measured rules)",
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.wgmma = parse_switch(n, v); },
-     [] { return std::string(switch_text(wgmma_setting())); }},
+     [] { return std::string(switch_text(wgmma_setting())); },
+     &g_wgmma, [](const EnvSettings& e) { return switch_override(e.wgmma); }},
     {"EXPERTQMM_WGMMA_WIDTH", "32|64|128", "pins one token width of the wgmma GEMM (unset: the measured table)",
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.wgmma_width = parse_wgmma_width(n, v); },
-     [] { return wgmma_width() ? std::to_string(wgmma_width()) : std::string("auto"); }},
+     [] { return wgmma_width() ? std::to_string(wgmma_width()) : std::string("auto"); },
+     &g_wgmma_width, [](const EnvSettings& e) { return e.wgmma_width; }},
 };
 
 // The environment, parsed on first use. A bad value is kept as its message and thrown on every read.
@@ -86,12 +103,6 @@ const ProcessEnv& process_env() {
 }
 const EnvSettings& env() { return process_env().settings; }
 
-// API overrides: -1 = none (the environment decides), else the value.
-constexpr int kNone = -1;
-std::atomic<int> g_expert_tiles{kNone}, g_decode_layer{kNone}, g_decode_route_in_gate_up{kNone}, g_chained_launch{kNone}, g_deterministic{kNone}, g_wgmma{kNone},
-    g_wgmma_width{kNone};
-std::atomic<ProductMode> g_product_mode{ProductMode::fused};
-thread_local int t_chained_launch = kNone;  // ChainedLaunchScope's value on this thread
 
 bool valid_switch(RouteSwitch s) { return s == RouteSwitch::automatic || s == RouteSwitch::off || s == RouteSwitch::on; }
 void set_switch(std::atomic<int>& slot, RouteSwitch s, const char* setter) {
@@ -168,6 +179,23 @@ void set_wgmma_width(int width) {
 int wgmma_width() {
   const int v = g_wgmma_width.load();
   return v == kNone ? env().wgmma_width : v;
+}
+
+void set_setting(const std::string& variable, const std::optional<std::string>& value) {
+  for (const Variable& v : kVariables) {
+    if (variable != v.name) continue;
+    if (!value) {
+      v.override_slot->store(kNone);
+      return;
+    }
+    EnvSettings parsed;
+    v.parse(v.name, value, parsed);  // a bad value throws as the environment's would
+    v.override_slot->store(v.override_of(parsed));
+    return;
+  }
+  std::string known;
+  for (const Variable& v : kVariables) known += cat(known.empty() ? "" : ", ", v.name);
+  throw Error("settings", cat("'", variable, "' is not a setting; the settings are ", known));
 }
 
 std::vector<SettingInfo> settings_table() {

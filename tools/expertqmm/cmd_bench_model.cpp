@@ -3,7 +3,10 @@
 // residual and layer_scalar (gemma4_ffn); Qwen3-MoE: post_attention_layernorm, router, experts and
 // residual (qwen3_moe_ffn). Attention is not run (it is not part of expertqmm) and the output says
 // so. Reports µs per layer, tokens/s for prefill (T > 64) and decode (T <= 64) token counts, with the
-// fused and the separate GLU product, and the GPU memory the loaded layers and workspace take.
+// fused and the separate GLU product, and the GPU memory the loaded layers and workspace take. With
+// --versus VAR=VALUE[,...] each size also runs with those settings (set_setting) in the same process,
+// replays of the two graphs alternating, so that a setting's A/B is free of the ~1-2 µs per layer
+// that separate processes differ by at decode sizes (bench/NOTES.md step 34).
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
@@ -15,6 +18,7 @@
 #include "expertqmm/backend.h"
 #include "expertqmm/checkpoint.h"
 #include "expertqmm/error.h"
+#include "expertqmm/settings.h"
 #include "presets.h"
 #include "synthetic.h"
 #ifdef EXPERTQMM_HAVE_CUDA
@@ -36,20 +40,24 @@ struct ModelBenchOptions {
   int replays = 20;
   std::string json_path;
   uint64_t seed = 1;
+  std::vector<std::pair<std::string, std::string>> versus;  // (variable, value): the second configuration
+  std::string versus_text;                                   // as given: "EXPERTQMM_X=1,EXPERTQMM_Y=0"
 };
 
 void print_model_usage() {
   std::printf(
       "usage: expertqmm bench --model DIR [--tokens 1,8,16,32,64,512,1024,2048] [--product fused|separate|both]\n"
-      "                       [--replays 20] [--json FILE] [--seed S]\n"
+      "                       [--replays 20] [--json FILE] [--seed S] [--versus VAR=VALUE[,VAR=VALUE...]]\n"
       "Loads every layer of the Gemma 4 or Qwen3-MoE checkpoint in DIR to the GPU and times the feed-forward part of\n"
       "all layers back to back (attention excluded) as one CUDA graph per token count: median of the\n"
-      "replays, µs per layer, tokens/s (T <= 64: decode, else prefill), fused and separate GLU product.\n");
+      "replays, µs per layer, tokens/s (T <= 64: decode, else prefill), fused and separate GLU product.\n"
+      "--versus: also each size with those EXPERTQMM_* settings (`expertqmm info` lists them), the two graphs'\n"
+      "replays alternating in this process; the rows say which configuration, and the change.\n");
 }
 
 ModelBenchOptions parse_model_options(int argc, char** argv) {
   Args args(argc, argv);
-  args.check_known({"model", "tokens", "product", "replays", "json", "seed"});
+  args.check_known({"model", "tokens", "product", "replays", "json", "seed", "versus"});
   ModelBenchOptions o;
   o.dir = args.get_required("model", "DIR");
   o.tokens = args.get_int_list("tokens", {1, 8, 16, 32, 64, 512, 1024, 2048}, 1, kMaxTokens);
@@ -57,6 +65,25 @@ ModelBenchOptions parse_model_options(int argc, char** argv) {
   o.replays = int(args.get_int("replays", 20, 1, 10000));
   o.json_path = args.get_optional("json", "a file name");
   o.seed = uint64_t(args.get_int("seed", 1, 0, kMaxSeed));
+  o.versus_text = args.get_optional("versus", "VAR=VALUE[,VAR=VALUE...]");
+  size_t at = 0;
+  while (!o.versus_text.empty() && at <= o.versus_text.size()) {
+    const size_t end = std::min(o.versus_text.find(',', at), o.versus_text.size());
+    const std::string item = o.versus_text.substr(at, end - at);
+    const size_t eq = item.find('=');
+    if (eq == std::string::npos || eq == 0) usage_error("--versus: '" + item + "' is not VAR=VALUE");
+    o.versus.emplace_back(item.substr(0, eq), item.substr(eq + 1));
+    at = end + 1;
+  }
+  // A bad variable or value fails here, before any loading (the process has no overrides yet).
+  for (const auto& [variable, value] : o.versus) {
+    try {
+      set_setting(variable, value);
+    } catch (const Error& e) {
+      usage_error(std::string("--versus: ") + e.what());
+    }
+    set_setting(variable, std::nullopt);
+  }
   return o;
 }
 
@@ -78,6 +105,7 @@ namespace {
 struct Row {
   int64_t tokens = 0;
   ProductMode product = ProductMode::fused;
+  bool versus = false;  // measured with --versus's settings
   double median_us = 0, min_us = 0, max_us = 0;
 };
 
@@ -189,42 +217,63 @@ int run_bench_model(int argc, char** argv) {
     Tensor a = Tensor::empty({T, H}, DType::bf16, Device::cuda), b = Tensor::empty({T, H}, DType::bf16, Device::cuda);
     for (ProductMode mode : o.products) {
       set_product_mode(mode);
-      run_layers(layers, x0, a, b, ws);  // grows the workspace to this size; then nothing allocates
-      cuda_check();
-      cudaGraph_t graph = nullptr;
-      EXPERTQMM_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-      try {
+      // Configuration 0: the settings as they are; 1: with --versus's overrides on top.
+      const int configs = o.versus.empty() ? 1 : 2;
+      auto configure = [&](int config) {
+        for (const auto& [variable, value] : o.versus)
+          set_setting(variable, config == 1 ? std::optional<std::string>(value) : std::nullopt);
+      };
+      // Both warmed before either is captured: the workspace grows to the larger one's needs, and
+      // neither graph then points at memory the other's warm-up freed.
+      for (int config = 0; config < configs; ++config) {
+        configure(config);
         run_layers(layers, x0, a, b, ws);
-      } catch (...) {
-        cudaStreamEndCapture(stream, &graph);
-        if (graph) cudaGraphDestroy(graph);
-        throw;
-      }
-      EXPERTQMM_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-      cudaGraphExec_t exec = nullptr;
-      EXPERTQMM_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-      EXPERTQMM_CUDA_CHECK(cudaGraphLaunch(exec, stream));  // warm-up replay
-      EXPERTQMM_CUDA_CHECK(cudaStreamSynchronize(stream));
-      std::vector<double> us;
-      for (int r = 0; r < o.replays; ++r) {
-        EXPERTQMM_CUDA_CHECK(cudaEventRecord(start, stream));
-        EXPERTQMM_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-        EXPERTQMM_CUDA_CHECK(cudaEventRecord(stop, stream));
-        EXPERTQMM_CUDA_CHECK(cudaEventSynchronize(stop));
-        float ms = 0;
-        EXPERTQMM_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-        us.push_back(double(ms) * 1e3);
       }
       cuda_check();
-      EXPERTQMM_CUDA_CHECK(cudaGraphExecDestroy(exec));
-      EXPERTQMM_CUDA_CHECK(cudaGraphDestroy(graph));
-      Row row;
-      row.tokens = T;
-      row.product = mode;
-      row.median_us = median_of(us);
-      row.min_us = *std::min_element(us.begin(), us.end());
-      row.max_us = *std::max_element(us.begin(), us.end());
-      rows.push_back(row);
+      cudaGraphExec_t exec[2] = {nullptr, nullptr};
+      for (int config = 0; config < configs; ++config) {
+        configure(config);
+        cudaGraph_t graph = nullptr;
+        EXPERTQMM_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+        try {
+          run_layers(layers, x0, a, b, ws);
+        } catch (...) {
+          cudaStreamEndCapture(stream, &graph);
+          if (graph) cudaGraphDestroy(graph);
+          configure(0);
+          throw;
+        }
+        EXPERTQMM_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+        EXPERTQMM_CUDA_CHECK(cudaGraphInstantiate(&exec[config], graph, 0));
+        EXPERTQMM_CUDA_CHECK(cudaGraphDestroy(graph));
+      }
+      configure(0);
+      for (int config = 0; config < configs; ++config)
+        EXPERTQMM_CUDA_CHECK(cudaGraphLaunch(exec[config], stream));  // warm-up replays
+      EXPERTQMM_CUDA_CHECK(cudaStreamSynchronize(stream));
+      std::vector<double> us[2];
+      for (int r = 0; r < o.replays; ++r)
+        for (int config = 0; config < configs; ++config) {  // alternating: drift hits both alike
+          EXPERTQMM_CUDA_CHECK(cudaEventRecord(start, stream));
+          EXPERTQMM_CUDA_CHECK(cudaGraphLaunch(exec[config], stream));
+          EXPERTQMM_CUDA_CHECK(cudaEventRecord(stop, stream));
+          EXPERTQMM_CUDA_CHECK(cudaEventSynchronize(stop));
+          float ms = 0;
+          EXPERTQMM_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+          us[config].push_back(double(ms) * 1e3);
+        }
+      cuda_check();
+      for (int config = 0; config < configs; ++config) {
+        EXPERTQMM_CUDA_CHECK(cudaGraphExecDestroy(exec[config]));
+        Row row;
+        row.tokens = T;
+        row.product = mode;
+        row.versus = config == 1;
+        row.median_us = median_of(us[config]);
+        row.min_us = *std::min_element(us[config].begin(), us[config].end());
+        row.max_us = *std::max_element(us[config].begin(), us[config].end());
+        rows.push_back(row);
+      }
     }
   }
   cudaEventDestroy(start);
@@ -244,11 +293,18 @@ int run_bench_model(int argc, char** argv) {
   std::printf("16-bit weights: %zu%s\n", dense_weights.size(),
               dense_weights.empty() ? " (every projection quantized)"
                                     : (" (first: " + dense_weights.front() + ")").c_str());
-  std::printf("%-8s %6s %-8s %12s %12s %14s\n", "phase", "tokens", "product", "all layers", "per layer", "tokens/s");
-  for (const Row& r : rows)
-    std::printf("%-8s %6lld %-8s %10.1f us %10.1f us %14.1f\n", r.tokens <= kDecodeMaxTokens ? "decode" : "prefill",
+  if (!o.versus.empty()) std::printf("configurations: as set (default), and with %s (versus)\n", o.versus_text.c_str());
+  std::printf("%-8s %6s %-8s %12s %12s %14s%s\n", "phase", "tokens", "product", "all layers", "per layer", "tokens/s",
+              o.versus.empty() ? "" : "  config     change");
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const Row& r = rows[i];
+    std::printf("%-8s %6lld %-8s %10.1f us %10.1f us %14.1f", r.tokens <= kDecodeMaxTokens ? "decode" : "prefill",
                 (long long)r.tokens, product_label(r.product), r.median_us, r.median_us / L,
                 double(r.tokens) / (r.median_us * 1e-6));
+    if (o.versus.empty()) std::printf("\n");
+    else if (!r.versus) std::printf("  default\n");
+    else std::printf("  versus  %+7.1f%%\n", 100.0 * (r.median_us / rows[i - 1].median_us - 1.0));
+  }
 
   if (!o.json_path.empty()) {
     std::ofstream js(o.json_path);
@@ -259,7 +315,9 @@ int run_bench_model(int argc, char** argv) {
        << ",\n  \"device\": " << json_string(cuda_device_name()) << ",\n"
        << "  \"layers\": " << L << ",\n  \"hidden\": " << H << ",\n  \"weight_bytes\": " << weight_bytes
        << ",\n  \"gpu_memory_used_bytes\": " << (free_before - std::min(free_before, free_after))
-       << ",\n  \"replays\": " << o.replays << ",\n  \"sixteen_bit_weights\": [";
+       << ",\n  \"replays\": " << o.replays;
+    if (!o.versus.empty()) js << ",\n  \"versus\": " << json_string(o.versus_text);
+    js << ",\n  \"sixteen_bit_weights\": [";
     for (size_t i = 0; i < dense_weights.size(); ++i) js << (i ? ", " : "") << '"' << dense_weights[i] << '"';
     js << "],\n  \"results\": [";
     for (size_t i = 0; i < rows.size(); ++i) {
@@ -267,8 +325,9 @@ int run_bench_model(int argc, char** argv) {
       js << (i ? "," : "") << "\n    {\"phase\": \"" << (r.tokens <= kDecodeMaxTokens ? "decode" : "prefill")
          << "\", \"tokens\": " << r.tokens << ", \"product\": \"" << product_label(r.product)
          << "\", \"median_us\": " << r.median_us << ", \"min_us\": " << r.min_us << ", \"max_us\": " << r.max_us
-         << ", \"us_per_layer\": " << r.median_us / L << ", \"tokens_per_s\": " << double(r.tokens) / (r.median_us * 1e-6)
-         << "}";
+         << ", \"us_per_layer\": " << r.median_us / L << ", \"tokens_per_s\": " << double(r.tokens) / (r.median_us * 1e-6);
+      if (!o.versus.empty()) js << ", \"config\": \"" << (r.versus ? "versus" : "default") << '"';
+      js << "}";
     }
     js << "\n  ]\n}\n";
   }
