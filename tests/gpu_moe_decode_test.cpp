@@ -32,28 +32,27 @@ using PersistentGuard = test::SettingGuard<RouteSwitch, decode_persistent_settin
 #ifdef EXPERTQMM_HAVE_CUDA
 // Who ranks a one-token call's experts (host selection only, no GPU needed): the gate/up CTAs in the
 // layer alone, the router's last CTA when the router is chained (the Gemma 4 block: bench/NOTES.md
-// step 33), at two or more tokens, for other routers, 8-bit experts, E > 256 and k > 8; the setting
-// forces either way.
+// step 33), at two or more tokens, for 8-bit experts, E > 256 and k > 8; the setting forces either
+// way.
 TEST(GpuMoeDecode, RouteInGateUpIsChosenForTheLayerAloneAtOneToken) {
   {
     RouteInGateUpGuard who(RouteSwitch::automatic);
-    EXPECT_TRUE(cuda::decode_routes_in_gate_up(1, true, 4, 128, 8, /*router_chained=*/false));
-    EXPECT_TRUE(cuda::decode_routes_in_gate_up(1, true, 4, 256, 1, false));
-    EXPECT_FALSE(cuda::decode_routes_in_gate_up(1, true, 4, 128, 8, /*router_chained=*/true));
-    EXPECT_FALSE(cuda::decode_routes_in_gate_up(2, true, 4, 128, 8, false));
-    EXPECT_FALSE(cuda::decode_routes_in_gate_up(1, false, 4, 128, 8, false));
-    EXPECT_FALSE(cuda::decode_routes_in_gate_up(1, true, 8, 128, 8, false));
-    EXPECT_FALSE(cuda::decode_routes_in_gate_up(1, true, 4, 257, 8, false));
-    EXPECT_FALSE(cuda::decode_routes_in_gate_up(1, true, 4, 128, 9, false));
+    EXPECT_TRUE(cuda::decode_routes_in_gate_up(1, 4, 128, 8, /*router_chained=*/false));
+    EXPECT_TRUE(cuda::decode_routes_in_gate_up(1, 4, 256, 1, false));
+    EXPECT_FALSE(cuda::decode_routes_in_gate_up(1, 4, 128, 8, /*router_chained=*/true));
+    EXPECT_FALSE(cuda::decode_routes_in_gate_up(2, 4, 128, 8, false));
+    EXPECT_FALSE(cuda::decode_routes_in_gate_up(1, 8, 128, 8, false));
+    EXPECT_FALSE(cuda::decode_routes_in_gate_up(1, 4, 257, 8, false));
+    EXPECT_FALSE(cuda::decode_routes_in_gate_up(1, 4, 128, 9, false));
   }
   {
     RouteInGateUpGuard who(RouteSwitch::on);
-    EXPECT_TRUE(cuda::decode_routes_in_gate_up(1, true, 4, 128, 8, /*router_chained=*/true));
-    EXPECT_FALSE(cuda::decode_routes_in_gate_up(2, true, 4, 128, 8, true));
+    EXPECT_TRUE(cuda::decode_routes_in_gate_up(1, 4, 128, 8, /*router_chained=*/true));
+    EXPECT_FALSE(cuda::decode_routes_in_gate_up(2, 4, 128, 8, true));
   }
   {
     RouteInGateUpGuard who(RouteSwitch::off);
-    EXPECT_FALSE(cuda::decode_routes_in_gate_up(1, true, 4, 128, 8, /*router_chained=*/false));
+    EXPECT_FALSE(cuda::decode_routes_in_gate_up(1, 4, 128, 8, /*router_chained=*/false));
   }
 }
 #endif
@@ -155,7 +154,8 @@ TEST(GpuMoeDecode, OneTokenTopkBreaksExactTiesLikeTheCpu) {
 // router ends at them): at one token the same output bits as the router's own top-k and plan (the
 // same order, the same weight arithmetic), captured in a graph too; Gemma 4's shape, E = 128 and 256
 // (one key per thread up to the CTA's 256), separate and fused gate_up, bf16 / f16, groups 32-128, a
-// dense router, mxfp4 experts. At T = 2 the setting changes nothing (the router routes).
+// dense router, mxfp4 experts, and Qwen3-MoE's softmax top-k router (renormalised or not). At T = 2
+// the setting changes nothing (the router routes).
 TEST(GpuMoeDecode, RouteInGateUpIsBitIdenticalAtOneToken) {
   EXPERTQMM_REQUIRE_GPU();
   test::DecodeSwitchGuard on(RouteSwitch::on);
@@ -168,6 +168,15 @@ TEST(GpuMoeDecode, RouteInGateUpIsBitIdenticalAtOneToken) {
   test::MoeGeometry fp4{512, 256, 32, 4, 4, 32, 8, false, Activation::geglu, DType::bf16};
   fp4.mode = QuantMode::mxfp4;
   geometries.push_back(fp4);
+  // Qwen3-MoE's router (softmax_topk: the gate/up CTAs rank the rounded probabilities), its geometry
+  // renormalised, and smaller ones without renormalising, f16 and a dense router.
+  for (test::MoeGeometry q : {test::MoeGeometry{2048, 768, 128, 8, 4, 64, 8, false, Activation::swiglu, DType::bf16},
+                              test::MoeGeometry{512, 256, 64, 8, 4, 64, 8, true, Activation::swiglu, DType::f16},
+                              test::MoeGeometry{256, 128, 256, 4, 4, 32, 0, false, Activation::swiglu, DType::bf16}}) {
+    q.router = RouterKind::softmax_topk;
+    q.norm_topk_prob = q.H == 2048;
+    geometries.push_back(q);
+  }
   for (const test::MoeGeometry& g : geometries) {
     const test::Layer l = test::make_layer(g);
     for (int64_t T : {1, 2}) {

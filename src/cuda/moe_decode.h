@@ -122,10 +122,12 @@ struct GateUpArgs {
   uint32_t* faults;
   // One token routed by the CTAs themselves (EXPERTQMM_DECODE_ROUTE_IN_GATE_UP; rank_group in
   // moe_decode_tiles.cuh): the router's (1, E) logits (E <= kThreads) instead of the plan; CTA (0, 0)
-  // writes the k indices and weights (of D; per_expert_scale of pes_dtype) for the down kernel.
+  // writes the k indices and weights (of D; Gemma: per_expert_scale of pes_dtype; softmax_topk:
+  // renormalize) for the down kernel.
   const float* logits;  // null: the plan
   const void* per_expert_scale;
   DType pes_dtype;
+  bool softmax_topk, renormalize;  // the router's kind (RouterArgs)
   int32_t* indices;
   uint16_t* weights;
 };

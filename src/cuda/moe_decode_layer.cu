@@ -206,10 +206,10 @@ DecodeScratch decode_scratch(int64_t T, int64_t k, int64_t E, int64_t I) {
   return sc;
 }
 
-bool decode_routes_in_gate_up(int64_t T, bool gemma_router, int gate_bits, int64_t E, int64_t k, bool router_chained) {
+bool decode_routes_in_gate_up(int64_t T, int gate_bits, int64_t E, int64_t k, bool router_chained) {
   const RouteSwitch s = decode_route_in_gate_up_setting();
   const bool wanted = s == RouteSwitch::on || (s == RouteSwitch::automatic && !router_chained);
-  return wanted && T == 1 && gemma_router && gate_bits == 4 && E <= decode::kThreads && k <= decode::kDecodeMaxTopK;
+  return wanted && T == 1 && gate_bits == 4 && E <= decode::kThreads && k <= decode::kDecodeMaxTopK;
 }
 
 void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, const Tensor& h, const Tensor& x,
@@ -271,12 +271,14 @@ void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, 
   ga.hidden = static_cast<uint16_t*>(arena_at(base, sc.hidden));
   ga.faults = device_faults();
 
-  const bool route_in_gate_up = decode_routes_in_gate_up(T, gemma4, gate.bits, E, k, chain_router);
+  const bool route_in_gate_up = decode_routes_in_gate_up(T, gate.bits, E, k, chain_router);
   ra.route_in_gate_up = route_in_gate_up;
   if (route_in_gate_up) {
     ga.logits = ra.logits;
     ga.per_expert_scale = ra.per_expert_scale;
     ga.pes_dtype = ra.pes_dtype;
+    ga.softmax_topk = ra.softmax_topk;
+    ga.renormalize = ra.renormalize;
     ga.indices = ra.indices;
     ga.weights = ra.weights;
   }
@@ -300,8 +302,8 @@ void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, 
   const bool fp_router = quantized && rt.proj.mode != QuantMode::affine;
   // One token in the layer alone as one persistent grid (EXPERTQMM_DECODE_PERSISTENT, off until
   // measured: NOTES step 35), where an instance is built; counter[1..3] are its barriers.
-  if (route_in_gate_up && !chain_router && decode_persistent_setting() == RouteSwitch::on && !fp_router && !fp_gate &&
-      !fp_down &&
+  if (route_in_gate_up && !chain_router && decode_persistent_setting() == RouteSwitch::on && gemma4 && !fp_router &&
+      !fp_gate && !fp_down &&
       gate.bits == 4 && ex.down.bits == 4 && gate.group_size == ex.down.group_size &&
       ex.activation == Activation::geglu &&
       launch_decode_persistent(D, proj_bits, gate.group_size, ra, ga, da, counter + 1,

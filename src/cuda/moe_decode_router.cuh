@@ -306,7 +306,7 @@ __device__ __forceinline__ void router_cta(const RouterArgs& a, int e, float* sm
     // rank lost (bench/NOTES.md step 29: layer -2.3% at T = 1, +1.2% at T = 2).
     __shared__ uint32_t key_hi[kRouterThreads];             // (E) routing keys' high words
     __shared__ unsigned long long slot_key[kDecodeMaxTopK];  // (k) the key of each slot
-    device::cta_rank_topk(a.logits, a.E, a.k, key_hi, slot_key);
+    device::cta_rank_topk([&](int i) { return __ldcg(a.logits + i); }, a.E, a.k, key_hi, slot_key);
     if (warp == 0) {
       const unsigned long long mine = lane < a.k ? slot_key[lane] : 0ull;
       device::warp_topk_softmax_of_slots(mine, a.k, expert_scale, ids,

@@ -7,10 +7,10 @@
 namespace expertqmm::cuda {
 
 // Who ranks a one-token call's experts: the gate/up CTAs themselves, the router ending at its logits
-// (T == 1, Gemma's router, 4-bit experts, E <= 256, k <= kDecodeMaxTopK), where
+// (T == 1, either router kind, 4-bit experts, E <= 256, k <= kDecodeMaxTopK), where
 // EXPERTQMM_DECODE_ROUTE_IN_GATE_UP is on, or automatic and the router is not chained behind the
 // kernel ahead of it: the layer alone gained 3.1 us at T = 1, while the block, whose chained router
 // ranks while the entry norms run, lost 2.5 (bench/NOTES.md step 33). Else the router's last CTA.
-bool decode_routes_in_gate_up(int64_t T, bool gemma_router, int gate_bits, int64_t E, int64_t k, bool router_chained);
+bool decode_routes_in_gate_up(int64_t T, int gate_bits, int64_t E, int64_t k, bool router_chained);
 
 }  // namespace expertqmm::cuda

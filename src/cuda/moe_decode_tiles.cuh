@@ -30,9 +30,11 @@ struct GateUpTcLayout {
 // step 33): thread i < E ranks expert i's routing key against the E keys (device::key_rank: the
 // router's order, ties to the higher id), rank r < k is slot r; the k chosen experts in increasing
 // id order are the plan's groups (one row each: T = 1 picks k distinct experts), so group g is the
-// g-th smallest chosen id and its row the slot that chose it. write_routing (CTA (0, 0)): warp 0 also
-// writes the k indices and weights with the router's arithmetic (warp_topk_softmax_of_slots), for
-// the down kernel. Called by every thread of the CTA (two barriers) before anything else.
+// g-th smallest chosen id and its row the slot that chose it. The key: Gemma's router, the logit;
+// softmax_topk's, the rounded probability, from warp 0's max and 1 / sum (device::warp_softmax_stats,
+// the router's own reductions). write_routing (CTA (0, 0)): warp 0 also writes the k indices and
+// weights with the router's arithmetic (from the slot keys: device::warp_weights_of_slots), for the
+// down kernel. Called by every thread of the CTA (two or three barriers) before anything else.
 struct RankedGroup {
   int expert, row;
 };
@@ -40,8 +42,26 @@ template <DType D>
 __device__ __forceinline__ RankedGroup rank_group(const GateUpArgs& a, int g, bool write_routing) {
   __shared__ uint32_t key_hi[kThreads];                 // (E) the keys' high words
   __shared__ unsigned long long slot_key[kDecodeMaxTopK];  // (k) the key of each slot
+  __shared__ float softmax_stats[2];                    // softmax_topk: max logit, 1 / sum
   const int tid = threadIdx.x;
-  device::cta_rank_topk(a.logits, a.E, a.k, key_hi, slot_key);
+  auto logit = [&](int64_t e) { return __ldcg(a.logits + e); };  // written by another grid or CTA
+  auto round_p = [](float v) { return round_to<D>(v); };
+  if (a.softmax_topk) {
+    if (tid < 32) {
+      float max_logit, inv_sum;
+      device::warp_softmax_stats(logit, a.E, max_logit, inv_sum);
+      if (tid == 0) {
+        softmax_stats[0] = max_logit;
+        softmax_stats[1] = inv_sum;
+      }
+    }
+    __syncthreads();
+    device::cta_rank_topk(
+        [&](int e) { return round_p(device::softmax_probability(logit(e), softmax_stats[0], softmax_stats[1])); }, a.E,
+        a.k, key_hi, slot_key);
+  } else {
+    device::cta_rank_topk(logit, a.E, a.k, key_hi, slot_key);
+  }
   RankedGroup r{-1, 0};
   for (int s = 0; s < a.k; ++s) {
     const int e = device::key_expert(slot_key[s]);
@@ -51,9 +71,15 @@ __device__ __forceinline__ RankedGroup rank_group(const GateUpArgs& a, int g, bo
   }
   if (write_routing && tid < 32) {
     const unsigned long long mine = tid < a.k ? slot_key[tid] : 0ull;
-    device::warp_topk_softmax_of_slots(
-        mine, a.k, [&](int64_t e) { return load_any(a.per_expert_scale, a.pes_dtype, e); }, a.indices,
-        [&](int slot, float w) { a.weights[slot] = Elem<D>::store(w); });
+    auto store = [&](int slot, float w) { a.weights[slot] = Elem<D>::store(w); };
+    if (a.softmax_topk)
+      device::warp_weights_of_slots(
+          mine, a.k, [](float p, float) { return p; },
+          [&](int32_t, float p, float k_sum) { return device::softmax_topk_finish(round_p, a.renormalize, p, k_sum); },
+          a.indices, store);
+    else
+      device::warp_topk_softmax_of_slots(
+          mine, a.k, [&](int64_t e) { return load_any(a.per_expert_scale, a.pes_dtype, e); }, a.indices, store);
   }
   return r;
 }

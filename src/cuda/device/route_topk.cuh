@@ -152,15 +152,17 @@ __device__ __forceinline__ int key_rank(const uint32_t* key_hi, int E, int i) {
 }
 
 // One token's top-k by rank on a CTA (E <= blockDim.x): thread i < E makes expert i's routing key
-// from logits[i] (read through the L2: another grid or CTA wrote them), ranks it (key_rank) and, for
-// rank r < k, writes slot r's key. key_hi (E) and slot_key (k): the caller's shared memory. Called
-// by every thread of the CTA (two barriers); slot_key is complete on return.
-__device__ __forceinline__ void cta_rank_topk(const float* logits, int E, int k, uint32_t* key_hi,
+// from score(i) (a logit read through the L2: another grid or CTA wrote them; or the softmax_topk
+// router's probability), ranks it (key_rank) and, for rank r < k, writes slot r's key. key_hi (E)
+// and slot_key (k): the caller's shared memory. Called by every thread of the CTA (two barriers);
+// slot_key is complete on return.
+template <class Score>
+__device__ __forceinline__ void cta_rank_topk(Score score, int E, int k, uint32_t* key_hi,
                                               unsigned long long* slot_key) {
   const int tid = threadIdx.x;
   unsigned long long key = 0ull;
   if (tid < E) {
-    key = routing_key(__ldcg(logits + tid), tid);
+    key = routing_key(score(tid), tid);
     key_hi[tid] = static_cast<uint32_t>(key >> 32);
   }
   __syncthreads();
@@ -176,22 +178,37 @@ __device__ __forceinline__ void cta_rank_topk(const float* logits, int E, int k,
 // weights p (renormalize: round_p(p / round_p(sum of the k)), as mlx-lm's bf16 ops round).
 // The lanes stride over E for the max and the sum (shuffle reductions). A NaN logit is skipped by
 // the max but makes its exponential, the sum and so every p NaN (the CPU's result).
-template <class Logit, class RoundP, class StoreWeight>
-__device__ __forceinline__ void warp_softmax_topk(Logit logit, int64_t E, int k, bool renormalize, RoundP round_p,
-                                                  int32_t* indices, StoreWeight store_weight) {
+// The softmax's max logit and 1 / sum of exp(logit - max) over one token's E logits (the lanes
+// stride over E, then shuffle reductions), on all 32 lanes; and a probability from them.
+template <class Logit>
+__device__ __forceinline__ void warp_softmax_stats(Logit logit, int64_t E, float& max_logit, float& inv_sum) {
   const int lane = threadIdx.x & 31;
-  float max_logit = -INFINITY;
+  max_logit = -INFINITY;
   for (int64_t e = lane; e < E; e += 32) max_logit = fmaxf(max_logit, logit(e));
   for (int off = 16; off > 0; off >>= 1) max_logit = fmaxf(max_logit, __shfl_xor_sync(0xffffffffu, max_logit, off));
   float sum = 0.0f;
   for (int64_t e = lane; e < E; e += 32) sum = __fadd_rn(sum, expf(__fsub_rn(logit(e), max_logit)));
   for (int off = 16; off > 0; off >>= 1) sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, off));
-  const float inv_sum = __fdiv_rn(1.0f, sum);
+  inv_sum = __fdiv_rn(1.0f, sum);
+}
+__device__ __forceinline__ float softmax_probability(float logit, float max_logit, float inv_sum) {
+  return __fmul_rn(expf(__fsub_rn(logit, max_logit)), inv_sum);
+}
+// A slot's weight from its probability p and the sum of the k: renormalised or p.
+template <class RoundP>
+__device__ __forceinline__ float softmax_topk_finish(RoundP round_p, bool renormalize, float p, float k_sum) {
+  return renormalize ? round_p(__fdiv_rn(p, round_p(k_sum))) : p;
+}
+template <class Logit, class RoundP, class StoreWeight>
+__device__ __forceinline__ void warp_softmax_topk(Logit logit, int64_t E, int k, bool renormalize, RoundP round_p,
+                                                  int32_t* indices, StoreWeight store_weight) {
+  float max_logit, inv_sum;
+  warp_softmax_stats(logit, E, max_logit, inv_sum);
   warp_topk_weights(
-      [&](int64_t e) { return round_p(__fmul_rn(expf(__fsub_rn(logit(e), max_logit)), inv_sum)); }, E, k,
+      [&](int64_t e) { return round_p(softmax_probability(logit(e), max_logit, inv_sum)); }, E, k,
       [](float p, float) { return p; },
-      [&](int32_t, float p, float k_sum) { return renormalize ? round_p(__fdiv_rn(p, round_p(k_sum))) : p; },
-      indices, store_weight);
+      [&](int32_t, float p, float k_sum) { return softmax_topk_finish(round_p, renormalize, p, k_sum); }, indices,
+      store_weight);
 }
 
 // The Gemma 4 router's top-k (spec gemma4-moe.md 5): top-k by logit, softmax over the k, times
