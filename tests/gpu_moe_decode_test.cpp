@@ -106,15 +106,20 @@ TEST(GpuMoeDecode, CapturedInACudaGraphAsThreeKernels) {
 // The decode router's one-token top-k (the last CTA ranks every expert's key, device::key_rank)
 // breaks exact ties as MLX and the CPU do: router rows duplicated in pairs make experts 2i and 2i+1
 // tie exactly, and with top-3 the third slot falls inside a tied pair, so a wrong rule would pick an
-// expert the CPU did not (its weights differ: an O(1) error). Dense bf16 and 8-bit projections,
-// several tokens' h one at a time.
+// expert the CPU did not (its weights differ: an O(1) error). Gemma's router and Qwen3's softmax
+// top-k (equal logits: equal probabilities), dense bf16 and 8-bit projections, several tokens' h one
+// at a time.
 TEST(GpuMoeDecode, OneTokenTopkBreaksExactTiesLikeTheCpu) {
   EXPERTQMM_REQUIRE_GPU();
   test::DecodeSwitchGuard on(RouteSwitch::on);
+  for (RouterKind kind : {RouterKind::gemma4, RouterKind::softmax_topk})
   for (RouteSwitch in_gate_up : {RouteSwitch::off, RouteSwitch::on})  // who ranks: the router, or gate/up
   for (int router_bits : {0, 8}) {
     RouteInGateUpGuard who(in_gate_up);
-    const test::MoeGeometry g{256, 128, 16, 3, 4, 64, router_bits, false, Activation::geglu, DType::bf16};
+    const bool softmax = kind == RouterKind::softmax_topk;
+    test::MoeGeometry g{256, 128, 16, 3, 4, 64, router_bits, false, softmax ? Activation::swiglu : Activation::geglu,
+                        DType::bf16};
+    g.router = kind;
     test::Layer l = test::make_layer(g);
     RouterWeights& r = l.cpu.router;
     auto pair_rows = [&](Tensor& t) {  // row 2i + 1 := row 2i of a [E, ...] tensor
@@ -133,8 +138,8 @@ TEST(GpuMoeDecode, OneTokenTopkBreaksExactTiesLikeTheCpu) {
     }
     l.gpu.router = test::router_to(r, Device::cuda);
     for (int trial = 0; trial < 4; ++trial) {
-      const std::string what = detail::cat("router_bits=", router_bits, " trial ", trial, " EXPERTQMM_DECODE_ROUTE_IN_GATE_UP=",
-                                           in_gate_up == RouteSwitch::on ? "1" : "0");
+      const std::string what = detail::cat(softmax ? "softmax_topk" : "gemma4", " router_bits=", router_bits, " trial ",
+                                           trial, " EXPERTQMM_DECODE_ROUTE_IN_GATE_UP=", in_gate_up == RouteSwitch::on ? "1" : "0");
       const Tensor h = test::random_tensor({1, g.H}, g.dtype, 1.0f);
       const Tensor x = test::random_tensor({1, g.H}, g.dtype, 1.0f);
       const std::vector<int32_t> ci = test::to_i32(route(h, r).indices);
@@ -172,7 +177,9 @@ TEST(GpuMoeDecode, RouteInGateUpIsBitIdenticalAtOneToken) {
   // renormalised, and smaller ones without renormalising, f16 and a dense router.
   for (test::MoeGeometry q : {test::MoeGeometry{2048, 768, 128, 8, 4, 64, 8, false, Activation::swiglu, DType::bf16},
                               test::MoeGeometry{512, 256, 64, 8, 4, 64, 8, true, Activation::swiglu, DType::f16},
-                              test::MoeGeometry{256, 128, 256, 4, 4, 32, 0, false, Activation::swiglu, DType::bf16}}) {
+                              test::MoeGeometry{256, 128, 256, 4, 4, 32, 0, false, Activation::swiglu, DType::bf16},
+                              test::MoeGeometry{512, 256, 60, 4, 4, 64, 8, false, Activation::swiglu, DType::bf16},
+                              test::MoeGeometry{256, 128, 20, 4, 4, 64, 8, false, Activation::swiglu, DType::bf16}}) {
     q.router = RouterKind::softmax_topk;
     q.norm_topk_prob = q.H == 2048;
     geometries.push_back(q);
@@ -199,6 +206,10 @@ TEST(GpuMoeDecode, RouteInGateUpIsBitIdenticalAtOneToken) {
         EXPECT_EQ(test::decode_hits(), before + 1) << what << ": the decode layer did not serve the call";
       }
       EXPECT_EQ(bytes[1], bytes[0]) << what << ": the gate/up CTAs' routing differs from the router's";
+#ifdef EXPERTQMM_HAVE_CUDA
+      RouteInGateUpGuard who(RouteSwitch::on);  // the call above took the gate/up CTAs' ranking
+      EXPECT_EQ(cuda::decode_routes_in_gate_up(T, g.bits, g.E, g.k, /*router_chained=*/false), T == 1) << what;
+#endif
     }
   }
 #ifdef EXPERTQMM_HAVE_CUDA

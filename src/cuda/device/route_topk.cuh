@@ -173,11 +173,6 @@ __device__ __forceinline__ void cta_rank_topk(Score score, int E, int k, uint32_
   __syncthreads();
 }
 
-// The Qwen3-MoE router's top-k (RouterKind::softmax_topk, mlx-lm qwen3_moe): p = softmax over the
-// token's E logits (fp32, exp * 1/sum), each rounded by round_p (to the logits' dtype); top-k by p;
-// weights p (renormalize: round_p(p / round_p(sum of the k)), as mlx-lm's bf16 ops round).
-// The lanes stride over E for the max and the sum (shuffle reductions). A NaN logit is skipped by
-// the max but makes its exponential, the sum and so every p NaN (the CPU's result).
 // The softmax's max logit and 1 / sum of exp(logit - max) over one token's E logits (the lanes
 // stride over E, then shuffle reductions), on all 32 lanes; and a probability from them.
 template <class Logit>
@@ -199,6 +194,11 @@ template <class RoundP>
 __device__ __forceinline__ float softmax_topk_finish(RoundP round_p, bool renormalize, float p, float k_sum) {
   return renormalize ? round_p(__fdiv_rn(p, round_p(k_sum))) : p;
 }
+// The Qwen3-MoE router's top-k (RouterKind::softmax_topk, mlx-lm qwen3_moe): p = softmax over the
+// token's E logits (fp32, exp * 1/sum), each rounded by round_p (to the logits' dtype); top-k by p;
+// weights p (renormalize: round_p(p / round_p(sum of the k)), as mlx-lm's bf16 ops round).
+// The lanes stride over E for the max and the sum (shuffle reductions). A NaN logit is skipped by
+// the max but makes its exponential, the sum and so every p NaN (the CPU's result).
 template <class Logit, class RoundP, class StoreWeight>
 __device__ __forceinline__ void warp_softmax_topk(Logit logit, int64_t E, int k, bool renormalize, RoundP round_p,
                                                   int32_t* indices, StoreWeight store_weight) {
