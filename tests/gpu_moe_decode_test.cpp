@@ -27,6 +27,17 @@ namespace {
 using RouteInGateUpGuard =
     test::SettingGuard<RouteSwitch, decode_route_in_gate_up_setting, set_decode_route_in_gate_up>;
 using PersistentGuard = test::SettingGuard<RouteSwitch, decode_persistent_setting, set_decode_persistent>;
+
+// A decode call's inputs at T tokens of g, and `other`: an input the reference path routes into the
+// same workspace before each measured call, so scratch the measured path failed to write shows as
+// other's routing.
+struct DecodeInputs {
+  Tensor h, x, other;
+  DecodeInputs(const test::MoeGeometry& g, int64_t T)
+      : h(test::random_tensor({T, g.H}, g.dtype, 1.0f, Device::cuda)),
+        x(test::random_tensor({T, g.H}, g.dtype, 1.0f, Device::cuda)),
+        other(test::random_tensor({T, g.H}, g.dtype, 1.0f, Device::cuda)) {}
+};
 }  // namespace
 
 #ifdef EXPERTQMM_HAVE_CUDA
@@ -139,7 +150,8 @@ TEST(GpuMoeDecode, OneTokenTopkBreaksExactTiesLikeTheCpu) {
     l.gpu.router = test::router_to(r, Device::cuda);
     for (int trial = 0; trial < 4; ++trial) {
       const std::string what = detail::cat(softmax ? "softmax_topk" : "gemma4", " router_bits=", router_bits, " trial ",
-                                           trial, " EXPERTQMM_DECODE_ROUTE_IN_GATE_UP=", in_gate_up == RouteSwitch::on ? "1" : "0");
+                                           trial, " EXPERTQMM_DECODE_ROUTE_IN_GATE_UP=",
+                                           in_gate_up == RouteSwitch::on ? "1" : "0");
       const Tensor h = test::random_tensor({1, g.H}, g.dtype, 1.0f);
       const Tensor x = test::random_tensor({1, g.H}, g.dtype, 1.0f);
       const std::vector<int32_t> ci = test::to_i32(route(h, r).indices);
@@ -188,20 +200,18 @@ TEST(GpuMoeDecode, RouteInGateUpIsBitIdenticalAtOneToken) {
     const test::Layer l = test::make_layer(g);
     for (int64_t T : {1, 2}) {
       const std::string what = g.name() + detail::cat(" T=", T);
-      const Tensor h = test::random_tensor({T, g.H}, g.dtype, 1.0f, Device::cuda);
-      const Tensor x = test::random_tensor({T, g.H}, g.dtype, 1.0f, Device::cuda);
-      const Tensor other = test::random_tensor({T, g.H}, g.dtype, 1.0f, Device::cuda);
+      const DecodeInputs in(g, T);
       std::vector<uint8_t> bytes[2];
       Workspace ws;  // one arena: before each measured call the router's path routes `other` into it,
                      // so a routing the gate/up CTAs failed to write would show as other's
       for (RouteSwitch s : {RouteSwitch::off, RouteSwitch::on}) {
         {
           RouteInGateUpGuard router_ranks(RouteSwitch::off);
-          (void)test::run_layer(other, x, l.gpu, ws);
+          (void)test::run_layer(in.other, in.x, l.gpu, ws);
         }
         RouteInGateUpGuard who(s);
         const uint64_t before = test::decode_hits();
-        bytes[s == RouteSwitch::on] = test::run_layer(h, x, l.gpu, ws).to_host_bytes();
+        bytes[s == RouteSwitch::on] = test::run_layer(in.h, in.x, l.gpu, ws).to_host_bytes();
         cuda_check();
         EXPECT_EQ(test::decode_hits(), before + 1) << what << ": the decode layer did not serve the call";
       }
@@ -260,13 +270,11 @@ TEST(GpuMoeDecode, PersistentKernelIsBitIdenticalAtOneToken) {
     const test::Layer l = test::make_layer(g);
     for (int64_t T : {1, 2}) {
       const std::string what = g.name() + detail::cat(" T=", T);
-      const Tensor h = test::random_tensor({T, g.H}, g.dtype, 1.0f, Device::cuda);
-      const Tensor x = test::random_tensor({T, g.H}, g.dtype, 1.0f, Device::cuda);
-      const Tensor other = test::random_tensor({T, g.H}, g.dtype, 1.0f, Device::cuda);
+      const DecodeInputs in(g, T);
       Workspace ws;
       auto route_other = [&] {  // the three kernels' scratch (logits, ids, weights, hidden) for `other`
         PersistentGuard off(RouteSwitch::off);
-        (void)test::run_layer(other, x, l.gpu, ws);
+        (void)test::run_layer(in.other, in.x, l.gpu, ws);
       };
       auto counters_are_zero = [&](const std::string& when) {
 #ifdef EXPERTQMM_HAVE_CUDA
@@ -280,19 +288,20 @@ TEST(GpuMoeDecode, PersistentKernelIsBitIdenticalAtOneToken) {
       std::vector<uint8_t> three;
       {
         PersistentGuard off(RouteSwitch::off);
-        three = test::run_layer(h, x, l.gpu, ws).to_host_bytes();
+        three = test::run_layer(in.h, in.x, l.gpu, ws).to_host_bytes();
       }
       PersistentGuard persistent(RouteSwitch::on);
       for (int call = 0; call < 3; ++call) {
         route_other();
-        EXPECT_EQ(test::run_layer(h, x, l.gpu, ws).to_host_bytes(), three) << what << " call " << call;
+        EXPECT_EQ(test::run_layer(in.h, in.x, l.gpu, ws).to_host_bytes(), three) << what << " call " << call;
         cuda_check();
         counters_are_zero(detail::cat("after call ", call));
       }
 #ifdef EXPERTQMM_HAVE_CUDA
       const test::CaptureStream stream;
       Tensor replayed = Tensor::empty({T, g.H}, g.dtype, Device::cuda);
-      cudaGraph_t graph = test::capture_graph(stream.get(), [&] { moe_layer_into(replayed, h, x, l.gpu, ws); }, what);
+      cudaGraph_t graph =
+          test::capture_graph(stream.get(), [&] { moe_layer_into(replayed, in.h, in.x, l.gpu, ws); }, what);
       ASSERT_NE(graph, nullptr) << what;
       EXPECT_EQ(test::kernel_nodes(graph), c.built && T == 1 ? 1 : 3) << what;
       cudaGraphExec_t exec = nullptr;

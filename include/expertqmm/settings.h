@@ -30,9 +30,10 @@ RouteSwitch decode_layer_setting();
 // EXPERTQMM_DECODE_ROUTE_IN_GATE_UP=0|1: at one token, the decode layer's gate/up CTAs rank the
 // router's logits themselves (each CTA finds its expert; one writes the k indices and weights for
 // the down kernel) and the router ends at its logits, without its last CTA's ticket, top-k and plan
-// (bench/NOTES.md step 33). `automatic` is on where the router is not chained behind the kernel ahead
-// of it (the MoE layer alone: -3.1 us at T = 1) and off inside the Gemma 4 block at decode sizes,
-// whose chained router ranks while the entry norms run (there the gate/up CTAs' ranking cost 2.5 us).
+// (bench/NOTES.md steps 33 and 36; Gemma's router and the softmax top-k one). `automatic` is on
+// where the router is not chained behind the kernel ahead of it (the MoE layer alone: -3.1 us at
+// T = 1) and off inside the Gemma 4 block at decode sizes, whose chained router's last CTA ranks
+// beside the dense branch (there the gate/up CTAs' ranking cost 1.9-2.5 us).
 void set_decode_route_in_gate_up(RouteSwitch s);
 RouteSwitch decode_route_in_gate_up_setting();
 

@@ -66,7 +66,7 @@ const Variable kVariables[] = {
      [] { return std::string(switch_text(decode_route_in_gate_up_setting())); },
      &g_decode_route_in_gate_up, [](const EnvSettings& e) { return switch_override(e.decode_route_in_gate_up); }},
     {"EXPERTQMM_DECODE_PERSISTENT", "0|1",
-     "1: the MoE layer alone at one token as one persistent grid (router, gate/up, down; grid barriers between) (unset: 0)",
+     "1: the MoE layer at one token, its router not chained, as one persistent grid (router, gate/up, down; grid barriers between) (unset: 0)",
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.decode_persistent = parse_switch(n, v); },
      [] { return std::string(switch_text(decode_persistent_setting())); },
      &g_decode_persistent, [](const EnvSettings& e) { return switch_override(e.decode_persistent); }},
@@ -107,7 +107,6 @@ const ProcessEnv& process_env() {
   return env;
 }
 const EnvSettings& env() { return process_env().settings; }
-
 
 bool valid_switch(RouteSwitch s) { return s == RouteSwitch::automatic || s == RouteSwitch::off || s == RouteSwitch::on; }
 void set_switch(std::atomic<int>& slot, RouteSwitch s, const char* setter) {

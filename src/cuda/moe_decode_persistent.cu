@@ -110,12 +110,13 @@ size_t persistent_smem(int64_t T, int64_t H, int64_t I, int64_t k, int G) {
 bool launch_decode_persistent(DType dtype, int proj_bits, int G, const RouterArgs& ra, const GateUpArgs& ga,
                               const DownArgs& da, unsigned* sync, size_t smem, cudaStream_t stream) {
   const Kernel kernel = persistent_kernel(dtype, proj_bits, G);
-  if (kernel == nullptr || smem > kDecodeMaxSmem) return false;
+  if (kernel == nullptr) return false;  // each phase's smem <= kDecodeMaxSmem: supports_decode_layer
   const int per_sm = resident_ctas(kernel, smem);
   if (per_sm == 0) return false;
   const int64_t items = std::max({static_cast<int64_t>(ra.E), ceil_div(ga.I, kTcRows) * static_cast<int64_t>(ga.k),
                                   static_cast<int64_t>(ceil_div(da.H, kTcRows))});
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(items, static_cast<int64_t>(per_sm) * device_sm_count()));
+  const int64_t resident = static_cast<int64_t>(per_sm) * device_sm_count();
+  const unsigned grid = static_cast<unsigned>(std::min(items, resident));
   cudaLaunchConfig_t config{};
   config.gridDim = dim3(grid);
   config.blockDim = dim3(kThreads);

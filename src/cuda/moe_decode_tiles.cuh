@@ -33,8 +33,9 @@ struct GateUpTcLayout {
 // g-th smallest chosen id and its row the slot that chose it. The key: Gemma's router, the logit;
 // softmax_topk's, the rounded probability, from warp 0's max and 1 / sum (device::warp_softmax_stats,
 // the router's own reductions). write_routing (CTA (0, 0)): warp 0 also writes the k indices and
-// weights with the router's arithmetic (from the slot keys: device::warp_weights_of_slots), for the
-// down kernel. Called by every thread of the CTA (two or three barriers) before anything else.
+// weights with the router's arithmetic from the slot keys (warp_topk_softmax_of_slots /
+// warp_softmax_topk_of_slots), for the down kernel. Called by every thread of the CTA (two or three
+// barriers) before anything else.
 struct RankedGroup {
   int expert, row;
 };
@@ -57,7 +58,7 @@ __device__ __forceinline__ RankedGroup rank_group(const GateUpArgs& a, int g, bo
     }
     __syncthreads();
     device::cta_rank_topk(
-        [&](int e) { return round_p(device::softmax_probability(logit(e), softmax_stats[0], softmax_stats[1])); }, a.E,
+        [&](int e) { return device::softmax_topk_score(round_p, logit(e), softmax_stats[0], softmax_stats[1]); }, a.E,
         a.k, key_hi, slot_key);
   } else {
     device::cta_rank_topk(logit, a.E, a.k, key_hi, slot_key);
@@ -73,10 +74,7 @@ __device__ __forceinline__ RankedGroup rank_group(const GateUpArgs& a, int g, bo
     const unsigned long long mine = tid < a.k ? slot_key[tid] : 0ull;
     auto store = [&](int slot, float w) { a.weights[slot] = Elem<D>::store(w); };
     if (a.softmax_topk)
-      device::warp_weights_of_slots(
-          mine, a.k, [](float p, float) { return p; },
-          [&](int32_t, float p, float k_sum) { return device::softmax_topk_finish(round_p, a.renormalize, p, k_sum); },
-          a.indices, store);
+      device::warp_softmax_topk_of_slots(mine, a.k, a.renormalize, round_p, a.indices, store);
     else
       device::warp_topk_softmax_of_slots(
           mine, a.k, [&](int64_t e) { return load_any(a.per_expert_scale, a.pes_dtype, e); }, a.indices, store);
@@ -119,8 +117,7 @@ struct DownTcLayout {
 //      sums them in warp order for (column i % 16, row i / 16): gate and up rounded to D, then the
 //      GLU, one rounding, into hidden[row, column].
 // Occupancy (Gemma, bf16, G=64): shared memory 46 KB codes + 5.6 KB scales/biases, 72 registers:
-// 3 CTAs (24 warps) per SM, 4 (64 registers) where the grid is more than a wave of 3 (step 31);
-// T=1: the 352 CTAs are one wave.
+// 3 CTAs (24 warps) per SM at any T; T=1: the 352 CTAs are one wave.
 // kFp (mxfp4 / nvfp4, bf16; G = kTcFpLayoutGroup): the scale codes are staged raw in the scales
 // region (32 rows of K / group bytes: at most the affine layout's 32 * K / 32 * 2), A holds value *
 // scale (tc_fp4_block_dot) and no sum-of-x mma or bias term follows.

@@ -186,8 +186,10 @@ __device__ __forceinline__ void warp_softmax_stats(Logit logit, int64_t E, float
   for (int off = 16; off > 0; off >>= 1) sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, off));
   inv_sum = __fdiv_rn(1.0f, sum);
 }
-__device__ __forceinline__ float softmax_probability(float logit, float max_logit, float inv_sum) {
-  return __fmul_rn(expf(__fsub_rn(logit, max_logit)), inv_sum);
+// An expert's routing score under the softmax top-k router: its probability, rounded by round_p.
+template <class RoundP>
+__device__ __forceinline__ float softmax_topk_score(RoundP round_p, float logit, float max_logit, float inv_sum) {
+  return round_p(__fmul_rn(expf(__fsub_rn(logit, max_logit)), inv_sum));
 }
 // A slot's weight from its probability p and the sum of the k: renormalised or p.
 template <class RoundP>
@@ -205,8 +207,17 @@ __device__ __forceinline__ void warp_softmax_topk(Logit logit, int64_t E, int k,
   float max_logit, inv_sum;
   warp_softmax_stats(logit, E, max_logit, inv_sum);
   warp_topk_weights(
-      [&](int64_t e) { return round_p(softmax_probability(logit(e), max_logit, inv_sum)); }, E, k,
+      [&](int64_t e) { return softmax_topk_score(round_p, logit(e), max_logit, inv_sum); }, E, k,
       [](float p, float) { return p; },
+      [&](int32_t, float p, float k_sum) { return softmax_topk_finish(round_p, renormalize, p, k_sum); }, indices,
+      store_weight);
+}
+// The same weights from a slot's key (warp_weights_of_slots; k <= 32): the key holds the score p.
+template <class RoundP, class StoreWeight>
+__device__ __forceinline__ void warp_softmax_topk_of_slots(unsigned long long mine, int k, bool renormalize,
+                                                           RoundP round_p, int32_t* indices, StoreWeight store_weight) {
+  warp_weights_of_slots(
+      mine, k, [](float p, float) { return p; },
       [&](int32_t, float p, float k_sum) { return softmax_topk_finish(round_p, renormalize, p, k_sum); }, indices,
       store_weight);
 }
