@@ -69,13 +69,6 @@ TEST(Settings, DecodeRouteInGateUpVariable) {
   for (const char* bad : kSwitchBad) expect_rejected("EXPERTQMM_DECODE_ROUTE_IN_GATE_UP", bad);
 }
 
-TEST(Settings, DecodePersistentVariable) {
-  EXPECT_EQ(parse({}).decode_persistent, RouteSwitch::automatic);
-  EXPECT_EQ(parse({{"EXPERTQMM_DECODE_PERSISTENT", "0"}}).decode_persistent, RouteSwitch::off);
-  EXPECT_EQ(parse({{"EXPERTQMM_DECODE_PERSISTENT", "1"}}).decode_persistent, RouteSwitch::on);
-  for (const char* bad : kSwitchBad) expect_rejected("EXPERTQMM_DECODE_PERSISTENT", bad);
-}
-
 TEST(Settings, ChainedLaunchVariable) {
   EXPECT_EQ(parse({{"EXPERTQMM_CHAINED_LAUNCH", "0"}}).chained_launch, RouteSwitch::off);
   EXPECT_EQ(parse({{"EXPERTQMM_CHAINED_LAUNCH", "1"}}).chained_launch, RouteSwitch::on);
@@ -125,7 +118,7 @@ TEST(Settings, ChainedLaunchScopeIsPerThreadAndRestores) {
 // Every variable of the table is parsed (a bad value of each is caught), and nothing else is.
 TEST(Settings, TableListsEveryVariableAndEachIsValidated) {
   const std::vector<SettingInfo> table = settings_table();
-  ASSERT_EQ(table.size(), 8u);
+  ASSERT_EQ(table.size(), 7u);
   for (const SettingInfo& row : table) {
     EXPECT_EQ(row.variable.rfind("EXPERTQMM_", 0), 0u) << row.variable;
     EXPECT_FALSE(row.values.empty() || row.current.empty() || row.what.empty()) << row.variable;

@@ -10,7 +10,6 @@
 #ifdef EXPERTQMM_HAVE_CUDA
 #include <cuda_runtime.h>
 
-#include "core/workspace_slots.h"
 #include "cuda/moe_decode_select.h"
 #endif
 
@@ -26,8 +25,6 @@ using namespace expertqmm;
 namespace {
 using RouteInGateUpGuard =
     test::SettingGuard<RouteSwitch, decode_route_in_gate_up_setting, set_decode_route_in_gate_up>;
-using PersistentGuard = test::SettingGuard<RouteSwitch, decode_persistent_setting, set_decode_persistent>;
-
 // A decode call's inputs at T tokens of g, and `other`: an input the reference path routes into the
 // same workspace before each measured call, so scratch the measured path failed to write shows as
 // other's routing.
@@ -239,85 +236,4 @@ TEST(GpuMoeDecode, RouteInGateUpIsBitIdenticalAtOneToken) {
   EXPECT_EQ(test::kernel_nodes(graph), 3);
   test::expect_replays_match(graph, stream.get(), replayed, expected, 3, "T=1 routed in gate/up");
 #endif
-}
-
-// EXPERTQMM_DECODE_PERSISTENT=1: the layer alone at one token as one persistent grid writes the
-// three kernels' bytes (the same CTA functions per output element), call after call, and captured as
-// one kernel node whose replays match. Before each measured call and replay the three kernels route
-// another input through the same workspace, so a phase that read scratch before the CTAs that write
-// it (a barrier that did not hold) would show that input's routing; after each call the barrier
-// counters are zero again. At the geometries without a built instance (f16, group 32, mxfp4) and
-// at T = 2 the three kernels run (three nodes), with the same bytes.
-TEST(GpuMoeDecode, PersistentKernelIsBitIdenticalAtOneToken) {
-  EXPERTQMM_REQUIRE_GPU();
-  test::DecodeSwitchGuard on(RouteSwitch::on);
-  RouteInGateUpGuard ranks_in_gate_up(RouteSwitch::automatic);  // the layer alone: the gate/up CTAs
-  struct Case {
-    test::MoeGeometry g;
-    bool built;  // an instance of the persistent kernel exists for it
-  };
-  std::vector<Case> cases = {{{2816, 704, 128, 8, 4, 64, 8, false, Activation::geglu, DType::bf16}, true},
-                             {{2816, 704, 128, 8, 4, 64, 0, true, Activation::geglu, DType::bf16}, true},
-                             {{512, 256, 64, 8, 4, 64, 4, false, Activation::geglu, DType::bf16}, true},
-                             {{256, 128, 256, 4, 4, 64, 8, false, Activation::geglu, DType::bf16}, true},
-                             {{512, 256, 64, 8, 4, 64, 8, false, Activation::geglu, DType::f16}, false},
-                             {{512, 256, 64, 8, 4, 32, 8, false, Activation::geglu, DType::bf16}, false}};
-  test::MoeGeometry fp4{512, 256, 32, 4, 4, 32, 8, false, Activation::geglu, DType::bf16};
-  fp4.mode = QuantMode::mxfp4;
-  cases.push_back({fp4, false});
-  for (const Case& c : cases) {
-    const test::MoeGeometry& g = c.g;
-    const test::Layer l = test::make_layer(g);
-    for (int64_t T : {1, 2}) {
-      const std::string what = g.name() + detail::cat(" T=", T);
-      const DecodeInputs in(g, T);
-      Workspace ws;
-      auto route_other = [&] {  // the three kernels' scratch (logits, ids, weights, hidden) for `other`
-        PersistentGuard off(RouteSwitch::off);
-        (void)test::run_layer(in.other, in.x, l.gpu, ws);
-      };
-      auto counters_are_zero = [&](const std::string& when) {
-#ifdef EXPERTQMM_HAVE_CUDA
-        unsigned counters[4] = {1u, 1u, 1u, 1u};
-        ASSERT_EQ(cudaMemcpy(counters, ws.get(detail::kSlotCounters, sizeof(counters)), sizeof(counters),
-                             cudaMemcpyDeviceToHost),
-                  cudaSuccess);
-        for (unsigned v : counters) EXPECT_EQ(v, 0u) << what << ": a counter left non-zero " << when;
-#endif
-      };
-      std::vector<uint8_t> three;
-      {
-        PersistentGuard off(RouteSwitch::off);
-        three = test::run_layer(in.h, in.x, l.gpu, ws).to_host_bytes();
-      }
-      PersistentGuard persistent(RouteSwitch::on);
-      for (int call = 0; call < 3; ++call) {
-        route_other();
-        EXPECT_EQ(test::run_layer(in.h, in.x, l.gpu, ws).to_host_bytes(), three) << what << " call " << call;
-        cuda_check();
-        counters_are_zero(detail::cat("after call ", call));
-      }
-#ifdef EXPERTQMM_HAVE_CUDA
-      const test::CaptureStream stream;
-      Tensor replayed = Tensor::empty({T, g.H}, g.dtype, Device::cuda);
-      cudaGraph_t graph =
-          test::capture_graph(stream.get(), [&] { moe_layer_into(replayed, in.h, in.x, l.gpu, ws); }, what);
-      ASSERT_NE(graph, nullptr) << what;
-      EXPECT_EQ(test::kernel_nodes(graph), c.built && T == 1 ? 1 : 3) << what;
-      cudaGraphExec_t exec = nullptr;
-      ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess) << what;
-      for (int replay = 0; replay < 3; ++replay) {
-        route_other();
-        test::poison(replayed);
-        ASSERT_EQ(cudaGraphLaunch(exec, stream.get()), cudaSuccess) << what;
-        ASSERT_EQ(cudaStreamSynchronize(stream.get()), cudaSuccess) << what;
-        EXPECT_EQ(replayed.to_host_bytes(), three) << what << " replay " << replay;
-        counters_are_zero(detail::cat("after replay ", replay));
-      }
-      cuda_check();
-      EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
-      EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
-#endif
-    }
-  }
 }

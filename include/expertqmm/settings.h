@@ -37,15 +37,6 @@ RouteSwitch decode_layer_setting();
 void set_decode_route_in_gate_up(RouteSwitch s);
 RouteSwitch decode_route_in_gate_up_setting();
 
-// EXPERTQMM_DECODE_PERSISTENT=0|1: the MoE layer at one token where its router is not chained (the
-// layer alone; in the Gemma 4 block only with EXPERTQMM_CHAINED_LAUNCH=0) and the gate/up CTAs rank
-// (above), with 4-bit affine experts in bf16, group 64, GeGLU: one persistent grid of co-resident
-// CTAs runs the router's logits, the gate/up tiles and the down tiles, with grid barriers instead of
-// two kernel boundaries (bench/NOTES.md step 35; the same output bits). `automatic` is off until
-// measured.
-void set_decode_persistent(RouteSwitch s);
-RouteSwitch decode_persistent_setting();
-
 // EXPERTQMM_CHAINED_LAUNCH=0|1: programmatic dependent launches (sm_90) at the Gemma 4 block's two
 // boundaries that allow them at decode sizes: the router (which reads the block's input, not the
 // entry norms' output) starts while the entry norms run, and the exit kernel loads its other inputs

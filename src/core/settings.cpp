@@ -34,7 +34,7 @@ int parse_wgmma_width(const char* variable, const std::optional<std::string>& va
 
 // API overrides: -1 = none (the environment decides), else the value.
 constexpr int kNone = -1;
-std::atomic<int> g_expert_tiles{kNone}, g_decode_layer{kNone}, g_decode_route_in_gate_up{kNone}, g_decode_persistent{kNone}, g_chained_launch{kNone}, g_deterministic{kNone}, g_wgmma{kNone},
+std::atomic<int> g_expert_tiles{kNone}, g_decode_layer{kNone}, g_decode_route_in_gate_up{kNone}, g_chained_launch{kNone}, g_deterministic{kNone}, g_wgmma{kNone},
     g_wgmma_width{kNone};
 std::atomic<ProductMode> g_product_mode{ProductMode::fused};
 thread_local int t_chained_launch = kNone;  // ChainedLaunchScope's value on this thread
@@ -65,11 +65,6 @@ const Variable kVariables[] = {
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.decode_route_in_gate_up = parse_switch(n, v); },
      [] { return std::string(switch_text(decode_route_in_gate_up_setting())); },
      &g_decode_route_in_gate_up, [](const EnvSettings& e) { return switch_override(e.decode_route_in_gate_up); }},
-    {"EXPERTQMM_DECODE_PERSISTENT", "0|1",
-     "1: the MoE layer at one token, its router not chained, as one persistent grid (router, gate/up, down; grid barriers between) (unset: 0)",
-     [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.decode_persistent = parse_switch(n, v); },
-     [] { return std::string(switch_text(decode_persistent_setting())); },
-     &g_decode_persistent, [](const EnvSettings& e) { return switch_override(e.decode_persistent); }},
     {"EXPERTQMM_CHAINED_LAUNCH", "0|1", "programmatic dependent launches at the Gemma 4 block's decode boundaries (unset: on)",
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.chained_launch = parse_switch(n, v); },
      [] { return std::string(switch_text(chained_launch_setting())); },
@@ -147,8 +142,6 @@ void set_decode_route_in_gate_up(RouteSwitch s) { set_switch(g_decode_route_in_g
 RouteSwitch decode_route_in_gate_up_setting() {
   return read_switch(g_decode_route_in_gate_up, env().decode_route_in_gate_up);
 }
-void set_decode_persistent(RouteSwitch s) { set_switch(g_decode_persistent, s, "set_decode_persistent"); }
-RouteSwitch decode_persistent_setting() { return read_switch(g_decode_persistent, env().decode_persistent); }
 void set_chained_launch(RouteSwitch s) { set_switch(g_chained_launch, s, "set_chained_launch"); }
 RouteSwitch chained_launch_setting() {
   if (t_chained_launch != kNone) return static_cast<RouteSwitch>(t_chained_launch);

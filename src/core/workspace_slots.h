@@ -13,9 +13,8 @@ enum WorkspaceSlot : int {
   // dense_linear_into (cuda/dense_linear.h): its expert ids, tile plan and dtype casts.
   kSlotDenseLinear = 2,
   // Device counters that kernels leave zero once done (Workspace::get_zeroed): the decode layer's
-  // count of finished router CTAs and the persistent decode kernel's barriers (kDecodeCounters).
-  // One set per workspace, so that layers on other workspaces (other threads and streams) never
-  // share one.
+  // count of finished router CTAs. One per workspace, so that layers on other workspaces (other
+  // threads and streams) never share one.
   kSlotCounters = 12,
   kSlotFfnArena = 13,     // gemma4_ffn_into / qwen3_moe_ffn_into: the dense MLP, norm and residual buffers
   kSlotRouterArena = 14,  // route_into's scratch; the layer's fp32 combine accumulator once routed

@@ -163,10 +163,9 @@ void moe_layer_into_chained(Tensor& out, const Tensor& h, const Tensor& x, const
                   shape.T, ", ", shape.D, "], got ", out.describe());
   if (shape.n == 0 || shape.D == 0) return;
   const LayerPlan p = plan_moe_layer(out, h, x, weights);
-  // The layer's device counters (the decode router's count of finished CTAs, the persistent
-  // kernel's barriers; zero between calls), fetched on both paths: a workspace warmed on either
-  // serves the other without allocating.
-  auto* counter = static_cast<unsigned*>(ws.get_zeroed(detail::kSlotCounters, kDecodeCounters * sizeof(unsigned)));
+  // The layer's device counter (the decode router's count of finished CTAs, zero between calls),
+  // fetched on both paths: a workspace warmed on either serves the other without allocating.
+  auto* counter = static_cast<unsigned*>(ws.get_zeroed(detail::kSlotCounters, sizeof(unsigned)));
   if (p.path == LayerPath::decode)
     return call_decode_layer(p.decode, counter, out, h, x, weights, ws, router_overlaps_previous);
 

@@ -340,14 +340,6 @@ void launch_gate_up_scalar(DType dtype, Activation act, const GateUpArgs& a, int
 size_t down_scalar_smem(int64_t k, int64_t I);
 void launch_down_scalar(DType dtype, const DownArgs& a, int T, size_t smem, cudaStream_t stream);
 
-// The three kernels' work at T = 1 as one persistent grid (moe_decode_persistent.cu): the router's
-// arguments with route_in_gate_up set, gate/up's with the logits; sync: 3 zeroed unsigned (zero again
-// after). False (nothing launched) where no instance is built for (dtype, proj_bits, G) or none
-// fits an SM.
-size_t persistent_smem(int64_t T, int64_t H, int64_t I, int64_t k, int G);
-bool launch_decode_persistent(DType dtype, int proj_bits, int G, const RouterArgs& ra, const GateUpArgs& ga,
-                              const DownArgs& da, unsigned* sync, size_t smem, cudaStream_t stream);
-
 // Lets `kernel` take up to kDecodeMaxSmem of dynamic shared memory (once per kernel).
 void allow_smem(const void* kernel);
 

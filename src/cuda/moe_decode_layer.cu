@@ -299,17 +299,8 @@ void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, 
   // scalar kernels.
   const int proj_bits = quantized ? rt.proj.bits : 0;
   const bool fp_gate = gate.mode != QuantMode::affine, fp_down = ex.down.mode != QuantMode::affine;
-  const bool fp_router = quantized && rt.proj.mode != QuantMode::affine;
-  // One token in the layer alone as one persistent grid (EXPERTQMM_DECODE_PERSISTENT, off until
-  // measured: NOTES step 35), where an instance is built (route_in_gate_up: 4-bit gate/up codes);
-  // counter[1..3] are its barriers.
-  if (route_in_gate_up && !chain_router && decode_persistent_setting() == RouteSwitch::on && gemma4 && !fp_router &&
-      !fp_gate && !fp_down && ex.down.bits == 4 && gate.group_size == ex.down.group_size &&
-      ex.activation == Activation::geglu &&
-      launch_decode_persistent(D, proj_bits, gate.group_size, ra, ga, da, counter + 1,
-                               persistent_smem(T, H, I, k, gate.group_size), stream))
-    return;
-  launch_router(D, proj_bits, ra, router_smem(T, H), stream, fp_router, chain_router);
+  launch_router(D, proj_bits, ra, router_smem(T, H), stream, quantized && rt.proj.mode != QuantMode::affine,
+                chain_router);
   if (gate.bits == 4)
     launch_gate_up_mma(D, gate.group_size, ex.activation, ga, n, gate_up_mma_smem(H, gate.group_size, fp_gate), stream,
                        fp_gate);

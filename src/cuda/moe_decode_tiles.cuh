@@ -316,10 +316,8 @@ __device__ __forceinline__ void down_combine_mma_tile(const DownArgs& a, int tok
   const int U = a.I / 8;
   constexpr int kUnits = 4;  // units per lane per batch (Gemma: 88 units, one batch)
   uint4 hv[kUnits];
-  // The hidden row's first batch, ahead of the expert id (the gate/up kernel has finished). The
-  // hidden row, ids and weights are read from L2 (ld.cg): in the persistent kernel other CTAs wrote
-  // them in this launch, after a grid barrier.
-  auto load_hidden = [&](int u) { return __ldcg(reinterpret_cast<const uint4*>(a.hidden + b * a.I + 8 * u)); };
+  // The hidden row's first batch, ahead of the expert id (the gate/up kernel has finished).
+  auto load_hidden = [&](int u) { return *reinterpret_cast<const uint4*>(a.hidden + b * a.I + 8 * u); };
   if (slot_warp) {
 #pragma unroll
     for (int i = 0; i < kUnits; ++i) {
@@ -331,8 +329,8 @@ __device__ __forceinline__ void down_combine_mma_tile(const DownArgs& a, int tok
   float wj = 0.f;
   bool ok = false;
   if (slot_warp) {
-    e = __ldcg(a.indices + b);
-    wj = Elem<D>::load(__ldcg(a.weights + b));
+    e = a.indices[b];
+    wj = Elem<D>::load(a.weights[b]);
     ok = e >= 0 && e < a.E;
     const int chunks = a.I / 32;
     const int64_t first = static_cast<int64_t>(ok ? e : 0) * a.H + col0;  // whole blocks: H % 32 == 0

@@ -107,10 +107,8 @@ struct DecodeScratch {
 };
 RouteSupport supports_decode_layer(const Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& weights);
 DecodeScratch decode_scratch(int64_t T, int64_t k, int64_t E, int64_t I);
-// counter: kDecodeCounters zeroed unsigned of ws's kSlotCounters, zero again when the kernels finish
-// (one set per workspace, as the arena: a workspace serves one call at a time): [0] the router's
-// finished CTAs, [1..3] the persistent kernel's barriers (EXPERTQMM_DECODE_PERSISTENT).
-constexpr int kDecodeCounters = 4;
+// counter: one zeroed unsigned of ws's kSlotCounters, zero again when the kernels finish (one per
+// workspace, as the arena: a workspace serves one call at a time).
 // chain_router: launch the router as a programmatic dependent launch (the caller's promise: the
 // kernel ahead of it on the stream writes nothing the router reads).
 void call_decode_layer(const DecodeScratch& scratch, unsigned* counter, Tensor& out, const Tensor& h, const Tensor& x,
