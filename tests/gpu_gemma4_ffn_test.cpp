@@ -101,9 +101,8 @@ TEST(GpuGemma4Ffn, MatchesTheCpuReferenceInBothProductModes) {
         else
           EXPECT_EQ(qmm_hits, qmm_hits_16bit[key] + (dense_mlp_on_expert_rows(dense_bits, mode, T) ? 3u : 0u)) << what;
         // Which tokens did the two routers send to the same experts?
-        test::expect_close_where_routed_alike(expected, got, test::to_i32(route(h, cpu_w.moe.router).indices),
-                                              test::to_i32(route(h.to(Device::cuda), gpu_w.moe.router).indices),
-                                              cpu_w.moe.router.top_k, what);
+        test::expect_close_where_routed_alike(expected, got, h, cpu_w.moe.router,
+                                              test::to_i32(route(h.to(Device::cuda), gpu_w.moe.router).indices), what);
       }
     }
   }
@@ -137,9 +136,8 @@ TEST(GpuGemma4Ffn, EightBitWgmmaBuildByRowsPerExpert) {
       const Tensor got = gemma4_ffn(h.to(Device::cuda), gpu_w);
       hits[s == RouteSwitch::on] = counters_of("gather_qmm").hits;
       EXPECT_EQ(counters_of("dense_mlp_glu").hits, T >= 512 ? 1u : 0u) << what;
-      test::expect_close_where_routed_alike(expected, got, test::to_i32(route(h, cpu_w.moe.router).indices),
-                                            test::to_i32(route(h.to(Device::cuda), gpu_w.moe.router).indices),
-                                            cpu_w.moe.router.top_k, what);
+      test::expect_close_where_routed_alike(expected, got, h, cpu_w.moe.router,
+                                            test::to_i32(route(h.to(Device::cuda), gpu_w.moe.router).indices), what);
     }
     EXPECT_EQ(hits[1], hits[0]) << "T=" << T;  // the same GEMMs on the tile route, whichever kernel
   }
@@ -175,9 +173,8 @@ TEST(GpuGemma4Ffn, NormKernelsHoldEveryRowWidthAndWeightLayout) {
         const Tensor h = test::random_tensor({T, H}, DType::bf16, 1.0f);
         const Tensor expected = gemma4_ffn(h, cpu_w);
         const Tensor got = gemma4_ffn(h.to(Device::cuda), gpu_w);
-        test::expect_close_where_routed_alike(expected, got, test::to_i32(route(h, cpu_w.moe.router).indices),
-                                              test::to_i32(route(h.to(Device::cuda), gpu_w.moe.router).indices),
-                                              cpu_w.moe.router.top_k, what);
+        test::expect_close_where_routed_alike(expected, got, h, cpu_w.moe.router,
+                                              test::to_i32(route(h.to(Device::cuda), gpu_w.moe.router).indices), what);
       }
     }
   }

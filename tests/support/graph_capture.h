@@ -34,15 +34,23 @@ cudaGraph_t capture_graph(cudaStream_t stream, const std::function<void()>& call
 // Kernel nodes of `graph`.
 int kernel_nodes(cudaGraph_t graph);
 
+// How a replay must match the uncaptured call: its bytes, or (where the call may add the k expert
+// outputs with atomics: EXPERTQMM_DETERMINISTIC off, the general path) within that reordering's
+// rounding: every element finite where expected is, and |replayed - expected| <= max|expected| / 64.
+enum class ReplayMatch { bytes, within_rounding };
+// ReplayMatch of the current settings: bytes in deterministic mode, else within rounding.
+ReplayMatch replay_match_of_settings();
+
 // Instantiates `graph`, replays it `replays` times, each into a freshly poisoned `replayed`, and
-// expects the bytes of `expected` each time; then destroys the graph.
+// expects `expected` each time (`match`); then destroys the graph.
 void expect_replays_match(cudaGraph_t graph, cudaStream_t stream, Tensor& replayed, const Tensor& expected,
-                          int replays, const std::string& what);
+                          int replays, const std::string& what, ReplayMatch match = ReplayMatch::bytes);
 
 // A block's into-call (out [T, H] from bf16 h [T, H] with scratch from ws: gemma4_ffn_into,
 // qwen3_moe_ffn_into) at each T of `tokens`, the first the largest (it grows the workspace; no later
 // call may): the call captured in a graph holds more than min_nodes nodes, `inspect` (when given)
-// passes on the graph's shape, and every replay writes the uncaptured call's bytes.
+// passes on the graph's shape, and every replay writes the uncaptured call's output
+// (replay_match_of_settings).
 using BlockInto = std::function<void(Tensor& out, const Tensor& h, Workspace& ws)>;
 void expect_block_capture_replays(const BlockInto& call, int64_t H, const std::vector<int64_t>& tokens,
                                   size_t min_nodes,
