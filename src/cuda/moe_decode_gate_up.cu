@@ -9,10 +9,11 @@ namespace {
 // __launch_bounds__(256, 2): 72 registers, 3 CTAs per SM by registers. A 4-per-SM build (64
 // registers) for multi-wave grids lost at T = 4 / 8 (bench/NOTES.md step 31: the kernel issues an
 // instruction in 58% of its cycles at T = 8, so more warps per SM do not hide more).
-template <DType D, int G, Activation A, bool kFp = false>
+// kRanked: a one-token call whose CTAs rank the router's logits (GateUpArgs::logits).
+template <DType D, int G, Activation A, bool kFp, bool kRanked>
 __global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_mma_kernel(GateUpArgs a) {
   extern __shared__ __align__(16) unsigned char tc_smem[];
-  gate_up_glu_mma_tile<D, G, A, kFp>(a, blockIdx.x, blockIdx.y, tc_smem);
+  gate_up_glu_mma_tile<D, G, A, kFp, kRanked>(a, blockIdx.x, blockIdx.y, tc_smem);
 }
 
 }  // namespace
@@ -30,21 +31,28 @@ void launch_gate_up_mma(DType dtype, int G, Activation act, const GateUpArgs& a,
     kernel<<<grid, kThreads, smem, stream>>>(a);
     EXPERTQMM_CUDA_CHECK_LAUNCH(decode_gate_up_glu_mma_kernel);
   };
-  auto with_group = [&](auto dtag, auto gtag) {
+  const bool ranked = a.logits != nullptr;
+  auto with_form = [&](auto dtag, auto gtag, auto fptag) {
     constexpr DType DT = decltype(dtag)::value;
     constexpr int GS = decltype(gtag)::value;
-    if (act == Activation::geglu) launch(decode_gate_up_glu_mma_kernel<DT, GS, Activation::geglu>);
-    else launch(decode_gate_up_glu_mma_kernel<DT, GS, Activation::swiglu>);
+    constexpr bool F = decltype(fptag)::value;
+    if (act == Activation::geglu) {
+      if (ranked) launch(decode_gate_up_glu_mma_kernel<DT, GS, Activation::geglu, F, true>);
+      else launch(decode_gate_up_glu_mma_kernel<DT, GS, Activation::geglu, F, false>);
+    } else {
+      if (ranked) launch(decode_gate_up_glu_mma_kernel<DT, GS, Activation::swiglu, F, true>);
+      else launch(decode_gate_up_glu_mma_kernel<DT, GS, Activation::swiglu, F, false>);
+    }
   };
+  auto with_group = [&](auto dtag, auto gtag) { with_form(dtag, gtag, std::false_type{}); };
   auto with_dtype = [&](auto dtag) {
     if (G == 32) with_group(dtag, std::integral_constant<int, 32>{});
     else if (G == 64) with_group(dtag, std::integral_constant<int, 64>{});
     else with_group(dtag, std::integral_constant<int, 128>{});
   };
   if (fp) {  // bf16, the mode's group read at run time (supports_decode_layer)
-    constexpr int kG = kTcFpLayoutGroup;
-    if (act == Activation::geglu) launch(decode_gate_up_glu_mma_kernel<DType::bf16, kG, Activation::geglu, true>);
-    else launch(decode_gate_up_glu_mma_kernel<DType::bf16, kG, Activation::swiglu, true>);
+    with_form(std::integral_constant<DType, DType::bf16>{}, std::integral_constant<int, kTcFpLayoutGroup>{},
+              std::true_type{});
   } else if (dtype == DType::bf16) {
     with_dtype(std::integral_constant<DType, DType::bf16>{});
   } else {

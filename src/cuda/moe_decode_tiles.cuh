@@ -116,25 +116,29 @@ struct DownTcLayout {
 //   3. the 8 warps' fp32 partials go through shared memory (the codes' space) and thread i < 16n
 //      sums them in warp order for (column i % 16, row i / 16): gate and up rounded to D, then the
 //      GLU, one rounding, into hidden[row, column].
-// Occupancy (Gemma, bf16, G=64): shared memory 46 KB codes + 5.6 KB scales/biases, 72 registers:
-// 3 CTAs (24 warps) per SM at any T; T=1: the 352 CTAs are one wave.
+// Occupancy (Gemma, bf16, G=64): shared memory 46 KB codes + 5.6 KB scales/biases, 72 registers
+// (kRanked: 80): 3 CTAs (24 warps) per SM at any T; T=1: the 352 CTAs are one wave.
 // kFp (mxfp4 / nvfp4, bf16; G = kTcFpLayoutGroup): the scale codes are staged raw in the scales
 // region (32 rows of K / group bytes: at most the affine layout's 32 * K / 32 * 2), A holds value *
 // scale (tc_fp4_block_dot) and no sum-of-x mma or bias term follows.
-template <DType D, int G, Activation A, bool kFp>
+// kRanked (a.logits set): the CTA ranks the logits itself (rank_group) instead of reading the plan;
+// a compile-time choice, so the plan-reading instances carry none of the ranking code (their hot
+// loop's schedule moved, +3.9% at T = 2 / 8, when both routers' ranking shared their body: NOTES
+// step 37).
+template <DType D, int G, Activation A, bool kFp, bool kRanked>
 __device__ __forceinline__ void gate_up_glu_mma_tile(const GateUpArgs& a, int col_block, int g_idx, unsigned char* tc_smem) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 
   PlanGroup pg;
-  int routed_row = -1;  // a.logits: the CTA's one row (rank_group); the plan is then not read
-  if (a.logits != nullptr) {
+  int routed_row = 0;  // kRanked: the CTA's one row (rank_group)
+  if constexpr (kRanked) {
     const RankedGroup rg = rank_group<D>(a, g_idx, col_block == 0 && g_idx == 0);
     pg = {a.k, rg.expert, g_idx, 1};
     routed_row = rg.row;
   } else {
     pg = plan_group(a, g_idx);
   }
-  auto row_of = [&](int i) { return routed_row >= 0 ? routed_row : plan_row(a, i); };  // entry i of the row order
+  auto row_of = [&](int i) { return kRanked ? routed_row : plan_row(a, i); };  // entry i of the row order
   if (g_idx >= pg.groups) return;  // uniform
   const int e = pg.expert;
   const int begin = pg.begin;
