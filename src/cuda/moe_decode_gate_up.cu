@@ -9,11 +9,11 @@ namespace {
 // __launch_bounds__(256, 2): 72 registers, 3 CTAs per SM by registers. A 4-per-SM build (64
 // registers) for multi-wave grids lost at T = 4 / 8 (bench/NOTES.md step 31: the kernel issues an
 // instruction in 58% of its cycles at T = 8, so more warps per SM do not hide more).
-// kRanked: a one-token call whose CTAs rank the router's logits (GateUpArgs::logits).
-template <DType D, int G, Activation A, bool kFp, bool kRanked>
+// kSource: the plan, or a one-token call's CTAs ranking the router's logits (GateUpArgs::logits).
+template <DType D, int G, Activation A, bool kFp, GroupSource kSource>
 __global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_mma_kernel(GateUpArgs a) {
   extern __shared__ __align__(16) unsigned char tc_smem[];
-  gate_up_glu_mma_tile<D, G, A, kFp, kRanked>(a, blockIdx.x, blockIdx.y, tc_smem);
+  gate_up_glu_mma_tile<D, G, A, kFp, kSource>(a, blockIdx.x, blockIdx.y, tc_smem);
 }
 
 }  // namespace
@@ -31,18 +31,21 @@ void launch_gate_up_mma(DType dtype, int G, Activation act, const GateUpArgs& a,
     kernel<<<grid, kThreads, smem, stream>>>(a);
     EXPERTQMM_CUDA_CHECK_LAUNCH(decode_gate_up_glu_mma_kernel);
   };
-  const bool ranked = a.logits != nullptr;
-  auto with_form = [&](auto dtag, auto gtag, auto fptag) {
+  const GroupSource source = a.logits == nullptr ? GroupSource::plan
+                             : a.softmax_topk      ? GroupSource::rank_softmax
+                                                   : GroupSource::rank_logits;
+  auto with_source = [&](auto dtag, auto gtag, auto fptag, auto atag) {
     constexpr DType DT = decltype(dtag)::value;
     constexpr int GS = decltype(gtag)::value;
     constexpr bool F = decltype(fptag)::value;
-    if (act == Activation::geglu) {
-      if (ranked) launch(decode_gate_up_glu_mma_kernel<DT, GS, Activation::geglu, F, true>);
-      else launch(decode_gate_up_glu_mma_kernel<DT, GS, Activation::geglu, F, false>);
-    } else {
-      if (ranked) launch(decode_gate_up_glu_mma_kernel<DT, GS, Activation::swiglu, F, true>);
-      else launch(decode_gate_up_glu_mma_kernel<DT, GS, Activation::swiglu, F, false>);
-    }
+    constexpr Activation AC = decltype(atag)::value;
+    if (source == GroupSource::plan) launch(decode_gate_up_glu_mma_kernel<DT, GS, AC, F, GroupSource::plan>);
+    else if (source == GroupSource::rank_logits) launch(decode_gate_up_glu_mma_kernel<DT, GS, AC, F, GroupSource::rank_logits>);
+    else launch(decode_gate_up_glu_mma_kernel<DT, GS, AC, F, GroupSource::rank_softmax>);
+  };
+  auto with_form = [&](auto dtag, auto gtag, auto fptag) {
+    if (act == Activation::geglu) with_source(dtag, gtag, fptag, std::integral_constant<Activation, Activation::geglu>{});
+    else with_source(dtag, gtag, fptag, std::integral_constant<Activation, Activation::swiglu>{});
   };
   auto with_group = [&](auto dtag, auto gtag) { with_form(dtag, gtag, std::false_type{}); };
   auto with_dtype = [&](auto dtag) {

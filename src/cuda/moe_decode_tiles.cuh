@@ -35,11 +35,12 @@ struct GateUpTcLayout {
 // the router's own reductions). write_routing (CTA (0, 0)): warp 0 also writes the k indices and
 // weights with the router's arithmetic from the slot keys (warp_topk_softmax_of_slots /
 // warp_softmax_topk_of_slots), for the down kernel. Called by every thread of the CTA (two or three
-// barriers) before anything else.
+// barriers) before anything else. kSoftmax: the router kind (GateUpArgs::softmax_topk) at compile
+// time, so that each instance holds one ranking's code.
 struct RankedGroup {
   int expert, row;
 };
-template <DType D>
+template <DType D, bool kSoftmax>
 __device__ __forceinline__ RankedGroup rank_group(const GateUpArgs& a, int g, bool write_routing) {
   __shared__ uint32_t key_hi[kThreads];                 // (E) the keys' high words
   __shared__ unsigned long long slot_key[kDecodeMaxTopK];  // (k) the key of each slot
@@ -47,7 +48,7 @@ __device__ __forceinline__ RankedGroup rank_group(const GateUpArgs& a, int g, bo
   const int tid = threadIdx.x;
   auto logit = [&](int64_t e) { return __ldcg(a.logits + e); };  // written by another grid or CTA
   auto round_p = [](float v) { return round_to<D>(v); };
-  if (a.softmax_topk) {
+  if constexpr (kSoftmax) {
     if (tid < 32) {
       float max_logit, inv_sum;
       device::warp_softmax_stats(logit, a.E, max_logit, inv_sum);
@@ -73,7 +74,7 @@ __device__ __forceinline__ RankedGroup rank_group(const GateUpArgs& a, int g, bo
   if (write_routing && tid < 32) {
     const unsigned long long mine = tid < a.k ? slot_key[tid] : 0ull;
     auto store = [&](int slot, float w) { a.weights[slot] = Elem<D>::store(w); };
-    if (a.softmax_topk)
+    if constexpr (kSoftmax)
       device::warp_softmax_topk_of_slots(mine, a.k, a.renormalize, round_p, a.indices, store);
     else
       device::warp_topk_softmax_of_slots(
@@ -117,22 +118,25 @@ struct DownTcLayout {
 //      sums them in warp order for (column i % 16, row i / 16): gate and up rounded to D, then the
 //      GLU, one rounding, into hidden[row, column].
 // Occupancy (Gemma, bf16, G=64): shared memory 46 KB codes + 5.6 KB scales/biases, 72 registers
-// (kRanked: 80): 3 CTAs (24 warps) per SM at any T; T=1: the 352 CTAs are one wave.
+// (ranking: 80): 3 CTAs (24 warps) per SM at any T; T=1: the 352 CTAs are one wave.
 // kFp (mxfp4 / nvfp4, bf16; G = kTcFpLayoutGroup): the scale codes are staged raw in the scales
 // region (32 rows of K / group bytes: at most the affine layout's 32 * K / 32 * 2), A holds value *
 // scale (tc_fp4_block_dot) and no sum-of-x mma or bias term follows.
-// kRanked (a.logits set): the CTA ranks the logits itself (rank_group) instead of reading the plan;
-// a compile-time choice, so the plan-reading instances carry none of the ranking code (their hot
-// loop's schedule moved, +3.9% at T = 2 / 8, when both routers' ranking shared their body: NOTES
-// step 37).
-template <DType D, int G, Activation A, bool kFp, bool kRanked>
+// Where a gate/up CTA learns its expert group: the plan, or (a.logits set) ranking the router's
+// logits itself (rank_group), as Gemma's router ranks them or as the softmax top-k one does. A
+// compile-time choice, so that each instance holds one way's code: the plan-reading instances' hot
+// loop was rescheduled (+3.9% at T = 2 / 8) while both rankings shared their body (NOTES steps 37-38).
+enum class GroupSource { plan, rank_logits, rank_softmax };
+template <DType D, int G, Activation A, bool kFp, GroupSource kSource>
 __device__ __forceinline__ void gate_up_glu_mma_tile(const GateUpArgs& a, int col_block, int g_idx, unsigned char* tc_smem) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 
   PlanGroup pg;
+  constexpr bool kRanked = kSource != GroupSource::plan;
   int routed_row = 0;  // kRanked: the CTA's one row (rank_group)
   if constexpr (kRanked) {
-    const RankedGroup rg = rank_group<D>(a, g_idx, col_block == 0 && g_idx == 0);
+    const RankedGroup rg =
+        rank_group<D, kSource == GroupSource::rank_softmax>(a, g_idx, col_block == 0 && g_idx == 0);
     pg = {a.k, rg.expert, g_idx, 1};
     routed_row = rg.row;
   } else {
