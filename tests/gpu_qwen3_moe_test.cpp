@@ -32,7 +32,7 @@ Gemma4Config small_config() {
   return c;
 }
 
-// The routing the block uses: its router reads the normalised x.
+// The block's router reads the normalised x (router_input); the routing it makes of it.
 Tensor router_input(const Tensor& h, const Qwen3MoeFfnWeights& w) { return rms_norm(h, w.post_attention_layernorm, w.eps); }
 std::vector<int32_t> block_routing(const Tensor& h, const Qwen3MoeFfnWeights& w) {
   return test::to_i32(route(router_input(h, w), w.moe.router).indices);
@@ -89,7 +89,8 @@ TEST(GpuQwen3MoeFfn, OneLayerCapturedInACudaGraphReplaysTheSameOutput) {
   const Qwen3MoeFfnWeights w = synthetic_qwen3_moe_layer(small_config(), 0, 5).to(Device::cuda);
   // warm at the larger size; the smaller one must not grow anything
   test::expect_block_capture_replays(
-      [&](Tensor& out, const Tensor& h, Workspace& ws) { qwen3_moe_ffn_into(out, h, w, ws); }, 256, {100, 6}, 3);
+      [&](Tensor& out, const Tensor& h, Workspace& ws) { qwen3_moe_ffn_into(out, h, w, ws); }, 256,
+      w.moe.router.top_k, {100, 6}, 3);
 #endif
 }
 

@@ -59,9 +59,11 @@ Tensor run_layer(const Tensor& h, const Tensor& x, const MoeWeights& w, Workspac
 
 // A feed-forward output on CUDA (got) against the CPU's (expected), both [T, H], where the two
 // backends' routers may disagree at near-ties of their bf16 scores: a token the CPU router (on
-// router_input, host) sends to other experts than gpu_idx ([T, k], as sets) must sit on a near-tie
-// of the CPU's scores (cpu_router_logits) and is left out; at most half the tokens may be; the rest
-// must agree within 1e-2 (docs/numerics.md: bf16 across backends).
+// router_input, host) sends to other experts than gpu_idx ([T, k], as sets) is left out where the
+// experts they disagree on sit at a near-tie of the CPU's scores (cpu_router_logits; else a
+// failure); at most half the tokens (one at T = 1) may be; the rest must agree within 1e-2
+// (docs/numerics.md: bf16 across backends). gpu_idx: route() on the GPU, the same kernels as the
+// block's own router at these sizes (tests/gpu_ops_test.cpp and the decode tests pin them).
 void expect_close_where_routed_alike(const Tensor& expected, const Tensor& got, const Tensor& router_input,
                                      const RouterWeights& cpu_router, const std::vector<int32_t>& gpu_idx,
                                      const std::string& what);
