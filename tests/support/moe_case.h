@@ -62,8 +62,9 @@ Tensor run_layer(const Tensor& h, const Tensor& x, const MoeWeights& w, Workspac
 // router_input, host) sends to other experts than gpu_idx ([T, k], as sets) is left out where the
 // experts they disagree on sit at a near-tie of the CPU's scores (cpu_router_logits; else a
 // failure); at most half the tokens (one at T = 1) may be; the rest must agree within 1e-2
-// (docs/numerics.md: bf16 across backends). gpu_idx: route() on the GPU, the same kernels as the
-// block's own router at these sizes (tests/gpu_ops_test.cpp and the decode tests pin them).
+// (docs/numerics.md: bf16 across backends). gpu_idx: route() on the GPU, which at decode sizes is
+// not the decode layer's router kernel: a token that kernel routes otherwise at a near-tie stays
+// among the kept rows, its error inside their aggregate.
 void expect_close_where_routed_alike(const Tensor& expected, const Tensor& got, const Tensor& router_input,
                                      const RouterWeights& cpu_router, const std::vector<int32_t>& gpu_idx,
                                      const std::string& what);
