@@ -74,6 +74,9 @@ struct DecodePlan {
   int32_t begin[kDecodeMaxRows];     // [g] first entry of group g in row[]
   int32_t count[kDecodeMaxRows];     // [g] rows routed to the expert
   int32_t row[kDecodeMaxRows];       // flat rows ordered by (expert, row)
+  // [g][j] the token (row / k) of group g's j-th row, j < count[g] (a group holds <= T rows): a
+  // gate/up CTA learns its activation rows in the same round trip as its group (plan_group).
+  int32_t token[kDecodeMaxRows][kDecodeMaxTokens];
 };
 
 
@@ -136,15 +139,20 @@ struct GateUpArgs {
 // The expert group g of a gate/up CTA: the router's plan, or without one (a.plan null) the identity
 // plan of a dense MLP run as one always-chosen expert (E = 1, k = 1: the Gemma 4 block's dense
 // branch, gemma4_ffn.cu): one group of expert 0 holding rows 0 .. identity_rows - 1 in order.
+// token: the token of the group's row j (the calling lane's activation row), read with the rest.
 struct PlanGroup {
-  int groups, expert, begin, count;
+  int groups, expert, begin, count, token;
 };
-__device__ __forceinline__ PlanGroup plan_group(const GateUpArgs& a, int g) {
-  if (!a.plan) return {1, 0, 0, a.identity_rows};
+// g < kDecodeMaxRows (the gate/up grid has min(n, E) <= kDecodeMaxRows group rows), so every field
+// is read at once, before groups is known: one L2 round trip, where a check of groups first made
+// it two (and the token, through row[], a third; bench/NOTES.md step 39).
+__device__ __forceinline__ PlanGroup plan_group(const GateUpArgs& a, int g, int j) {
+  if (!a.plan) return {1, 0, 0, a.identity_rows, j};  // identity: row j is token j (k = 1)
   const DecodePlan& p = *a.plan;
-  const int groups = p.groups;
-  if (g >= groups) return {groups, 0, 0, 0};
-  return {groups, p.expert[g], p.begin[g], p.count[g]};
+  const int groups = p.groups, expert = p.expert[g], begin = p.begin[g], count = p.count[g];
+  const int token = p.token[g][j];
+  const bool live = g < groups;  // selects, not a branch the loads would sink into
+  return {groups, live ? expert : 0, live ? begin : 0, live ? count : 0, live ? token : 0};
 }
 // Entry i of the plan's row order (a flat row t*k + j).
 __device__ __forceinline__ int plan_row(const GateUpArgs& a, int i) { return a.plan ? a.plan->row[i] : i; }

@@ -38,7 +38,7 @@ constexpr int kRouterCachedScales = kRouterThreads;  // per_expert_scale prefetc
 // per_expert_scale from the prefetched copy), writes indices and weights, resets the counter, and
 // builds the DecodePlan from the shared indices: thread b < n counts the rows with a smaller expert id and the
 // earlier rows with the same id, which is row b's place in the stably sorted order; first rows of
-// an expert name groups.
+// an expert name groups, and every row writes its token into its group's token list.
 // Occupancy (ptxas, sm_90a): 93-113 registers, no spills; 1 CTA (8 warps) per SM is all it needs:
 // grid E = 128 <= 132 SMs, one wave. Dynamic shared memory (T + 1) * 3168 floats at H = 2816:
 // 25 KB at T=1, 114 KB at T=8. In flight per SM: the expert row (2.8 KB + 88 B of scales/biases)
@@ -344,13 +344,16 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
     a.plan->row[less + before] = tid;
   }
   const int groups = __syncthreads_count(tid < n && before == 0);
-  if (tid < n && before == 0) {
-    int g = 0;
+  if (tid < n) {
+    int g = 0;  // the row's group: the distinct experts with a smaller id
 #pragma unroll 1
     for (int b = 0; b < n; ++b) g += first_of_expert[b] && ids[b] < mine;
-    a.plan->expert[g] = mine;
-    a.plan->begin[g] = less;
-    a.plan->count[g] = same;
+    a.plan->token[g][before] = tid / a.k;  // before < T: an expert takes a token's row at most once
+    if (before == 0) {
+      a.plan->expert[g] = mine;
+      a.plan->begin[g] = less;
+      a.plan->count[g] = same;
+    }
   }
   if (tid == 0) a.plan->groups = groups;
   device::pdl_wait();

@@ -38,7 +38,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_kernel(GateUpA
   constexpr int kVals = 128 / kBits;  // values per chunk
   extern __shared__ __align__(16) float smem[];  // (rows_per_pass, staged_floats(H)) floats
   const int g = blockIdx.y;
-  const PlanGroup pg = plan_group(a, g);
+  const PlanGroup pg = plan_group(a, g, 0);  // its token is not needed here
   if (g >= pg.groups) return;  // uniform
   const int e = pg.expert;
   if (e < 0 || e >= a.E) {

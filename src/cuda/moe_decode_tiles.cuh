@@ -104,7 +104,8 @@ struct DownTcLayout {
 // takes expert group g of the plan (CTAs past the plan's group count exit at once) and output
 // columns [16x, 16x + 16): two 16-row mma tiles, gate rows (staged rows 0..15) and up rows
 // (16..31) of those columns, times the group's activation rows (<= 8: the mma's n).
-//   1. plan entry (one L2 round trip), then everything the CTA needs is requested at once: the 32
+//   1. plan entry with the lane's token (plan_group: one L2 round trip, every field read before
+//      the group count is checked), then everything the CTA needs is requested at once: the 32
 //      code rows by cp.async into shared memory in two commit groups (the first and second half
 //      of the K groups; 8 threads per row, 16-byte chunks) with the scales and biases (raw, by
 //      cp.async in the first group: the contiguous 16-row spans). Gemma: 45 KB of codes per CTA.
@@ -137,10 +138,10 @@ __device__ __forceinline__ void gate_up_glu_mma_tile(const GateUpArgs& a, int co
   if constexpr (kRanked) {
     const RankedGroup rg =
         rank_group<D, kSource == GroupSource::rank_softmax>(a, g_idx, col_block == 0 && g_idx == 0);
-    pg = {a.k, rg.expert, g_idx, 1};
+    pg = {a.k, rg.expert, g_idx, 1, 0};  // one token
     routed_row = rg.row;
   } else {
-    pg = plan_group(a, g_idx);
+    pg = plan_group(a, g_idx, g);  // with the token of the lane's activation row g
   }
   auto row_of = [&](int i) { return kRanked ? routed_row : plan_row(a, i); };  // entry i of the row order
   if (g_idx >= pg.groups) return;  // uniform
@@ -203,7 +204,7 @@ __device__ __forceinline__ void gate_up_glu_mma_tile(const GateUpArgs& a, int co
   // 1c. the lane's activation row: B column g is the group's row g (token tok); units of 8 values,
   //     the lane's first unit of group grp is grp * G/8 + t * G/32.
   const bool live_n = g < count;
-  const int64_t tok = live_n ? row_of(begin + g) / a.k : 0;
+  const int64_t tok = live_n ? pg.token : 0;
   const uint4* xg = reinterpret_cast<const uint4*>(a.x + tok * a.x_stride) + t * (G / 32);
   auto load_x = [&](int grp, uint4 (&xb)[G / 32]) {
 #pragma unroll
