@@ -69,14 +69,15 @@ constexpr size_t kDecodeMaxSmem = 160 * 1024;  // dynamic shared memory of any d
 // The expert-group plan that the router's last CTA leaves for the gate/up kernel: the n = T*k flat
 // rows (t*k + j) sorted by expert (stable), one group per distinct expert in increasing id order.
 struct DecodePlan {
+  // [g][j] the token (row / k) of group g's j-th row, j < count[g] (a group holds <= T rows): a
+  // gate/up CTA learns its activation rows in the same round trip as its group (plan_group). First,
+  // so that each group's 32 bytes are one sector.
+  int32_t token[kDecodeMaxRows][kDecodeMaxTokens];
   int32_t groups;                    // distinct experts
   int32_t expert[kDecodeMaxRows];    // [g] expert id of group g
   int32_t begin[kDecodeMaxRows];     // [g] first entry of group g in row[]
   int32_t count[kDecodeMaxRows];     // [g] rows routed to the expert
   int32_t row[kDecodeMaxRows];       // flat rows ordered by (expert, row)
-  // [g][j] the token (row / k) of group g's j-th row, j < count[g] (a group holds <= T rows): a
-  // gate/up CTA learns its activation rows in the same round trip as its group (plan_group).
-  int32_t token[kDecodeMaxRows][kDecodeMaxTokens];
 };
 
 
@@ -222,6 +223,7 @@ using MmaType = std::conditional_t<D == DType::bf16, __nv_bfloat16, __half>;
 
 constexpr int kTcRows = 16;       // weight rows per mma tile
 constexpr int kTcMaxN = 8;        // activation rows per mma (T <= 8)
+static_assert(kDecodeMaxTokens >= kTcMaxN, "plan_group reads token[g][lane row] for every mma column");
 constexpr int kTcRowPad = 32;     // bytes after each staged code row (bank spread, 16-byte aligned)
 
 __host__ __device__ constexpr int tc_code_row_bytes(int K) { return K / 2 + kTcRowPad; }
