@@ -109,6 +109,22 @@ class Cli : public ::testing::Test {
   }
 };
 
+// A fresh directory /tmp/expertqmm_cli_<tag>_XXXXXX for one test, removed with everything in it when
+// the test leaves its scope (an ASSERT's early return included). path is empty if mkdtemp failed.
+class TempDir {
+ public:
+  explicit TempDir(const std::string& tag) {
+    std::string name = "/tmp/expertqmm_cli_" + tag + "_XXXXXX";
+    if (mkdtemp(name.data()) != nullptr) path = name;
+  }
+  ~TempDir() {
+    if (!path.empty()) std::system(("rm -rf '" + path + "'").c_str());
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  std::string path;
+};
+
 TEST_F(Cli, TinyThreeTokensPassOnCpu) {
   Result r = run_cli("run --preset tiny --tokens 3 --backend cpu");
   EXPECT_EQ(r.exit_code, 0) << r.output;
@@ -156,9 +172,9 @@ TEST_F(Cli, Qwen3TinyPassesOnCpu) {
 
 // write-checkpoint --preset qwen3-tiny: mlx-lm's qwen3_moe names, read back as a Qwen3 checkpoint.
 TEST_F(Cli, WriteCheckpointQwen3TinyReadsBackAsQwen3) {
-  char dir_template[] = "/tmp/expertqmm_cli_qwen3_XXXXXX";
-  ASSERT_NE(mkdtemp(dir_template), nullptr);
-  const std::string dir = dir_template;
+  const TempDir tmp("qwen3");
+  ASSERT_FALSE(tmp.path.empty());
+  const std::string& dir = tmp.path;
   Result r = run_cli("write-checkpoint --preset qwen3-tiny --out " + dir);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const expertqmm::Gemma4Checkpoint ck = expertqmm::Gemma4Checkpoint::open(dir);
@@ -167,7 +183,6 @@ TEST_F(Cli, WriteCheckpointQwen3TinyReadsBackAsQwen3) {
   EXPECT_NE(read_file(dir + "/config.json").find("\"model_type\": \"qwen3_moe\""), std::string::npos);
   const expertqmm::Qwen3MoeFfnWeights w = ck.qwen3_moe_layer(1);
   EXPECT_EQ(w.moe.experts.gate.w.shape(), (expertqmm::Shape{8, 64, 128 * 4 / 32}));
-  std::system(("rm -rf '" + dir + "'").c_str());
 }
 
 TEST_F(Cli, SameSeedSameResultOtherSeedOtherResult) {
@@ -245,9 +260,9 @@ TEST_F(Cli, BadOptionsGiveOneLineAndExitCode2) {
 // --group-size 128: the experts' down_proj (64 inputs in the tiny preset) stays bf16, as mlx-lm's
 // quantize_model leaves it; the reader sees a 16-bit expert projection and a 4-bit g128 gate.
 TEST_F(Cli, WriteCheckpointWithGroupSize128LeavesExpertsDownIn16Bit) {
-  char dir_template[] = "/tmp/expertqmm_cli_ckpt_XXXXXX";
-  ASSERT_NE(mkdtemp(dir_template), nullptr);
-  const std::string dir = dir_template;
+  const TempDir tmp("ckpt");
+  ASSERT_FALSE(tmp.path.empty());
+  const std::string& dir = tmp.path;
   Result r = run_cli("write-checkpoint --preset tiny --layers 1 --group-size 128 --out " + dir);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const expertqmm::Gemma4Checkpoint ck = expertqmm::Gemma4Checkpoint::open(dir);
@@ -258,16 +273,15 @@ TEST_F(Cli, WriteCheckpointWithGroupSize128LeavesExpertsDownIn16Bit) {
   Result bad = run_cli("write-checkpoint --preset tiny --group-size 48 --out " + dir);
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.output.find("--group-size expects 32, 64 or 128, got '48'"), std::string::npos) << bad.output;
-  std::system(("rm -rf '" + dir + "'").c_str());
 }
 
 // --dense-mlp: the Gemma 4 dense MLP 8-bit g64 (the QAT upload, the default) or at the default
 // quantization (4-bit g64, mlx-community's upload) with the router still 8-bit; refused for Qwen3-MoE.
 TEST_F(Cli, WriteCheckpointDenseMlpQuantization) {
   for (const char* dense : {"8bit", "default"}) {
-    char dir_template[] = "/tmp/expertqmm_cli_ckpt_XXXXXX";
-    ASSERT_NE(mkdtemp(dir_template), nullptr);
-    const std::string dir = dir_template;
+    const TempDir tmp("ckpt");
+    ASSERT_FALSE(tmp.path.empty());
+    const std::string& dir = tmp.path;
     Result r = run_cli(std::string("write-checkpoint --preset tiny --layers 1 --dense-mlp ") + dense + " --out " + dir);
     ASSERT_EQ(r.exit_code, 0) << r.output;
     const expertqmm::Gemma4FfnWeights w = expertqmm::Gemma4Checkpoint::open(dir).layer(0);
@@ -279,7 +293,6 @@ TEST_F(Cli, WriteCheckpointDenseMlpQuantization) {
     }
     EXPECT_EQ(w.moe.router.proj.bits, 8) << dense;
     EXPECT_EQ(read_file(dir + "/config.json").find("mlp.gate_proj") != std::string::npos, bits == 8) << dense;
-    std::system(("rm -rf '" + dir + "'").c_str());
   }
   Result bad = run_cli("write-checkpoint --preset qwen3-tiny --dense-mlp default --out /nonexistent/x");
   EXPECT_NE(bad.exit_code, 0);
@@ -298,9 +311,9 @@ TEST_F(Cli, QuantModesRunAndWriteCheckpoints) {
     EXPECT_EQ(field(r.output, "quant").rfind(mode, 0), 0u) << r.output;
   }
   EXPECT_EQ(field(run_cli("run --preset tiny --tokens 2 --backend cpu --quant nvfp4").output, "quant"), "nvfp4 4-bit g16");
-  char dir_template[] = "/tmp/expertqmm_cli_ckpt_XXXXXX";
-  ASSERT_NE(mkdtemp(dir_template), nullptr);
-  const std::string dir = dir_template;
+  const TempDir tmp("ckpt");
+  ASSERT_FALSE(tmp.path.empty());
+  const std::string& dir = tmp.path;
   Result w = run_cli("write-checkpoint --preset tiny --layers 1 --quant mxfp8 --out " + dir);
   ASSERT_EQ(w.exit_code, 0) << w.output;
   EXPECT_NE(read_file(dir + "/config.json").find("\"group_size\": 32, \"bits\": 8, \"mode\": \"mxfp8\""),
@@ -308,7 +321,6 @@ TEST_F(Cli, QuantModesRunAndWriteCheckpoints) {
   const expertqmm::Gemma4FfnWeights layer = expertqmm::Gemma4Checkpoint::open(dir).layer(0);
   EXPECT_EQ(layer.moe.experts.gate.mode, expertqmm::QuantMode::mxfp8);
   EXPECT_EQ(layer.moe.router.proj.mode, expertqmm::QuantMode::affine);  // its 8-bit g64 entry
-  std::system(("rm -rf '" + dir + "'").c_str());
 }
 
 // bench and diag take the same --expert-tiles values (diag took auto|on|off, bench auto|off|both).
@@ -345,9 +357,9 @@ TEST_F(Cli, DiagExplainsCpuZerosAndShowsProgressOnStderr) {
 // The CLI side of the writer: a non-empty --out is refused (exit 1, nothing touched) unless --force;
 // progress per layer goes to stderr.
 TEST_F(Cli, WriteCheckpointRefusesANonEmptyTargetUnlessForced) {
-  char tmpl[] = "/tmp/expertqmm_cli_ckpt_XXXXXX";
-  ASSERT_NE(mkdtemp(tmpl), nullptr);
-  const std::string dir = std::string(tmpl) + "/ckpt";
+  const TempDir tmp("ckpt");
+  ASSERT_FALSE(tmp.path.empty());
+  const std::string dir = tmp.path + "/ckpt";
   const Streams first = run_cli_streams("write-checkpoint --preset tiny --layers 2 --shards 2 --out " + dir);
   EXPECT_EQ(first.exit_code, 0) << first.err;
   EXPECT_NE(first.err.find("layer 2/2 written"), std::string::npos) << first.err;
@@ -362,7 +374,6 @@ TEST_F(Cli, WriteCheckpointRefusesANonEmptyTargetUnlessForced) {
   EXPECT_EQ(forced.exit_code, 0) << forced.err;
   EXPECT_NE(access((dir + "/model-00002-of-00002.safetensors").c_str(), R_OK), 0) << "the old shards are gone";
   EXPECT_EQ(access((dir + "/model.safetensors").c_str(), R_OK), 0);
-  std::system(("rm -rf '" + std::string(tmpl) + "'").c_str());
 }
 
 TEST_F(Cli, CudaOnlyCommandsExplainAMissingGpu) {
@@ -393,9 +404,9 @@ TEST_F(Cli, RunOnCudaPasses) {
 
 TEST_F(Cli, BenchOnCudaWritesJsonAndExport) {
   if (!expertqmm::cuda_available()) GTEST_SKIP() << "SKIP: no CUDA device";
-  char dir_template[] = "/tmp/expertqmm_cli_bench_XXXXXX";
-  ASSERT_NE(mkdtemp(dir_template), nullptr);
-  const std::string dir = dir_template;
+  const TempDir tmp("bench");
+  ASSERT_FALSE(tmp.path.empty());
+  const std::string& dir = tmp.path;
   Result uniform = run_cli("bench --preset tiny --tokens 1,64 --product both --replays 5 --json " + dir +
                            "/uniform.json --export-dir " + dir + "/export");
   EXPECT_EQ(uniform.exit_code, 0) << uniform.output;
@@ -420,16 +431,15 @@ TEST_F(Cli, BenchOnCudaWritesJsonAndExport) {
   EXPECT_EQ(count_of(tjson, "\"check\": \"PASS\""), 2) << tjson;
   EXPECT_EQ(count_of(tjson, "\"expert_tiles\": \"auto\""), 1) << tjson;
   EXPECT_EQ(count_of(tjson, "\"expert_tiles\": \"off\""), 1) << tjson;
-  std::system(("rm -rf '" + dir + "'").c_str());
 }
 
 // Qwen3-MoE on the GPU through the CLI: the preset's bench (its check against float64 passes at a
 // decode and a sorted size), and bench --model on a synthetic qwen3_moe checkpoint.
 TEST_F(Cli, Qwen3BenchAndBenchModelOnCuda) {
   if (!expertqmm::cuda_available()) GTEST_SKIP() << "SKIP: no CUDA device";
-  char dir_template[] = "/tmp/expertqmm_cli_qwen3_bench_XXXXXX";
-  ASSERT_NE(mkdtemp(dir_template), nullptr);
-  const std::string dir = dir_template;
+  const TempDir tmp("qwen3_bench");
+  ASSERT_FALSE(tmp.path.empty());
+  const std::string& dir = tmp.path;
   Result bench = run_cli("bench --preset qwen3-tiny --tokens 1,64 --replays 3 --json " + dir + "/bench.json");
   EXPECT_EQ(bench.exit_code, 0) << bench.output;
   const std::string json = read_file(dir + "/bench.json");
@@ -443,16 +453,15 @@ TEST_F(Cli, Qwen3BenchAndBenchModelOnCuda) {
   EXPECT_NE(mjson.find("\"family\": \"qwen3_moe\""), std::string::npos) << mjson;
   EXPECT_EQ(count_of(mjson, "\"us_per_layer\""), 2) << mjson;
   EXPECT_NE(model.output.find("(qwen3_moe): 3 layers"), std::string::npos) << model.output;
-  std::system(("rm -rf '" + dir + "'").c_str());
 }
 
 // bench --model --versus: each size measured as set and with the given settings in one process, the
 // rows labelled in the JSON and the table (with the change), on a synthetic Gemma 4 checkpoint.
 TEST_F(Cli, BenchModelVersusMeasuresBothConfigurationsOnCuda) {
   if (!expertqmm::cuda_available()) GTEST_SKIP() << "SKIP: no CUDA device";
-  char dir_template[] = "/tmp/expertqmm_cli_versus_XXXXXX";
-  ASSERT_NE(mkdtemp(dir_template), nullptr);
-  const std::string dir = dir_template;
+  const TempDir tmp("versus");
+  ASSERT_FALSE(tmp.path.empty());
+  const std::string& dir = tmp.path;
   Result write = run_cli("write-checkpoint --preset tiny --layers 2 --out " + dir + "/ckpt");
   ASSERT_EQ(write.exit_code, 0) << write.output;
   const std::string versus = "EXPERTQMM_CHAINED_LAUNCH=0,EXPERTQMM_DECODE_ROUTE_IN_GATE_UP=1";
@@ -465,7 +474,6 @@ TEST_F(Cli, BenchModelVersusMeasuresBothConfigurationsOnCuda) {
   EXPECT_EQ(count_of(json, "\"config\": \"versus\""), 2) << json;
   EXPECT_EQ(count_of(model.output, "  default\n"), 2) << model.output;
   EXPECT_EQ(count_of(model.output, "%\n"), 2) << model.output;
-  std::system(("rm -rf '" + dir + "'").c_str());
 }
 
 // A bad EXPERTQMM_* value stops a CPU run too, with one error naming the variable (the CPU path
