@@ -119,7 +119,7 @@ struct DownTcLayout {
 //      sums them in warp order for (column i % 16, row i / 16): gate and up rounded to D, then the
 //      GLU, one rounding, into hidden[row, column].
 // Occupancy (Gemma, bf16, G=64): shared memory 46 KB codes + 5.6 KB scales/biases, 72 registers
-// (ranking: 80): 3 CTAs (24 warps) per SM at any T; T=1: the 352 CTAs are one wave.
+// in every instance (plan or ranking): 3 CTAs (24 warps) per SM at any T; T=1: the 352 CTAs are one wave.
 // kFp (mxfp4 / nvfp4, bf16; G = kTcFpLayoutGroup): the scale codes are staged raw in the scales
 // region (32 rows of K / group bytes: at most the affine layout's 32 * K / 32 * 2), A holds value *
 // scale (tc_fp4_block_dot) and no sum-of-x mma or bias term follows.
