@@ -48,7 +48,6 @@ TEST(Settings, UnsetEnvironmentGivesTheDefaults) {
   EXPECT_EQ(s.deterministic, RouteSwitch::automatic);
   EXPECT_EQ(s.wgmma, RouteSwitch::automatic);
   EXPECT_EQ(s.wgmma_width, 0);
-  EXPECT_EQ(s.decode_gate_up_cols, 0);
 }
 
 TEST(Settings, ExpertTilesVariable) {
@@ -93,11 +92,6 @@ TEST(Settings, WgmmaWidthVariable) {
   for (const char* bad : {"", "0", "48", "96", "n64", "64 ", "256", "-32"}) expect_rejected("EXPERTQMM_WGMMA_WIDTH", bad);
 }
 
-TEST(Settings, DecodeGateUpColsVariable) {
-  for (int c : {16, 32}) EXPECT_EQ(parse({{"EXPERTQMM_DECODE_GATE_UP_COLS", std::to_string(c)}}).decode_gate_up_cols, c);
-  for (const char* bad : {"", "0", "8", "24", "64", "32 ", "-16", "x32"}) expect_rejected("EXPERTQMM_DECODE_GATE_UP_COLS", bad);
-}
-
 // ChainedLaunchScope: this thread's value while it lives (over the API's), nested scopes restore in
 // order, another thread keeps the API's value, and a bad value is refused.
 TEST(Settings, ChainedLaunchScopeIsPerThreadAndRestores) {
@@ -124,7 +118,7 @@ TEST(Settings, ChainedLaunchScopeIsPerThreadAndRestores) {
 // Every variable of the table is parsed (a bad value of each is caught), and nothing else is.
 TEST(Settings, TableListsEveryVariableAndEachIsValidated) {
   const std::vector<SettingInfo> table = settings_table();
-  ASSERT_EQ(table.size(), 8u);
+  ASSERT_EQ(table.size(), 7u);
   for (const SettingInfo& row : table) {
     EXPECT_EQ(row.variable.rfind("EXPERTQMM_", 0), 0u) << row.variable;
     EXPECT_FALSE(row.values.empty() || row.current.empty() || row.what.empty()) << row.variable;
@@ -199,16 +193,6 @@ TEST(Settings, ApiOverridesAndRejectsBadValues) {
   EXPECT_THROW(set_wgmma_width(48), Error);
   EXPECT_EQ(wgmma_width(), 64);
   set_wgmma_width(width_before);
-
-  set_decode_gate_up_cols(32);
-  EXPECT_EQ(decode_gate_up_cols(), 32);
-  for (int bad : {8, 24, 64, -1}) EXPECT_THROW(set_decode_gate_up_cols(bad), Error);
-  EXPECT_EQ(decode_gate_up_cols(), 32);
-  set_setting("EXPERTQMM_DECODE_GATE_UP_COLS", std::string("16"));
-  EXPECT_EQ(decode_gate_up_cols(), 16);
-  EXPECT_THROW(set_setting("EXPERTQMM_DECODE_GATE_UP_COLS", std::string("48")), Error);
-  set_setting("EXPERTQMM_DECODE_GATE_UP_COLS", std::nullopt);
-  EXPECT_EQ(decode_gate_up_cols(), 0);  // the environment of the test run sets none
 
   // Each route switch: the set value is in force, a bad one is refused, the old one comes back.
   struct SwitchApi {

@@ -4,7 +4,6 @@
 // does not take, and CUDA graph capture + replay as three kernel nodes.
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -238,70 +237,3 @@ TEST(GpuMoeDecode, RouteInGateUpIsBitIdenticalAtOneToken) {
   test::expect_replays_match(graph, stream.get(), replayed, expected, 3, "T=1 routed in gate/up");
 #endif
 }
-
-// The gate/up CTA's two widths (16 or 32 output columns: decode_gate_up_cta_cols, pinned here by
-// EXPERTQMM_DECODE_GATE_UP_COLS' API) split K and sum the warps' partials alike, so they give the
-// same bytes: at odd geometries (I = 96: three wide CTAs per group row), group 32 / 64 / 128, fused
-// gate_up, f16, SwiGLU, mxfp4 and Qwen3's router, at 2-8 tokens. The backend table checks the
-// widths the rule picks against float64.
-TEST(GpuMoeDecode, GateUpCtaWidthsGiveTheSameBytes) {
-  EXPERTQMM_REQUIRE_GPU();
-  test::DecodeSwitchGuard on(RouteSwitch::on);
-  using ColsGuard = test::SettingGuard<int, decode_gate_up_cols, set_decode_gate_up_cols>;
-  std::vector<test::MoeGeometry> geometries = {
-      {2816, 704, 128, 8, 4, 64, 8, false, Activation::geglu, DType::bf16},
-      {2816, 704, 16, 8, 4, 64, 8, true, Activation::geglu, DType::f16},
-      {320, 96, 16, 4, 4, 32, 8, false, Activation::geglu, DType::bf16},
-      {256, 128, 32, 8, 4, 128, 0, true, Activation::swiglu, DType::bf16}};
-  test::MoeGeometry fp4{512, 256, 32, 4, 4, 32, 8, false, Activation::geglu, DType::bf16};
-  fp4.mode = QuantMode::mxfp4;
-  geometries.push_back(fp4);
-  test::MoeGeometry qwen3{2048, 768, 128, 8, 4, 64, 8, false, Activation::swiglu, DType::bf16, RouterKind::softmax_topk};
-  geometries.push_back(qwen3);
-  for (const test::MoeGeometry& g : geometries) {
-    const test::Layer l = test::make_layer(g);
-    for (int64_t T : {2, 5, 8}) {
-      const std::string what = g.name() + detail::cat(" T=", T);
-      const DecodeInputs in(g, T);
-      std::vector<uint8_t> bytes[2];
-      for (int wide = 0; wide < 2; ++wide) {
-        ColsGuard cols(wide ? 32 : 16);
-#ifdef EXPERTQMM_HAVE_CUDA
-        const int64_t group_rows = std::min<int64_t>(T * g.k, g.E);  // (an fp mode's G is not read)
-        EXPECT_EQ(cuda::decode_gate_up_cta_cols(group_rows, g.H, g.group, g.mode != QuantMode::affine), wide ? 32 : 16)
-            << what << ": this device should take the pinned width";
-#endif
-        Workspace ws;
-        const uint64_t before = test::decode_hits();
-        bytes[wide] = test::run_layer(in.h, in.x, l.gpu, ws).to_host_bytes();
-        cuda_check();
-        EXPECT_EQ(test::decode_hits(), before + 1) << what << ": the decode layer did not serve the call";
-      }
-      EXPECT_EQ(bytes[1], bytes[0]) << what << ": the wide gate/up CTA's output differs from the narrow one's";
-    }
-  }
-}
-
-#ifdef EXPERTQMM_HAVE_CUDA
-// The width rule itself (host only): 32 columns from 32 expert groups, a pinned width wins, and a
-// wide CTA whose shared memory does not fit twice in an SM (or not at all) stays 16 even pinned.
-TEST(GpuMoeDecode, GateUpCtaWidthRule) {
-  EXPERTQMM_REQUIRE_GPU();
-  using ColsGuard = test::SettingGuard<int, decode_gate_up_cols, set_decode_gate_up_cols>;
-  {
-    ColsGuard rule(0);
-    EXPECT_EQ(cuda::decode_gate_up_cta_cols(16, 2816, 64, false), 16);  // T = 2 at top-8
-    EXPECT_EQ(cuda::decode_gate_up_cta_cols(1, 2816, 64, false), 16);   // a dense MLP: one group
-    EXPECT_EQ(cuda::decode_gate_up_cta_cols(32, 2816, 64, false), 32);  // T = 4
-    EXPECT_EQ(cuda::decode_gate_up_cta_cols(64, 2048, 64, false), 32);  // Qwen3 at T = 8
-    EXPECT_EQ(cuda::decode_gate_up_cta_cols(64, 8192, 32, false), 16);  // 64 code rows of 4 KB: too big
-  }
-  {
-    ColsGuard pinned(32);
-    EXPECT_EQ(cuda::decode_gate_up_cta_cols(1, 2816, 64, false), 32);
-    EXPECT_EQ(cuda::decode_gate_up_cta_cols(64, 8192, 32, false), 16);
-  }
-  ColsGuard narrow(16);
-  EXPECT_EQ(cuda::decode_gate_up_cta_cols(64, 2816, 64, false), 16);
-}
-#endif

@@ -83,12 +83,6 @@ RouteSwitch wgmma_setting();
 void set_wgmma_width(int width);
 int wgmma_width();
 
-// EXPERTQMM_DECODE_GATE_UP_COLS=16|32 pins the output columns of the decode layer's gate/up CTA (4-bit
-// experts, 2-8 tokens; one token ranking its own routing is always 16); 32 runs only where two such
-// CTAs fit an SM's shared memory, else 16. 0 / unset: the measured rule (gate_up_cta_cols).
-void set_decode_gate_up_cols(int cols);
-int decode_gate_up_cols();
-
 // One row per environment variable: its name, the values it takes, the value in force (after API
 // overrides) and what it does. `expertqmm info` prints it; the settings tests iterate it.
 struct SettingInfo {

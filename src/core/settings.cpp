@@ -32,16 +32,10 @@ int parse_wgmma_width(const char* variable, const std::optional<std::string>& va
   throw Error("settings", cat(variable, "='", *value, "' is not valid: use 32, 64 or 128, or leave it unset"));
 }
 
-int parse_gate_up_cols(const char* variable, const std::optional<std::string>& value) {
-  if (!value) return 0;
-  if (*value == "16" || *value == "32") return std::stoi(*value);
-  throw Error("settings", cat(variable, "='", *value, "' is not valid: use 16 or 32, or leave it unset"));
-}
-
 // API overrides: -1 = none (the environment decides), else the value.
 constexpr int kNone = -1;
 std::atomic<int> g_expert_tiles{kNone}, g_decode_layer{kNone}, g_decode_route_in_gate_up{kNone}, g_chained_launch{kNone}, g_deterministic{kNone}, g_wgmma{kNone},
-    g_wgmma_width{kNone}, g_decode_gate_up_cols{kNone};
+    g_wgmma_width{kNone};
 std::atomic<ProductMode> g_product_mode{ProductMode::fused};
 thread_local int t_chained_launch = kNone;  // ChainedLaunchScope's value on this thread
 
@@ -87,11 +81,6 @@ const Variable kVariables[] = {
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.wgmma_width = parse_wgmma_width(n, v); },
      [] { return wgmma_width() ? std::to_string(wgmma_width()) : std::string("auto"); },
      &g_wgmma_width, [](const EnvSettings& e) { return e.wgmma_width; }},
-    {"EXPERTQMM_DECODE_GATE_UP_COLS", "16|32",
-     "pins the decode gate/up CTA's output columns (32 only where two such CTAs fit an SM; unset: the measured rule)",
-     [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.decode_gate_up_cols = parse_gate_up_cols(n, v); },
-     [] { return decode_gate_up_cols() ? std::to_string(decode_gate_up_cols()) : std::string("auto"); },
-     &g_decode_gate_up_cols, [](const EnvSettings& e) { return e.decode_gate_up_cols; }},
 };
 
 // The environment, parsed on first use. A bad value is kept as its message and thrown on every read.
@@ -189,16 +178,6 @@ void set_wgmma_width(int width) {
 int wgmma_width() {
   const int v = g_wgmma_width.load();
   return v == kNone ? env().wgmma_width : v;
-}
-
-void set_decode_gate_up_cols(int cols) {
-  EXPERTQMM_CHECK(cols == 0 || cols == 16 || cols == 32, "set_decode_gate_up_cols", "cols ", cols,
-                  " is not 0 (the measured rule), 16 or 32");
-  g_decode_gate_up_cols.store(cols);
-}
-int decode_gate_up_cols() {
-  const int v = g_decode_gate_up_cols.load();
-  return v == kNone ? env().decode_gate_up_cols : v;
 }
 
 void set_setting(const std::string& variable, const std::optional<std::string>& value) {

@@ -18,7 +18,6 @@ struct EnvSettings {
   RouteSwitch deterministic = RouteSwitch::automatic;  // automatic = off
   RouteSwitch wgmma = RouteSwitch::automatic;          // automatic = on where available
   int wgmma_width = 0;                                 // 0: the measured table
-  int decode_gate_up_cols = 0;                         // 0: the measured rule
 };
 
 // Looks a variable up: the value, or nullopt when unset.

@@ -222,7 +222,6 @@ template <DType D>
 using MmaType = std::conditional_t<D == DType::bf16, __nv_bfloat16, __half>;
 
 constexpr int kTcRows = 16;       // weight rows per mma tile
-constexpr int kTcWideCols = 32;   // output columns of a wide gate/up CTA (two tiles per projection)
 constexpr int kTcMaxN = 8;        // activation rows per mma (T <= 8)
 static_assert(kDecodeMaxTokens >= kTcMaxN, "plan_group reads token[g][lane row] for every mma column");
 constexpr int kTcRowPad = 32;     // bytes after each staged code row (bank spread, 16-byte aligned)
@@ -338,10 +337,9 @@ void launch_router(DType dtype, int proj_bits, const RouterArgs& a, size_t smem,
                    bool chained = false);
 // Kernel 2 on tensor cores, 4-bit experts, group G in {32, 64, 128} (moe_decode_gate_up.cu); n = T*k.
 // fp: an fp4 mode's codes (mxfp4 / nvfp4, bf16; G is then the mode's group: 32 or 16).
-// cols: output columns per CTA, kTcRows or kTcWideCols (decode_gate_up_cta_cols; a ranked call: kTcRows).
-size_t gate_up_mma_smem(int64_t H, int G, bool fp = false, int cols = kTcRows);
+size_t gate_up_mma_smem(int64_t H, int G, bool fp = false);
 void launch_gate_up_mma(DType dtype, int G, Activation act, const GateUpArgs& a, int n, size_t smem,
-                        cudaStream_t stream, bool fp = false, int cols = kTcRows);
+                        cudaStream_t stream, bool fp = false);
 // Kernel 3 on tensor cores, 4-bit experts (moe_decode_down.cu).
 size_t down_mma_smem(int64_t k, int64_t I, int G, bool fp = false);
 void launch_down_mma(DType dtype, int G, const DownArgs& a, int T, size_t smem, cudaStream_t stream, bool fp = false);

@@ -10,25 +10,22 @@ namespace {
 // registers) for multi-wave grids lost at T = 4 / 8 (bench/NOTES.md step 31: the kernel issues an
 // instruction in 58% of its cycles at T = 8, so more warps per SM do not hide more).
 // kSource: the plan, or a one-token call's CTAs ranking the router's logits (GateUpArgs::logits).
-// kCols: output columns per CTA (the plan's instances 16 or 32; the ranked ones 16).
-template <DType D, int G, Activation A, bool kFp, GroupSource kSource, int kCols>
+template <DType D, int G, Activation A, bool kFp, GroupSource kSource>
 __global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_mma_kernel(GateUpArgs a) {
   extern __shared__ __align__(16) unsigned char tc_smem[];
-  gate_up_glu_mma_tile<D, G, A, kFp, kSource, kCols>(a, blockIdx.x, blockIdx.y, tc_smem);
+  gate_up_glu_mma_tile<D, G, A, kFp, kSource>(a, blockIdx.x, blockIdx.y, tc_smem);
 }
 
 }  // namespace
 
 
-size_t gate_up_mma_smem(int64_t H, int G, bool fp, int cols) {
-  return GateUpTcLayout(static_cast<int>(H), fp ? kTcFpLayoutGroup : G, cols).total;
+size_t gate_up_mma_smem(int64_t H, int G, bool fp) {
+  return GateUpTcLayout(static_cast<int>(H), fp ? kTcFpLayoutGroup : G).total;
 }
 
 void launch_gate_up_mma(DType dtype, int G, Activation act, const GateUpArgs& a, int n, size_t smem,
-                        cudaStream_t stream, bool fp, int cols) {
-  EXPERTQMM_CHECK(cols == kTcRows || (cols == kTcWideCols && a.logits == nullptr), "decode gate/up", "cols ", cols,
-                  " is not ", kTcRows, " or (reading the plan) ", kTcWideCols);
-  const dim3 grid(ceil_div(a.I, cols), static_cast<unsigned>(std::min(n, a.E)));
+                        cudaStream_t stream, bool fp) {
+  const dim3 grid(ceil_div(a.I, kTcRows), static_cast<unsigned>(std::min(n, a.E)));
   auto launch = [&](auto kernel) {
     allow_smem(reinterpret_cast<const void*>(kernel));
     kernel<<<grid, kThreads, smem, stream>>>(a);
@@ -42,12 +39,9 @@ void launch_gate_up_mma(DType dtype, int G, Activation act, const GateUpArgs& a,
     constexpr int GS = decltype(gtag)::value;
     constexpr bool F = decltype(fptag)::value;
     constexpr Activation AC = decltype(atag)::value;
-    if (source == GroupSource::plan && cols == kTcWideCols)
-      launch(decode_gate_up_glu_mma_kernel<DT, GS, AC, F, GroupSource::plan, kTcWideCols>);
-    else if (source == GroupSource::plan) launch(decode_gate_up_glu_mma_kernel<DT, GS, AC, F, GroupSource::plan, kTcRows>);
-    else if (source == GroupSource::rank_logits)
-      launch(decode_gate_up_glu_mma_kernel<DT, GS, AC, F, GroupSource::rank_logits, kTcRows>);
-    else launch(decode_gate_up_glu_mma_kernel<DT, GS, AC, F, GroupSource::rank_softmax, kTcRows>);
+    if (source == GroupSource::plan) launch(decode_gate_up_glu_mma_kernel<DT, GS, AC, F, GroupSource::plan>);
+    else if (source == GroupSource::rank_logits) launch(decode_gate_up_glu_mma_kernel<DT, GS, AC, F, GroupSource::rank_logits>);
+    else launch(decode_gate_up_glu_mma_kernel<DT, GS, AC, F, GroupSource::rank_softmax>);
   };
   auto with_form = [&](auto dtag, auto gtag, auto fptag) {
     if (act == Activation::geglu) with_source(dtag, gtag, fptag, std::integral_constant<Activation, Activation::geglu>{});

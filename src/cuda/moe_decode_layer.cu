@@ -190,9 +190,7 @@ void launch_decode_glu(const Tensor& x, const QuantizedWeight& gate, const Quant
   ga.identity_rows = T;
   ga.hidden = static_cast<uint16_t*>(hidden);
   ga.faults = device_faults();
-  const int cols = decode_gate_up_cta_cols(ga.E, H, gate.group_size, false);  // one group: 16 unless pinned
-  launch_gate_up_mma(x.dtype(), gate.group_size, act, ga, T, gate_up_mma_smem(H, gate.group_size, false, cols),
-                     current_stream(), false, cols);
+  launch_gate_up_mma(x.dtype(), gate.group_size, act, ga, T, gate_up_mma_smem(H, gate.group_size), current_stream());
 }
 
 DecodeScratch decode_scratch(int64_t T, int64_t k, int64_t E, int64_t I) {
@@ -212,14 +210,6 @@ bool decode_routes_in_gate_up(int64_t T, int gate_bits, int64_t E, int64_t k, bo
   const RouteSwitch s = decode_route_in_gate_up_setting();
   const bool wanted = s == RouteSwitch::on || (s == RouteSwitch::automatic && !router_chained);
   return wanted && T == 1 && gate_bits == 4 && E <= decode::kThreads && k <= decode::kDecodeMaxTopK;
-}
-
-int decode_gate_up_cta_cols(int64_t group_rows, int64_t H, int G, bool fp) {
-  constexpr int64_t kWideFromGroups = 32;  // the measured rule (bench/NOTES.md step 40)
-  const int pinned = decode_gate_up_cols();
-  const bool wanted = pinned ? pinned == kTcWideCols : group_rows >= kWideFromGroups;
-  const size_t wide = gate_up_mma_smem(H, G, fp, kTcWideCols);
-  return wanted && wide <= kDecodeMaxSmem && 2 * (wide + 1024) <= smem_per_sm() ? kTcWideCols : kTcRows;
 }
 
 void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, const Tensor& h, const Tensor& x,
@@ -311,11 +301,9 @@ void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, 
   const bool fp_gate = gate.mode != QuantMode::affine, fp_down = ex.down.mode != QuantMode::affine;
   launch_router(D, proj_bits, ra, router_smem(T, H), stream, quantized && rt.proj.mode != QuantMode::affine,
                 chain_router);
-  if (gate.bits == 4) {
-    const int cols = route_in_gate_up ? kTcRows : decode_gate_up_cta_cols(std::min(n, E), H, gate.group_size, fp_gate);
-    launch_gate_up_mma(D, gate.group_size, ex.activation, ga, n, gate_up_mma_smem(H, gate.group_size, fp_gate, cols),
-                       stream, fp_gate, cols);
-  }
+  if (gate.bits == 4)
+    launch_gate_up_mma(D, gate.group_size, ex.activation, ga, n, gate_up_mma_smem(H, gate.group_size, fp_gate), stream,
+                       fp_gate);
   else
     launch_gate_up_scalar(D, ex.activation, ga, n, gate_up_scalar_smem(T, H), stream);
   if (ex.down.bits == 4)

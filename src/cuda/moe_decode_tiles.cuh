@@ -9,21 +9,19 @@
 
 namespace expertqmm::cuda::decode {
 
-// Shared memory of the tensor-core gate/up kernel (bytes), with its region offsets, for a CTA of
-// `cols` output columns (kTcRows or kTcWideCols): 2 * cols staged code rows (gate, then up).
+// Shared memory of the tensor-core gate/up kernel (bytes), with its region offsets.
 struct GateUpTcLayout {
-  int code_row, groups, staged_rows;
+  int code_row, groups;
   size_t codes, scales, biases, total;
-  __host__ __device__ GateUpTcLayout(int H, int G, int cols) {
+  __host__ __device__ GateUpTcLayout(int H, int G) {
     code_row = tc_code_row_bytes(H);
     groups = H / G;
-    staged_rows = 2 * cols;
-    const size_t code_bytes = static_cast<size_t>(staged_rows) * code_row;
-    const size_t red_bytes = static_cast<size_t>(kWarps) * staged_rows * kTcMaxN * sizeof(float);
+    const size_t code_bytes = static_cast<size_t>(2 * kTcRows) * code_row;
+    const size_t red_bytes = static_cast<size_t>(kWarps) * 2 * kTcRows * kTcMaxN * sizeof(float);
     codes = 0;
     scales = code_bytes > red_bytes ? code_bytes : red_bytes;  // the reduction reuses the codes' space
-    biases = scales + static_cast<size_t>(staged_rows) * groups * sizeof(uint16_t);
-    total = biases + static_cast<size_t>(staged_rows) * groups * sizeof(uint16_t);
+    biases = scales + static_cast<size_t>(2 * kTcRows) * groups * sizeof(uint16_t);
+    total = biases + static_cast<size_t>(2 * kTcRows) * groups * sizeof(uint16_t);
   }
 };
 
@@ -101,45 +99,37 @@ struct DownTcLayout {
   }
 };
 
-// Work split: grid (ceil(I / C), min(n, E)), 256 threads, __launch_bounds__(256, 2), C = kCols output
-// columns per CTA (kTcRows = 16, or kTcWideCols = 32: gate_up_cta_cols). CTA (x, g) (col_block, g_idx
-// below: the CTA's coordinates in that grid; tc_smem: its dynamic shared memory) takes expert group g
-// of the plan (CTAs past the plan's group count exit at once) and output columns [Cx, Cx + C): C / 16
-// gate tiles (staged rows 0..C-1) and C / 16 up tiles (C..2C-1) of 16-row mma tiles, times the
-// group's activation rows (<= 8: the mma's n).
+// Work split: grid (ceil(I / 16), min(n, E)), 256 threads, __launch_bounds__(256, 2). CTA (x, g)
+// (col_block, g_idx below: the CTA's coordinates in that grid; tc_smem: its dynamic shared memory)
+// takes expert group g of the plan (CTAs past the plan's group count exit at once) and output
+// columns [16x, 16x + 16): two 16-row mma tiles, gate rows (staged rows 0..15) and up rows
+// (16..31) of those columns, times the group's activation rows (<= 8: the mma's n).
 //   1. plan entry with the lane's token (plan_group: one L2 round trip, every field read before
-//      the group count is checked), then everything the CTA needs is requested at once: the 2C
+//      the group count is checked), then everything the CTA needs is requested at once: the 32
 //      code rows by cp.async into shared memory in two commit groups (the first and second half
-//      of the K groups; 256 / 2C threads per row, 16-byte chunks) with the scales and biases (raw,
-//      by cp.async in the first group: the contiguous C-row spans). Gemma: 45 / 90 KB of codes.
+//      of the K groups; 8 threads per row, 16-byte chunks) with the scales and biases (raw, by
+//      cp.async in the first group: the contiguous 16-row spans). Gemma: 45 KB of codes per CTA.
 //   2. K is split across the warps: warp w takes groups w, w+8, ... of the first half as soon as
 //      it has landed, then of the second half. B is read straight from global memory (the T <= 8
 //      activation rows are shared by every CTA: L1/L2 hits), the lane's 16-byte unit per code word
 //      reordered in registers, one group ahead (the first before the wait for the codes); B column
-//      n is the group's row n. Per group: every tile's G/16 mma steps, and G/16 more with A = 1 for
-//      sum(x) of each column (the bias term), so no activation staging and no barrier for it. The
-//      wide CTA shares a group's activation loads and sum(x) steps over twice the tiles and pays
-//      the plan's and the codes' first round trips once for twice the columns (bench/NOTES.md
-//      step 40), at 2 CTAs per SM (shared memory) instead of 3.
-//   3. the 8 warps' fp32 partials go through shared memory (the codes' space) and thread i < Cn
-//      sums them in warp order for (column i % C, row i / C): gate and up rounded to D, then the
+//      n is the group's row n. Per group: both tiles' G/16 mma steps, and G/16 more with A = 1 for
+//      sum(x) of each column (the bias term), so no activation staging and no barrier for it.
+//   3. the 8 warps' fp32 partials go through shared memory (the codes' space) and thread i < 16n
+//      sums them in warp order for (column i % 16, row i / 16): gate and up rounded to D, then the
 //      GLU, one rounding, into hidden[row, column].
-// Occupancy (Gemma, bf16, G=64): C = 16: shared memory 46 KB codes + 5.6 KB scales/biases, 72
-// registers in every instance (plan or ranking): 3 CTAs (24 warps) per SM at any T; T=1: the 352
-// CTAs are one wave. C = 32: 92 + 11 KB, 2 CTAs per SM.
+// Occupancy (Gemma, bf16, G=64): shared memory 46 KB codes + 5.6 KB scales/biases, 72 registers
+// in every instance (plan or ranking): 3 CTAs (24 warps) per SM at any T; T=1: the 352 CTAs are one wave.
 // kFp (mxfp4 / nvfp4, bf16; G = kTcFpLayoutGroup): the scale codes are staged raw in the scales
-// region (2C rows of K / group bytes: at most the affine layout's 2C * K / 32 * 2), A holds value *
+// region (32 rows of K / group bytes: at most the affine layout's 32 * K / 32 * 2), A holds value *
 // scale (tc_fp4_block_dot) and no sum-of-x mma or bias term follows.
 // Where a gate/up CTA learns its expert group: the plan, or (a.logits set) ranking the router's
 // logits itself (rank_group), as Gemma's router ranks them or as the softmax top-k one does. A
 // compile-time choice, so that each instance holds one way's code: the plan-reading instances' hot
 // loop was rescheduled (+3.9% at T = 2 / 8) while both rankings shared their body (NOTES steps 37-38).
 enum class GroupSource { plan, rank_logits, rank_softmax };
-template <DType D, int G, Activation A, bool kFp, GroupSource kSource, int kCols>
+template <DType D, int G, Activation A, bool kFp, GroupSource kSource>
 __device__ __forceinline__ void gate_up_glu_mma_tile(const GateUpArgs& a, int col_block, int g_idx, unsigned char* tc_smem) {
-  static_assert(kCols == kTcRows || kCols == kTcWideCols, "16 or 32 output columns per CTA");
-  static_assert(kSource == GroupSource::plan || kCols == kTcRows, "a ranked CTA (one token) is 16 columns wide");
-  constexpr int kColTiles = kCols / kTcRows;  // 16-row tiles per projection: gate tiles, then up tiles
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 
   PlanGroup pg;
@@ -165,46 +155,45 @@ __device__ __forceinline__ void gate_up_glu_mma_tile(const GateUpArgs& a, int co
   }
   count = min(count, kTcMaxN);  // a plan group holds <= T <= 8 rows: the mma's n
   constexpr float kBias = device::kCodeBias<MmaType<D>>;
-  const GateUpTcLayout L(a.H, G, kCols);
+  const GateUpTcLayout L(a.H, G);
   unsigned char* codes = tc_smem + L.codes;
   uint16_t* sc = reinterpret_cast<uint16_t*>(tc_smem + L.scales);  // raw D, (32 staged rows, groups)
   uint16_t* bi = reinterpret_cast<uint16_t*>(tc_smem + L.biases);
-  const int col0 = col_block * kCols;
+  const int col0 = col_block * kTcRows;
   const int chunks = a.H / 32;                             // 16-byte chunks per code row
   const int half_groups = L.groups / 2;
   const int half_chunks = half_groups * (G / 32);
 
-  // 1a. codes: thread (r = tid / P, j = tid % P), P = 256 / 2C, copies chunks j, j + P, ... of staged
-  //     row r (r < C: gate, else up), the first half of the K groups as one commit group, the second
-  //     as another. Column blocks are whole: I is a multiple of 32 for 4-bit experts (down's K).
+  // 1a. codes: thread (r = tid / 8, j = tid % 8) copies chunks j, j + 8, ... of staged row r (r < 16:
+  //     gate, else up), the first half of the K groups as one commit group, the second as another.
+  //     Column blocks are whole: I is a multiple of 32 for 4-bit experts (down's K).
   const int64_t gate_first = static_cast<int64_t>(e) * a.gate_rows_per_expert + a.gate_row0 + col0;
   const int64_t up_first = static_cast<int64_t>(e) * a.up_rows_per_expert + a.up_row0 + col0;
   {
-    constexpr int kPerRow = kThreads / (2 * kCols);  // 8 or 4 threads per staged row
+    constexpr int kPerRow = kThreads / (2 * kTcRows);  // 8 threads per staged row
     const int r = tid / kPerRow, j = tid % kPerRow;
-    const uint4* src = reinterpret_cast<const uint4*>(r < kCols ? a.gate.w : a.up.w) +
-                       ((r < kCols ? gate_first : up_first) + r % kCols) * chunks;
+    const uint4* src = reinterpret_cast<const uint4*>(r < kTcRows ? a.gate.w : a.up.w) +
+                       ((r < kTcRows ? gate_first : up_first) + r % kTcRows) * chunks;
     unsigned char* dst = codes + r * L.code_row;
     for (int c = j; c < half_chunks; c += kPerRow) device::cp_async_16(dst + 16 * c, src + c, true);
-    // 1b. the scales and biases of the two C-row spans (contiguous, 2C * groups bytes each, 16-byte
+    // 1b. the scales and biases of the two 16-row spans (contiguous, 32 * groups bytes each, 16-byte
     //     aligned: supports_decode_layer), raw, with the first half. kFp: the two spans of scale
-    //     codes (C * fp_groups bytes each, 16-byte aligned: supports_decode_layer).
+    //     codes (16 * fp_groups bytes each, 16-byte aligned: supports_decode_layer).
     if constexpr (kFp) {
       const int fp_groups = a.H >> a.gate.group_shift;
       unsigned char* to = reinterpret_cast<unsigned char*>(sc);
-      const int span_chunks = kColTiles * fp_groups;  // C * fp_groups bytes
-      for (int i = tid; i < 2 * span_chunks; i += kThreads) {
-        const int which = i / span_chunks, c = i - which * span_chunks;  // which: gate, up
+      for (int i = tid; i < 2 * fp_groups; i += kThreads) {
+        const int which = i / fp_groups, c = i - which * fp_groups;  // which: gate, up
         const uint8_t* from = (which == 0 ? a.gate.fp_scales : a.up.fp_scales) + (which == 0 ? gate_first : up_first) * fp_groups;
-        device::cp_async_16(to + which * kCols * fp_groups + 16 * c, from + 16 * c, true);
+        device::cp_async_16(to + which * kTcRows * fp_groups + 16 * c, from + 16 * c, true);
       }
     } else {
-      const int span_chunks = 2 * kColTiles * L.groups;  // C * groups 16-bit values
+      const int span_chunks = 2 * L.groups;
       for (int i = tid; i < 4 * span_chunks; i += kThreads) {
         const int which = i / span_chunks, c = i - which * span_chunks;  // which: gate s, gate b, up s, up b
         const uint16_t* base = which == 0 ? a.gate.scales : which == 1 ? a.gate.biases : which == 2 ? a.up.scales : a.up.biases;
         const int64_t first = (which < 2 ? gate_first : up_first) * L.groups;
-        uint16_t* to = (which & 1 ? bi : sc) + (which >> 1) * kCols * L.groups;
+        uint16_t* to = (which & 1 ? bi : sc) + (which >> 1) * kTcRows * L.groups;
         device::cp_async_16(to + 8 * c, base + first + 8 * c, true);
       }
     }
@@ -225,7 +214,7 @@ __device__ __forceinline__ void gate_up_glu_mma_tile(const GateUpArgs& a, int co
   const uint32_t ones[4] = {kTcOnePair<D>, kTcOnePair<D>, kTcOnePair<D>, kTcOnePair<D>};
 
   // 2. K split across warps; each half as soon as it has landed.
-  float acc[2 * kColTiles][4] = {};
+  float acc[2][4] = {};
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int grp_begin = (h == 0 ? 0 : half_groups) + warp, grp_end = h == 0 ? half_groups : L.groups;
@@ -242,7 +231,7 @@ __device__ __forceinline__ void gate_up_glu_mma_tile(const GateUpArgs& a, int co
         const bool e4m3 = a.gate.fp_mode == static_cast<int>(QuantMode::nvfp4);
         const uint8_t* codes8 = reinterpret_cast<const uint8_t*>(sc);
 #pragma unroll
-        for (int tile = 0; tile < 2 * kColTiles; ++tile) {
+        for (int tile = 0; tile < 2; ++tile) {
           const int r = tile * kTcRows + g;
           const uint32_t s_lo = device::FpDequantBf16::scale_pair(codes8[r * fp_groups + si], e4m3);
           const uint32_t s_hi = device::FpDequantBf16::scale_pair(codes8[(r + 8) * fp_groups + si], e4m3);
@@ -258,7 +247,7 @@ __device__ __forceinline__ void gate_up_glu_mma_tile(const GateUpArgs& a, int co
         device::Mma<MmaType<D>>::run(xsum, ones, xb[w].z, xb[w].w);
       }
 #pragma unroll
-      for (int tile = 0; tile < 2 * kColTiles; ++tile) {
+      for (int tile = 0; tile < 2; ++tile) {
         const int r = tile * kTcRows + g;
         float c[4] = {0.f, 0.f, 0.f, 0.f};
         tc_group_dot<D, G>(codes + r * L.code_row, codes + (r + 8) * L.code_row, grp, t, xb, c);
@@ -277,23 +266,23 @@ __device__ __forceinline__ void gate_up_glu_mma_tile(const GateUpArgs& a, int co
 
   // 3. partials (warp, staged row, activation row) in the codes' space, summed in warp order.
   __syncthreads();
-  float* red = reinterpret_cast<float*>(codes);  // [kWarps][2C staged rows][kTcMaxN]
+  float* red = reinterpret_cast<float*>(codes);  // [kWarps][32 staged rows][kTcMaxN]
 #pragma unroll
-  for (int tile = 0; tile < 2 * kColTiles; ++tile) {
-    float* rw = red + (warp * 2 * kCols + tile * kTcRows + g) * kTcMaxN + 2 * t;
+  for (int tile = 0; tile < 2; ++tile) {
+    float* rw = red + (warp * 2 * kTcRows + tile * kTcRows + g) * kTcMaxN + 2 * t;
     rw[0] = acc[tile][0];
     rw[1] = acc[tile][1];
     rw[8 * kTcMaxN] = acc[tile][2];
     rw[8 * kTcMaxN + 1] = acc[tile][3];
   }
   __syncthreads();
-  for (int i = tid; i < kCols * count; i += kThreads) {
-    const int j = i % kCols, n = i / kCols;
+  for (int i = tid; i < kTcRows * count; i += kThreads) {
+    const int j = i % kTcRows, n = i / kTcRows;
     float gate = 0.f, up = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      gate += red[(w * 2 * kCols + j) * kTcMaxN + n];
-      up += red[(w * 2 * kCols + kCols + j) * kTcMaxN + n];
+      gate += red[(w * 2 * kTcRows + j) * kTcMaxN + n];
+      up += red[(w * 2 * kTcRows + kTcRows + j) * kTcMaxN + n];
     }
     const int64_t out_row = row_of(begin + n);
     a.hidden[out_row * a.I + col0 + j] = Elem<D>::store(device::glu<A>(round_to<D>(gate), round_to<D>(up)));

@@ -168,18 +168,6 @@ bool chained_launch_available() {
   return major >= 9;
 }
 
-size_t smem_per_sm() {
-  constexpr int kDevices = 64;
-  static std::atomic<int> known[kDevices] = {};  // 0 unknown, else the bytes
-  int device = 0;
-  EXPERTQMM_CUDA_CHECK(cudaGetDevice(&device));
-  if (device < kDevices && known[device].load(std::memory_order_relaxed) != 0) return known[device].load();
-  int bytes = 0;
-  EXPERTQMM_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
-  if (device < kDevices) known[device].store(bytes, std::memory_order_relaxed);
-  return static_cast<size_t>(bytes);
-}
-
 }  // namespace expertqmm::cuda
 
 namespace expertqmm::cuda {

@@ -60,9 +60,6 @@ inline unsigned ceil_div(int64_t a, int64_t b) { return static_cast<unsigned>((a
 
 // Whether the current device takes programmatic dependent launches (compute capability 9.0 and up).
 bool chained_launch_available();
-// The current device's shared memory per SM in bytes (cudaDevAttrMaxSharedMemoryPerMultiprocessor;
-// read once per device): what decides how many CTAs of a launch share an SM.
-size_t smem_per_sm();
 
 // kernel<<<grid, block, smem, stream>>>(args...), as a programmatic dependent launch when `chained`
 // and the device takes it (device/pdl.cuh says what the kernel must then do).

@@ -433,18 +433,6 @@ void moe_rows(Table& t) {
   }
   for (const auto& d : decode)
     for (int64_t T : d.second) add(t, large, MoeLayerCase{d.first, T, MoePath::decode});
-  // From 32 expert groups (min(T*k, E)) the 4-bit gate/up CTA is 32 columns wide
-  // (decode_gate_up_cta_cols): Gemma 4's E = 128 at T = 4 / 8, f16 fused and mxfp4 at 8, and a small
-  // one the sanitizers see.
-  add(t, small, MoeLayerCase{{256, 128, 32, 8, 4, 64, 8, false, Activation::geglu, DType::bf16}, 4, MoePath::decode});
-  for (int64_t T : {4, 8})
-    add(t, large, MoeLayerCase{{2816, 704, 128, 8, 4, 64, 8, false, Activation::geglu, DType::bf16}, T, MoePath::decode});
-  add(t, large, MoeLayerCase{{2816, 704, 128, 8, 4, 64, 8, true, Activation::geglu, DType::f16}, 8, MoePath::decode});
-  {
-    MoeGeometry fp4{2816, 704, 128, 8, 4, 32, 8, false, Activation::geglu, DType::bf16};
-    fp4.mode = QuantMode::mxfp4;
-    add(t, large, MoeLayerCase{fp4, 8, MoePath::decode});
-  }
   // The decode layer's fp4 kernels (mxfp4 group 32, nvfp4 group 16; bf16): separate and fused
   // gate_up, both activations, Gemma 4's geometry, k from 2 to 8 (T = 1 / 8: one and eight rows per
   // expert group; 3: rows shared by tokens); routers affine 8-bit and in each fp mode (the router
