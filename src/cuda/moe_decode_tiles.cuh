@@ -105,14 +105,12 @@ struct DownTcLayout {
 // columns [16x, 16x + 16): two 16-row mma tiles, gate rows (staged rows 0..15) and up rows
 // (16..31) of those columns, times the group's activation rows (<= 8: the mma's n).
 //   1. plan entry with the lane's token (plan_group: one L2 round trip, every field read before
-//      the group count is checked), then everything the CTA needs is requested at once by
-//      cp.async into shared memory: the scales and biases (raw: the contiguous 16-row spans) by
-//      every thread as one commit group, then the 32 code rows, each warp copying exactly the K
-//      groups it will consume, one commit group per K group (Gemma: 45 KB of codes per CTA, 1 KB
-//      per K group). One barrier, once the scales and biases have landed.
-//   2. K is split across the warps: warp w takes groups w, w+8, ... of the first half, then of
-//      the second half, each as soon as its own copy has landed (cp.async.wait_group on the
-//      warp's own groups and __syncwarp: no CTA barrier). B is read straight from global memory (the T <= 8
+//      the group count is checked), then everything the CTA needs is requested at once: the 32
+//      code rows by cp.async into shared memory in two commit groups (the first and second half
+//      of the K groups; 8 threads per row, 16-byte chunks) with the scales and biases (raw, by
+//      cp.async in the first group: the contiguous 16-row spans). Gemma: 45 KB of codes per CTA.
+//   2. K is split across the warps: warp w takes groups w, w+8, ... of the first half as soon as
+//      it has landed, then of the second half. B is read straight from global memory (the T <= 8
 //      activation rows are shared by every CTA: L1/L2 hits), the lane's 16-byte unit per code word
 //      reordered in registers, one group ahead (the first before the wait for the codes); B column
 //      n is the group's row n. Per group: both tiles' G/16 mma steps, and G/16 more with A = 1 for
@@ -164,54 +162,44 @@ __device__ __forceinline__ void gate_up_glu_mma_tile(const GateUpArgs& a, int co
   const int col0 = col_block * kTcRows;
   const int chunks = a.H / 32;                             // 16-byte chunks per code row
   const int half_groups = L.groups / 2;
+  const int half_chunks = half_groups * (G / 32);
+
+  // 1a. codes: thread (r = tid / 8, j = tid % 8) copies chunks j, j + 8, ... of staged row r (r < 16:
+  //     gate, else up), the first half of the K groups as one commit group, the second as another.
+  //     Column blocks are whole: I is a multiple of 32 for 4-bit experts (down's K).
   const int64_t gate_first = static_cast<int64_t>(e) * a.gate_rows_per_expert + a.gate_row0 + col0;
   const int64_t up_first = static_cast<int64_t>(e) * a.up_rows_per_expert + a.up_row0 + col0;
-
-  // 1a. the scales and biases of the two 16-row spans (contiguous, 32 * groups bytes each, 16-byte
-  //     aligned: supports_decode_layer), raw, by every thread, as the first commit group. kFp: the
-  //     two spans of scale codes (16 * fp_groups bytes each, 16-byte aligned: supports_decode_layer).
-  if constexpr (kFp) {
-    const int fp_groups = a.H >> a.gate.group_shift;
-    unsigned char* to = reinterpret_cast<unsigned char*>(sc);
-    for (int i = tid; i < 2 * fp_groups; i += kThreads) {
-      const int which = i / fp_groups, c = i - which * fp_groups;  // which: gate, up
-      const uint8_t* from = (which == 0 ? a.gate.fp_scales : a.up.fp_scales) + (which == 0 ? gate_first : up_first) * fp_groups;
-      device::cp_async_16(to + which * kTcRows * fp_groups + 16 * c, from + 16 * c, true);
-    }
-  } else {
-    const int span_chunks = 2 * L.groups;
-    for (int i = tid; i < 4 * span_chunks; i += kThreads) {
-      const int which = i / span_chunks, c = i - which * span_chunks;  // which: gate s, gate b, up s, up b
-      const uint16_t* base = which == 0 ? a.gate.scales : which == 1 ? a.gate.biases : which == 2 ? a.up.scales : a.up.biases;
-      const int64_t first = (which < 2 ? gate_first : up_first) * L.groups;
-      uint16_t* to = (which & 1 ? bi : sc) + (which >> 1) * kTcRows * L.groups;
-      device::cp_async_16(to + 8 * c, base + first + 8 * c, true);
-    }
-  }
-  device::cp_async_commit();
-
-  // 1b. codes, per warp: warp w copies exactly the K groups it consumes in step 2 (w, w + 8, ...
-  //     below half_groups, then half_groups + w, ... below groups), in that order, one commit group
-  //     per K group, so it waits for its own next group and never for a CTA barrier (bench/NOTES.md
-  //     step 41). Lane l copies chunks l, l + 32, ... of the group's 32 staged rows x G/32 16-byte
-  //     chunks (chunk c: row c / (G/32), r < 16 gate, else up). Column blocks are whole: I is a
-  //     multiple of 32 for 4-bit experts (down's K).
-  constexpr int kRowChunks = G / 32;  // 16-byte chunks per staged row and K group
-  const uint4* gate_src = reinterpret_cast<const uint4*>(a.gate.w) + gate_first * chunks;
-  const uint4* up_src = reinterpret_cast<const uint4*>(a.up.w) + up_first * chunks;
-  int my_groups = 0;  // this warp's commit groups of codes
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int grp_begin = (h == 0 ? 0 : half_groups) + warp, grp_end = h == 0 ? half_groups : L.groups;
-    for (int grp = grp_begin; grp < grp_end; grp += kWarps, ++my_groups) {
-#pragma unroll
-      for (int c = lane; c < 2 * kTcRows * kRowChunks; c += 32) {
-        const int r = c / kRowChunks, part = grp * kRowChunks + c % kRowChunks;
-        const uint4* src = (r < kTcRows ? gate_src : up_src) + (r % kTcRows) * chunks + part;
-        device::cp_async_16(codes + r * L.code_row + 16 * part, src, true);
+  {
+    constexpr int kPerRow = kThreads / (2 * kTcRows);  // 8 threads per staged row
+    const int r = tid / kPerRow, j = tid % kPerRow;
+    const uint4* src = reinterpret_cast<const uint4*>(r < kTcRows ? a.gate.w : a.up.w) +
+                       ((r < kTcRows ? gate_first : up_first) + r % kTcRows) * chunks;
+    unsigned char* dst = codes + r * L.code_row;
+    for (int c = j; c < half_chunks; c += kPerRow) device::cp_async_16(dst + 16 * c, src + c, true);
+    // 1b. the scales and biases of the two 16-row spans (contiguous, 32 * groups bytes each, 16-byte
+    //     aligned: supports_decode_layer), raw, with the first half. kFp: the two spans of scale
+    //     codes (16 * fp_groups bytes each, 16-byte aligned: supports_decode_layer).
+    if constexpr (kFp) {
+      const int fp_groups = a.H >> a.gate.group_shift;
+      unsigned char* to = reinterpret_cast<unsigned char*>(sc);
+      for (int i = tid; i < 2 * fp_groups; i += kThreads) {
+        const int which = i / fp_groups, c = i - which * fp_groups;  // which: gate, up
+        const uint8_t* from = (which == 0 ? a.gate.fp_scales : a.up.fp_scales) + (which == 0 ? gate_first : up_first) * fp_groups;
+        device::cp_async_16(to + which * kTcRows * fp_groups + 16 * c, from + 16 * c, true);
       }
-      device::cp_async_commit();
+    } else {
+      const int span_chunks = 2 * L.groups;
+      for (int i = tid; i < 4 * span_chunks; i += kThreads) {
+        const int which = i / span_chunks, c = i - which * span_chunks;  // which: gate s, gate b, up s, up b
+        const uint16_t* base = which == 0 ? a.gate.scales : which == 1 ? a.gate.biases : which == 2 ? a.up.scales : a.up.biases;
+        const int64_t first = (which < 2 ? gate_first : up_first) * L.groups;
+        uint16_t* to = (which & 1 ? bi : sc) + (which >> 1) * kTcRows * L.groups;
+        device::cp_async_16(to + 8 * c, base + first + 8 * c, true);
+      }
     }
+    device::cp_async_commit();
+    for (int c = half_chunks + j; c < chunks; c += kPerRow) device::cp_async_16(dst + 16 * c, src + c, true);
+    device::cp_async_commit();
   }
   // 1c. the lane's activation row: B column g is the group's row g (token tok); units of 8 values,
   //     the lane's first unit of group grp is grp * G/8 + t * G/32.
@@ -224,24 +212,20 @@ __device__ __forceinline__ void gate_up_glu_mma_tile(const GateUpArgs& a, int co
       xb[w] = live_n ? packed_x_order(__ldg(xg + grp * (G / 8) + w)) : make_uint4(0u, 0u, 0u, 0u);
   };
   const uint32_t ones[4] = {kTcOnePair<D>, kTcOnePair<D>, kTcOnePair<D>, kTcOnePair<D>};
-  uint4 xb[G / 32];
-  if (warp < half_groups) load_x(warp, xb);  // the first group's activations, in flight during the wait
-  // The scales and biases (every warp reads every row's): the oldest commit group, then one barrier.
-  device::cp_async_wait_at_most(my_groups);
-  __syncthreads();
 
-  // 2. K split across warps, each K group as soon as this warp's copy of it has landed.
+  // 2. K split across warps; each half as soon as it has landed.
   float acc[2][4] = {};
-  int landed = 0;  // this warp's code groups waited for
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int grp_begin = (h == 0 ? 0 : half_groups) + warp, grp_end = h == 0 ? half_groups : L.groups;
-    if (h == 1 && grp_begin < grp_end) load_x(grp_begin, xb);
+    uint4 xb[G / 32];
+    if (grp_begin < grp_end) load_x(grp_begin, xb);  // in flight while the codes land
+    if (h == 0) device::cp_async_wait<1>();
+    else device::cp_async_wait<0>();
+    __syncthreads();
     for (int grp = grp_begin; grp < grp_end; grp += kWarps) {
       uint4 xn[G / 32];
       if (grp + kWarps < grp_end) load_x(grp + kWarps, xn);
-      device::cp_async_wait_at_most(my_groups - 1 - landed++);  // this lane's copies of group grp
-      __syncwarp();                                             // and the other lanes'
       if constexpr (kFp) {
         const int fp_groups = a.H >> a.gate.group_shift, si = fp_scale_index(grp, t, a.gate.group_shift);
         const bool e4m3 = a.gate.fp_mode == static_cast<int>(QuantMode::nvfp4);

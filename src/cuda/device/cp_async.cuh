@@ -29,19 +29,4 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
-// The same with a run-time count, for pipelines whose depth depends on the problem: counts above 7
-// wait as for 7 (more than needed: still correct).
-__device__ __forceinline__ void cp_async_wait_at_most(int pending) {
-  switch (pending < 0 ? 0 : pending) {
-    case 0: cp_async_wait<0>(); break;
-    case 1: cp_async_wait<1>(); break;
-    case 2: cp_async_wait<2>(); break;
-    case 3: cp_async_wait<3>(); break;
-    case 4: cp_async_wait<4>(); break;
-    case 5: cp_async_wait<5>(); break;
-    case 6: cp_async_wait<6>(); break;
-    default: cp_async_wait<7>(); break;
-  }
-}
-
 }  // namespace expertqmm::cuda::device
