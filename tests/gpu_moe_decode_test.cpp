@@ -4,6 +4,7 @@
 // does not take, and CUDA graph capture + replay as three kernel nodes.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -236,4 +237,112 @@ TEST(GpuMoeDecode, RouteInGateUpIsBitIdenticalAtOneToken) {
   EXPECT_EQ(test::kernel_nodes(graph), 3);
   test::expect_replays_match(graph, stream.get(), replayed, expected, 3, "T=1 routed in gate/up");
 #endif
+}
+
+// The gate/up kernel as a ring of work items (EXPERTQMM_DECODE_GATE_UP_RING: at most 2 CTAs per SM,
+// each streaming its next item's codes into a second buffer) runs the one-item CTA's steps in the
+// same order, so it gives the same bytes: odd geometries (I = 96, group 32 / 128, a dense router),
+// f16 fused gate_up, SwiGLU, mxfp4, Qwen3's router and Gemma 4's 128 experts (up to 64 x 44 items:
+// several per CTA), at 2-8 tokens. Captured in a graph, the ring is the one 1-D gate/up grid of
+// min(items, 2 x SMs) CTAs where the one-item grid is (I / 16, min(T * k, E)).
+using RingGuard = test::SettingGuard<RouteSwitch, decode_gate_up_ring_setting, set_decode_gate_up_ring>;
+TEST(GpuMoeDecode, GateUpRingGivesTheOneItemGridsBytes) {
+  EXPERTQMM_REQUIRE_GPU();
+  test::DecodeSwitchGuard on(RouteSwitch::on);
+  std::vector<test::MoeGeometry> geometries = {
+      {2816, 704, 128, 8, 4, 64, 8, false, Activation::geglu, DType::bf16},
+      {2816, 704, 16, 8, 4, 64, 8, true, Activation::geglu, DType::f16},
+      {320, 96, 16, 4, 4, 32, 8, false, Activation::geglu, DType::bf16},
+      {256, 128, 32, 8, 4, 128, 0, true, Activation::swiglu, DType::bf16}};
+  test::MoeGeometry fp4{512, 256, 32, 4, 4, 32, 8, false, Activation::geglu, DType::bf16};
+  fp4.mode = QuantMode::mxfp4;
+  geometries.push_back(fp4);
+  geometries.push_back(
+      test::MoeGeometry{2048, 768, 128, 8, 4, 64, 8, false, Activation::swiglu, DType::bf16, RouterKind::softmax_topk});
+#ifdef EXPERTQMM_HAVE_CUDA
+  int device = 0, sms = 0;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), cudaSuccess);
+  const test::CaptureStream stream;
+#endif
+  for (const test::MoeGeometry& g : geometries) {
+    const test::Layer l = test::make_layer(g);
+    for (int64_t T : {2, 5, 8}) {
+      const std::string what = g.name() + detail::cat(" T=", T);
+      const DecodeInputs in(g, T);
+      std::vector<uint8_t> bytes[2];
+      Workspace ws;  // one arena: before each measured call the one-item grid routes `other` into it,
+                     // so hidden rows the ring failed to write would show as other's
+      for (int ring = 0; ring < 2; ++ring) {
+        {
+          RingGuard one_item(RouteSwitch::off);
+          (void)test::run_layer(in.other, in.x, l.gpu, ws);
+        }
+        RingGuard setting(ring ? RouteSwitch::on : RouteSwitch::off);
+        const uint64_t before = test::decode_hits();
+        bytes[ring] = test::run_layer(in.h, in.x, l.gpu, ws).to_host_bytes();
+        cuda_check();
+        EXPECT_EQ(test::decode_hits(), before + 1) << what << ": the decode layer did not serve the call";
+#ifdef EXPERTQMM_HAVE_CUDA
+        Tensor out = Tensor::empty({T, g.H}, g.dtype, Device::cuda);
+        cudaGraph_t graph = test::capture_graph(stream.get(), [&] { moe_layer_into(out, in.h, in.x, l.gpu, ws); }, what);
+        ASSERT_NE(graph, nullptr) << what;
+        const unsigned col_blocks = static_cast<unsigned>(g.I / 16);
+        const unsigned group_rows = static_cast<unsigned>(std::min<int64_t>(T * g.k, g.E));
+        const unsigned ring_ctas = std::min<unsigned>(col_blocks * group_rows, 2u * static_cast<unsigned>(sms));
+        bool one_item = false, ring_grid = false;
+        for (const dim3& d : test::kernel_grids(graph)) {
+          one_item |= d.x == col_blocks && d.y == group_rows && d.z == 1;
+          ring_grid |= d.x == ring_ctas && d.y == 1 && d.z == 1;
+        }
+        EXPECT_EQ(one_item, ring == 0) << what << ": the one-item gate/up grid";
+        EXPECT_TRUE(!ring || ring_grid) << what << ": no gate/up grid of " << ring_ctas << " CTAs";
+        EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+#endif
+      }
+      EXPECT_EQ(bytes[1], bytes[0]) << what << ": the ring's output differs from the one-item grid's";
+    }
+  }
+}
+
+#ifdef EXPERTQMM_HAVE_CUDA
+// The ring's rule (host only): off unless the setting is on; then from 2 tokens, within the decode
+// kernels' shared memory.
+TEST(GpuMoeDecode, GateUpRingRule) {
+  {
+    RingGuard unset(RouteSwitch::automatic);
+    EXPECT_FALSE(cuda::decode_gate_up_ring(8, 1024));
+  }
+  RingGuard on(RouteSwitch::on);
+  EXPECT_FALSE(cuda::decode_gate_up_ring(1, 1024));
+  EXPECT_TRUE(cuda::decode_gate_up_ring(2, 1024));
+  EXPECT_TRUE(cuda::decode_gate_up_ring(8, 160 * 1024));
+  EXPECT_FALSE(cuda::decode_gate_up_ring(8, 160 * 1024 + 1));
+}
+#endif
+
+// The sanitizers' view of the ring (tests/support/backend_cases.h: the Sanitize suites): a small layer
+// with many more items (64 column blocks x ~22 live expert groups) than the ring has CTAs on a large
+// GPU (264 on an H200), so each CTA takes several and refills a buffer it computed from before, against
+// the one-item grid's bytes (the same arena, `other` routed into it before each call).
+TEST(SanitizeMoeDecodeRing, MatchesTheOneItemGrid) {
+  EXPERTQMM_REQUIRE_GPU();
+  test::DecodeSwitchGuard on(RouteSwitch::on);
+  const test::MoeGeometry g{256, 1024, 32, 8, 4, 64, 8, false, Activation::geglu, DType::bf16};
+  const test::Layer l = test::make_layer(g);
+  const DecodeInputs in(g, 4);
+  std::vector<uint8_t> bytes[2];
+  Workspace ws;
+  for (int ring = 0; ring < 2; ++ring) {
+    {
+      RingGuard one_item(RouteSwitch::off);
+      (void)test::run_layer(in.other, in.x, l.gpu, ws);
+    }
+    RingGuard setting(ring ? RouteSwitch::on : RouteSwitch::off);
+    const uint64_t before = test::decode_hits();
+    bytes[ring] = test::run_layer(in.h, in.x, l.gpu, ws).to_host_bytes();
+    cuda_check();
+    EXPECT_EQ(test::decode_hits(), before + 1) << "the decode layer did not serve the call";
+  }
+  EXPECT_EQ(bytes[1], bytes[0]);
 }

@@ -11,7 +11,8 @@
 // 8-bit experts (8-bit MLX checkpoints, bench preset gemma4-26b-a4b-q8).
 // The tensor-core kernels 2 and 3 are tile functions (moe_decode_tiles.cuh).
 // Files: this header (the arguments, the plan and what the kernels share), moe_decode_router.cu,
-// moe_decode_tiles.cuh with moe_decode_gate_up.cu and moe_decode_down.cu (tensor cores),
+// moe_decode_tiles.cuh with moe_decode_gate_up.cu and moe_decode_down.cu (tensor cores; kernel 2
+// also as a ring of work items, moe_decode_gate_up_ring.cuh, behind EXPERTQMM_DECODE_GATE_UP_RING),
 // moe_decode_scalar.cu (8-bit), and moe_decode_layer.cu (the host: support check and launches).
 // Numerics are the general path's (src/cuda/moe.cu): the router rounds r and the logits to h's
 // dtype and routes with device/route_topk.cuh (the same code as route_into); gate and up are
@@ -122,6 +123,7 @@ struct GateUpArgs {
   int rows_per_pass;  // activation rows staged at once: min(kGuRowsPerPass, T) (an expert has <= T rows)
   const DecodePlan* plan;  // null: the identity plan of identity_rows rows (plan_group below)
   int identity_rows;
+  int group_rows;  // the ring (moe_decode_gate_up_ring.cuh): expert group rows of its items, min(T*k, E)
   uint16_t* hidden;  // (n, I) of D: row t*k + j = act(gate) * up of slot (t, j)
   uint32_t* faults;
   // One token routed by the CTAs themselves (EXPERTQMM_DECODE_ROUTE_IN_GATE_UP; rank_group in
@@ -340,6 +342,11 @@ void launch_router(DType dtype, int proj_bits, const RouterArgs& a, size_t smem,
 size_t gate_up_mma_smem(int64_t H, int G, bool fp = false);
 void launch_gate_up_mma(DType dtype, int G, Activation act, const GateUpArgs& a, int n, size_t smem,
                         cudaStream_t stream, bool fp = false);
+// Kernel 2 as a ring of work items over two buffers (moe_decode_gate_up_ring.cuh), plan calls only
+// (a.plan set, a.group_rows the item rows): its shared memory and its launch.
+size_t gate_up_ring_smem(int64_t H, int G, bool fp = false);
+void launch_gate_up_ring(DType dtype, int G, Activation act, const GateUpArgs& a, size_t smem, cudaStream_t stream,
+                         bool fp = false);
 // Kernel 3 on tensor cores, 4-bit experts (moe_decode_down.cu).
 size_t down_mma_smem(int64_t k, int64_t I, int G, bool fp = false);
 void launch_down_mma(DType dtype, int G, const DownArgs& a, int T, size_t smem, cudaStream_t stream, bool fp = false);

@@ -1,6 +1,8 @@
 // Kernel 2 of the decode layer (moe_decode.h) on tensor cores, for 4-bit experts: gate and up of
-// every row routed to an expert, then the GLU product.
-#include "cuda/moe_decode_tiles.cuh"
+// every row routed to an expert, then the GLU product; one CTA per work item (moe_decode_tiles.cuh)
+// or a ring of items (moe_decode_gate_up_ring.cuh).
+#include "cuda/gather_qmm_routes.h"  // device_sm_count
+#include "cuda/moe_decode_gate_up_ring.cuh"
 
 namespace expertqmm::cuda::decode {
 
@@ -16,8 +18,65 @@ __global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_mma_kernel(Gat
   gate_up_glu_mma_tile<D, G, A, kFp, kSource>(a, blockIdx.x, blockIdx.y, tc_smem);
 }
 
+// The same work as a ring of items over two buffers (moe_decode_gate_up_ring.cuh), the plan's only.
+template <DType D, int G, Activation A, bool kFp>
+__global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_ring_kernel(GateUpArgs a) {
+  extern __shared__ __align__(16) unsigned char ring_smem[];
+  gate_up_glu_mma_ring<D, G, A, kFp>(a, ring_smem);
+}
+
+// Calls f(dtype tag, group tag, fp tag, activation tag) with the compile-time values of the run-time ones.
+template <class F>
+void with_gate_up_instance(DType dtype, int G, Activation act, bool fp, F&& f) {
+  auto with_form = [&](auto dtag, auto gtag, auto fptag) {
+    if (act == Activation::geglu) f(dtag, gtag, fptag, std::integral_constant<Activation, Activation::geglu>{});
+    else f(dtag, gtag, fptag, std::integral_constant<Activation, Activation::swiglu>{});
+  };
+  auto with_dtype = [&](auto dtag) {
+    if (G == 32) with_form(dtag, std::integral_constant<int, 32>{}, std::false_type{});
+    else if (G == 64) with_form(dtag, std::integral_constant<int, 64>{}, std::false_type{});
+    else with_form(dtag, std::integral_constant<int, 128>{}, std::false_type{});
+  };
+  if (fp) {  // bf16, the mode's group read at run time (supports_decode_layer)
+    with_form(std::integral_constant<DType, DType::bf16>{}, std::integral_constant<int, kTcFpLayoutGroup>{},
+              std::true_type{});
+  } else if (dtype == DType::bf16) {
+    with_dtype(std::integral_constant<DType, DType::bf16>{});
+  } else {
+    with_dtype(std::integral_constant<DType, DType::f16>{});
+  }
+}
+
 }  // namespace
 
+
+size_t gate_up_ring_smem(int64_t H, int G, bool fp) {
+  const size_t one = GateUpTcLayout(static_cast<int>(H), fp ? kTcFpLayoutGroup : G).total;
+  return 2 * ((one + 127) / 128 * 128);
+}
+
+void launch_gate_up_ring(DType dtype, int G, Activation act, const GateUpArgs& a, size_t smem, cudaStream_t stream,
+                         bool fp) {
+  // plan_group reads group indices below group_rows: within the plan's arrays (kDecodeMaxRows).
+  EXPERTQMM_CHECK(a.plan != nullptr && a.logits == nullptr && a.group_rows >= 1 && a.group_rows <= kDecodeMaxRows &&
+                      a.group_rows <= a.E && a.I % kTcRows == 0,
+                  "decode gate/up ring", "needs the router's plan, 1 <= group_rows <= min(", kDecodeMaxRows,
+                  ", E) and whole 16-column blocks (group_rows=", a.group_rows, ", E=", a.E, ", I=", a.I, ")");
+  const int64_t items = static_cast<int64_t>(a.I / kTcRows) * a.group_rows;
+  with_gate_up_instance(dtype, G, act, fp, [&](auto dtag, auto gtag, auto fptag, auto atag) {
+    auto kernel = decode_gate_up_glu_ring_kernel<decltype(dtag)::value, decltype(gtag)::value, decltype(atag)::value,
+                                                 decltype(fptag)::value>;
+    allow_smem(reinterpret_cast<const void*>(kernel));
+    // CTAs per SM as resident, at most kRingCtasPerSm (fewer where two rings' buffers do not fit an
+    // SM: a CTA past the resident ones would wait for them to finish all their items).
+    int resident = 0;
+    EXPERTQMM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, smem));
+    const int64_t per_sm = std::max(1, std::min(resident, kRingCtasPerSm));
+    const dim3 grid(static_cast<unsigned>(std::min<int64_t>(items, per_sm * device_sm_count())));
+    kernel<<<grid, kThreads, smem, stream>>>(a);
+    EXPERTQMM_CUDA_CHECK_LAUNCH(decode_gate_up_glu_ring_kernel);
+  });
+}
 
 size_t gate_up_mma_smem(int64_t H, int G, bool fp) {
   return GateUpTcLayout(static_cast<int>(H), fp ? kTcFpLayoutGroup : G).total;
@@ -34,7 +93,7 @@ void launch_gate_up_mma(DType dtype, int G, Activation act, const GateUpArgs& a,
   const GroupSource source = a.logits == nullptr ? GroupSource::plan
                              : a.softmax_topk      ? GroupSource::rank_softmax
                                                    : GroupSource::rank_logits;
-  auto with_source = [&](auto dtag, auto gtag, auto fptag, auto atag) {
+  with_gate_up_instance(dtype, G, act, fp, [&](auto dtag, auto gtag, auto fptag, auto atag) {
     constexpr DType DT = decltype(dtag)::value;
     constexpr int GS = decltype(gtag)::value;
     constexpr bool F = decltype(fptag)::value;
@@ -42,25 +101,7 @@ void launch_gate_up_mma(DType dtype, int G, Activation act, const GateUpArgs& a,
     if (source == GroupSource::plan) launch(decode_gate_up_glu_mma_kernel<DT, GS, AC, F, GroupSource::plan>);
     else if (source == GroupSource::rank_logits) launch(decode_gate_up_glu_mma_kernel<DT, GS, AC, F, GroupSource::rank_logits>);
     else launch(decode_gate_up_glu_mma_kernel<DT, GS, AC, F, GroupSource::rank_softmax>);
-  };
-  auto with_form = [&](auto dtag, auto gtag, auto fptag) {
-    if (act == Activation::geglu) with_source(dtag, gtag, fptag, std::integral_constant<Activation, Activation::geglu>{});
-    else with_source(dtag, gtag, fptag, std::integral_constant<Activation, Activation::swiglu>{});
-  };
-  auto with_group = [&](auto dtag, auto gtag) { with_form(dtag, gtag, std::false_type{}); };
-  auto with_dtype = [&](auto dtag) {
-    if (G == 32) with_group(dtag, std::integral_constant<int, 32>{});
-    else if (G == 64) with_group(dtag, std::integral_constant<int, 64>{});
-    else with_group(dtag, std::integral_constant<int, 128>{});
-  };
-  if (fp) {  // bf16, the mode's group read at run time (supports_decode_layer)
-    with_form(std::integral_constant<DType, DType::bf16>{}, std::integral_constant<int, kTcFpLayoutGroup>{},
-              std::true_type{});
-  } else if (dtype == DType::bf16) {
-    with_dtype(std::integral_constant<DType, DType::bf16>{});
-  } else {
-    with_dtype(std::integral_constant<DType, DType::f16>{});
-  }
+  });
 }
 
 }  // namespace expertqmm::cuda::decode

@@ -212,6 +212,10 @@ bool decode_routes_in_gate_up(int64_t T, int gate_bits, int64_t E, int64_t k, bo
   return wanted && T == 1 && gate_bits == 4 && E <= decode::kThreads && k <= decode::kDecodeMaxTopK;
 }
 
+bool decode_gate_up_ring(int64_t T, size_t ring_smem) {
+  return decode_gate_up_ring_setting() == RouteSwitch::on && T >= 2 && ring_smem <= decode::kDecodeMaxSmem;
+}
+
 void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, const Tensor& h, const Tensor& x,
                        const MoeWeights& w, Workspace& ws, bool chain_router) {
   const RouterWeights& rt = w.router;
@@ -268,6 +272,7 @@ void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, 
   ga.k = k;
   ga.rows_per_pass = gate_up_scalar_rows_per_pass(T);  // scalar kernel only
   ga.plan = plan;
+  ga.group_rows = std::min(n, E);
   ga.hidden = static_cast<uint16_t*>(arena_at(base, sc.hidden));
   ga.faults = device_faults();
 
@@ -301,7 +306,10 @@ void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, 
   const bool fp_gate = gate.mode != QuantMode::affine, fp_down = ex.down.mode != QuantMode::affine;
   launch_router(D, proj_bits, ra, router_smem(T, H), stream, quantized && rt.proj.mode != QuantMode::affine,
                 chain_router);
-  if (gate.bits == 4)
+  const size_t ring_smem = gate.bits == 4 ? gate_up_ring_smem(H, gate.group_size, fp_gate) : 0;
+  if (gate.bits == 4 && !route_in_gate_up && decode_gate_up_ring(T, ring_smem))
+    launch_gate_up_ring(D, gate.group_size, ex.activation, ga, ring_smem, stream, fp_gate);
+  else if (gate.bits == 4)
     launch_gate_up_mma(D, gate.group_size, ex.activation, ga, n, gate_up_mma_smem(H, gate.group_size, fp_gate), stream,
                        fp_gate);
   else

@@ -127,6 +127,7 @@ struct DownTcLayout {
 // logits itself (rank_group), as Gemma's router ranks them or as the softmax top-k one does. A
 // compile-time choice, so that each instance holds one way's code: the plan-reading instances' hot
 // loop was rescheduled (+3.9% at T = 2 / 8) while both rankings shared their body (NOTES steps 37-38).
+// The ring (moe_decode_gate_up_ring.cuh) runs copies of steps 1-3 below: change both together.
 enum class GroupSource { plan, rank_logits, rank_softmax };
 template <DType D, int G, Activation A, bool kFp, GroupSource kSource>
 __device__ __forceinline__ void gate_up_glu_mma_tile(const GateUpArgs& a, int col_block, int g_idx, unsigned char* tc_smem) {

@@ -58,6 +58,23 @@ int kernel_nodes(cudaGraph_t graph) {
   return kernels;
 }
 
+std::vector<dim3> kernel_grids(cudaGraph_t graph) {
+  size_t nodes = 0;
+  EXPECT_EQ(cudaGraphGetNodes(graph, nullptr, &nodes), cudaSuccess);
+  std::vector<cudaGraphNode_t> all(nodes);
+  EXPECT_EQ(cudaGraphGetNodes(graph, all.data(), &nodes), cudaSuccess);
+  std::vector<dim3> grids;
+  for (cudaGraphNode_t node : all) {
+    cudaGraphNodeType type;
+    EXPECT_EQ(cudaGraphNodeGetType(node, &type), cudaSuccess);
+    if (type != cudaGraphNodeTypeKernel) continue;
+    cudaKernelNodeParams params{};
+    EXPECT_EQ(cudaGraphKernelNodeGetParams(node, &params), cudaSuccess);
+    grids.push_back(params.gridDim);
+  }
+  return grids;
+}
+
 ReplayMatch replay_match_for(int64_t T, int64_t k) {
   return deterministic() || T * k < 64 ? ReplayMatch::bytes : ReplayMatch::within_rounding;
 }

@@ -33,6 +33,8 @@ cudaGraph_t capture_graph(cudaStream_t stream, const std::function<void()>& call
 
 // Kernel nodes of `graph`.
 int kernel_nodes(cudaGraph_t graph);
+// The grid of every kernel node of `graph` (in the graph's node order).
+std::vector<dim3> kernel_grids(cudaGraph_t graph);
 
 // How a replay must match the uncaptured call: its bytes, or (where the call may add the k expert
 // outputs with fp32 atomics in a varying order) within that reordering's rounding: every element
