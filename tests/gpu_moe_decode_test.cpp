@@ -1,7 +1,8 @@
-// The decode layer (src/cuda/moe_decode.cu: moe_layer_into in three kernels when T*k <= 64) beyond
-// the backend-ops table (gpu_backend_ops_test.cpp checks it against float64 and the general path at
-// Gemma 4's geometry and at small odd ones, with its hits counted and runs bit-identical): calls it
-// does not take, and CUDA graph capture + replay as three kernel nodes.
+// The decode layer (src/cuda/moe_decode_layer.cu: moe_layer_into in three kernels when T*k <= 64)
+// beyond the backend-ops table (gpu_backend_ops_test.cpp checks it against float64 and the general
+// path at Gemma 4's geometry and at small odd ones, with its hits counted and runs bit-identical):
+// calls it does not take, CUDA graph capture + replay as three kernel nodes, the one-token routing
+// in the gate/up CTAs, and the gate/up ring (EXPERTQMM_DECODE_GATE_UP_RING) against the one-item grid.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -244,8 +245,9 @@ TEST(GpuMoeDecode, RouteInGateUpIsBitIdenticalAtOneToken) {
 // same order, so it gives the same bytes: Gemma 4's H and I (16 experts), odd geometries (I = 96,
 // group 32 / 128, a dense router), f16 fused gate_up, SwiGLU, mxfp4, and Qwen3's router at I = 1024
 // (64 column blocks x up to 32 groups: several items per CTA on any GPU), at 2-8 tokens. (Layers of
-// 128 real-size experts take ~40 s each to quantize on the CPU.) Captured in a graph, the ring is the
-// one 1-D gate/up grid of min(items, 2 x SMs) CTAs where the one-item grid is (I / 16, min(T * k, E)).
+// 128 real-size experts take ~40 s each to build on the CPU.) Captured in a graph, the ring is the
+// one 1-D gate/up grid of min(items, 2 x SMs) CTAs (2 fit an SM of an H200; the launch asks the
+// occupancy API) where the one-item grid is (I / 16, min(T * k, E)).
 using RingGuard = test::SettingGuard<RouteSwitch, decode_gate_up_ring_setting, set_decode_gate_up_ring>;
 TEST(GpuMoeDecode, GateUpRingGivesTheOneItemGridsBytes) {
   EXPERTQMM_REQUIRE_GPU();

@@ -16,8 +16,9 @@ bool decode_routes_in_gate_up(int64_t T, int gate_bits, int64_t E, int64_t k, bo
 
 // Whether a plan-reading 4-bit gate/up call of T tokens runs as the ring of work items
 // (moe_decode_gate_up_ring.cuh): EXPERTQMM_DECODE_GATE_UP_RING on (automatic: off, not yet measured),
-// T >= 2 (one token is one wave of items), and the ring's two buffers (ring_smem bytes) within the
-// decode kernels' shared memory; else one CTA per item.
+// T >= 2 (at one token the one-item grid's 352 Gemma CTAs are one wave at 3 per SM, more slots than
+// the ring's 2 per SM), and the ring's two buffers (ring_smem bytes) within the decode kernels' shared
+// memory; else one CTA per item.
 bool decode_gate_up_ring(int64_t T, size_t ring_smem);
 
 }  // namespace expertqmm::cuda
