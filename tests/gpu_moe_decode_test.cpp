@@ -37,6 +37,36 @@ struct DecodeInputs {
         x(test::random_tensor({T, g.H}, g.dtype, 1.0f, Device::cuda)),
         other(test::random_tensor({T, g.H}, g.dtype, 1.0f, Device::cuda)) {}
 };
+
+// Rows both decode-layer byte-identity tests take: Gemma 4's H and I (16 experts) separate in bf16 and
+// fused in f16, then `more`, then a small mxfp4 layer (the kFp form).
+std::vector<test::MoeGeometry> decode_geometries(const std::vector<test::MoeGeometry>& more) {
+  std::vector<test::MoeGeometry> g = {{2816, 704, 16, 8, 4, 64, 8, false, Activation::geglu, DType::bf16},
+                                      {2816, 704, 16, 8, 4, 64, 8, true, Activation::geglu, DType::f16}};
+  g.insert(g.end(), more.begin(), more.end());
+  test::MoeGeometry fp4{512, 256, 32, 4, 4, 32, 8, false, Activation::geglu, DType::bf16};
+  fp4.mode = QuantMode::mxfp4;
+  g.push_back(fp4);
+  return g;
+}
+
+using RingGuard = test::SettingGuard<RouteSwitch, decode_gate_up_ring_setting, set_decode_gate_up_ring>;
+// One measured decode call of `in` with the gate/up ring on or off, in ws after the one-item grid
+// routed `other` into it (so hidden rows the ring did not write would show as other's); its output
+// bytes, the call's decode-layer hit expected.
+std::vector<uint8_t> decode_call_bytes(const test::Layer& l, const DecodeInputs& in, Workspace& ws, bool ring,
+                                       const std::string& what) {
+  {
+    RingGuard one_item(RouteSwitch::off);
+    (void)test::run_layer(in.other, in.x, l.gpu, ws);
+  }
+  RingGuard setting(ring ? RouteSwitch::on : RouteSwitch::off);
+  const uint64_t before = test::decode_hits();
+  std::vector<uint8_t> bytes = test::run_layer(in.h, in.x, l.gpu, ws).to_host_bytes();
+  cuda_check();
+  EXPECT_EQ(test::decode_hits(), before + 1) << what << ": the decode layer did not serve the call";
+  return bytes;
+}
 }  // namespace
 
 #ifdef EXPERTQMM_HAVE_CUDA
@@ -175,15 +205,10 @@ TEST(GpuMoeDecode, OneTokenTopkBreaksExactTiesLikeTheCpu) {
 TEST(GpuMoeDecode, RouteInGateUpIsBitIdenticalAtOneToken) {
   EXPERTQMM_REQUIRE_GPU();
   test::DecodeSwitchGuard on(RouteSwitch::on);
-  std::vector<test::MoeGeometry> geometries = {
-      {2816, 704, 16, 8, 4, 64, 8, false, Activation::geglu, DType::bf16},
-      {2816, 704, 16, 8, 4, 64, 8, true, Activation::geglu, DType::f16},
-      {512, 256, 128, 8, 4, 64, 8, false, Activation::geglu, DType::bf16},
-      {256, 128, 256, 8, 4, 128, 8, true, Activation::swiglu, DType::bf16},
-      {320, 96, 16, 4, 4, 32, 0, false, Activation::geglu, DType::bf16}};
-  test::MoeGeometry fp4{512, 256, 32, 4, 4, 32, 8, false, Activation::geglu, DType::bf16};
-  fp4.mode = QuantMode::mxfp4;
-  geometries.push_back(fp4);
+  std::vector<test::MoeGeometry> geometries =
+      decode_geometries({{512, 256, 128, 8, 4, 64, 8, false, Activation::geglu, DType::bf16},
+                         {256, 128, 256, 8, 4, 128, 8, true, Activation::swiglu, DType::bf16},
+                         {320, 96, 16, 4, 4, 32, 0, false, Activation::geglu, DType::bf16}});
   // Qwen3-MoE's router (softmax_topk: the gate/up CTAs rank the rounded probabilities), its geometry
   // renormalised, and smaller ones without renormalising, f16 and a dense router.
   for (test::MoeGeometry q : {test::MoeGeometry{2048, 768, 128, 8, 4, 64, 8, false, Activation::swiglu, DType::bf16},
@@ -248,20 +273,13 @@ TEST(GpuMoeDecode, RouteInGateUpIsBitIdenticalAtOneToken) {
 // 128 real-size experts take ~40 s each to build on the CPU.) Captured in a graph, the ring is the
 // one 1-D gate/up grid of min(items, 2 x SMs) CTAs (2 fit an SM of an H200; the launch asks the
 // occupancy API) where the one-item grid is (I / 16, min(T * k, E)).
-using RingGuard = test::SettingGuard<RouteSwitch, decode_gate_up_ring_setting, set_decode_gate_up_ring>;
 TEST(GpuMoeDecode, GateUpRingGivesTheOneItemGridsBytes) {
   EXPERTQMM_REQUIRE_GPU();
   test::DecodeSwitchGuard on(RouteSwitch::on);
-  std::vector<test::MoeGeometry> geometries = {
-      {2816, 704, 16, 8, 4, 64, 8, false, Activation::geglu, DType::bf16},
-      {2816, 704, 16, 8, 4, 64, 8, true, Activation::geglu, DType::f16},
-      {320, 96, 16, 4, 4, 32, 8, false, Activation::geglu, DType::bf16},
-      {256, 128, 32, 8, 4, 128, 0, true, Activation::swiglu, DType::bf16}};
-  test::MoeGeometry fp4{512, 256, 32, 4, 4, 32, 8, false, Activation::geglu, DType::bf16};
-  fp4.mode = QuantMode::mxfp4;
-  geometries.push_back(fp4);
-  geometries.push_back(
-      test::MoeGeometry{512, 1024, 32, 8, 4, 64, 8, false, Activation::swiglu, DType::bf16, RouterKind::softmax_topk});
+  const std::vector<test::MoeGeometry> geometries = decode_geometries(
+      {{320, 96, 16, 4, 4, 32, 8, false, Activation::geglu, DType::bf16},
+       {256, 128, 32, 8, 4, 128, 0, true, Activation::swiglu, DType::bf16},
+       {512, 1024, 32, 8, 4, 64, 8, false, Activation::swiglu, DType::bf16, RouterKind::softmax_topk}});
 #ifdef EXPERTQMM_HAVE_CUDA
   int device = 0, sms = 0;
   ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
@@ -274,19 +292,11 @@ TEST(GpuMoeDecode, GateUpRingGivesTheOneItemGridsBytes) {
       const std::string what = g.name() + detail::cat(" T=", T);
       const DecodeInputs in(g, T);
       std::vector<uint8_t> bytes[2];
-      Workspace ws;  // one arena: before each measured call the one-item grid routes `other` into it,
-                     // so hidden rows the ring failed to write would show as other's
+      Workspace ws;  // one arena for both calls (decode_call_bytes)
       for (int ring = 0; ring < 2; ++ring) {
-        {
-          RingGuard one_item(RouteSwitch::off);
-          (void)test::run_layer(in.other, in.x, l.gpu, ws);
-        }
-        RingGuard setting(ring ? RouteSwitch::on : RouteSwitch::off);
-        const uint64_t before = test::decode_hits();
-        bytes[ring] = test::run_layer(in.h, in.x, l.gpu, ws).to_host_bytes();
-        cuda_check();
-        EXPECT_EQ(test::decode_hits(), before + 1) << what << ": the decode layer did not serve the call";
+        bytes[ring] = decode_call_bytes(l, in, ws, ring == 1, what);
 #ifdef EXPERTQMM_HAVE_CUDA
+        RingGuard setting(ring ? RouteSwitch::on : RouteSwitch::off);
         Tensor out = Tensor::empty({T, g.H}, g.dtype, Device::cuda);
         cudaGraph_t graph = test::capture_graph(stream.get(), [&] { moe_layer_into(out, in.h, in.x, l.gpu, ws); }, what);
         ASSERT_NE(graph, nullptr) << what;
@@ -334,18 +344,7 @@ TEST(SanitizeMoeDecodeRing, MatchesTheOneItemGrid) {
   const test::MoeGeometry g{256, 1024, 32, 8, 4, 64, 8, false, Activation::geglu, DType::bf16};
   const test::Layer l = test::make_layer(g);
   const DecodeInputs in(g, 4);
-  std::vector<uint8_t> bytes[2];
   Workspace ws;
-  for (int ring = 0; ring < 2; ++ring) {
-    {
-      RingGuard one_item(RouteSwitch::off);
-      (void)test::run_layer(in.other, in.x, l.gpu, ws);
-    }
-    RingGuard setting(ring ? RouteSwitch::on : RouteSwitch::off);
-    const uint64_t before = test::decode_hits();
-    bytes[ring] = test::run_layer(in.h, in.x, l.gpu, ws).to_host_bytes();
-    cuda_check();
-    EXPECT_EQ(test::decode_hits(), before + 1) << "the decode layer did not serve the call";
-  }
-  EXPECT_EQ(bytes[1], bytes[0]);
+  const std::vector<uint8_t> one_item = decode_call_bytes(l, in, ws, false, "T=4");
+  EXPECT_EQ(decode_call_bytes(l, in, ws, true, "T=4"), one_item);
 }
