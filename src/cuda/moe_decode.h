@@ -123,7 +123,7 @@ struct GateUpArgs {
   int rows_per_pass;  // activation rows staged at once: min(kGuRowsPerPass, T) (an expert has <= T rows)
   const DecodePlan* plan;  // null: the identity plan of identity_rows rows (plan_group below)
   int identity_rows;
-  int group_rows;  // the ring (moe_decode_gate_up_ring.cuh): expert group rows of its items, min(T*k, E)
+  int group_rows;  // the tensor-core kernel's expert group rows (grid rows, or the ring's items): min(T*k, E)
   uint16_t* hidden;  // (n, I) of D: row t*k + j = act(gate) * up of slot (t, j)
   uint32_t* faults;
   // One token routed by the CTAs themselves (EXPERTQMM_DECODE_ROUTE_IN_GATE_UP; rank_group in
@@ -337,11 +337,12 @@ size_t router_smem(int64_t T, int64_t H);
 // router reads; the router waits for it before it ends).
 void launch_router(DType dtype, int proj_bits, const RouterArgs& a, size_t smem, cudaStream_t stream, bool fp = false,
                    bool chained = false);
-// Kernel 2 on tensor cores, 4-bit experts, group G in {32, 64, 128} (moe_decode_gate_up.cu); n = T*k.
+// Kernel 2 on tensor cores, 4-bit experts, group G in {32, 64, 128} (moe_decode_gate_up.cu); its grid
+// has a.group_rows expert group rows.
 // fp: an fp4 mode's codes (mxfp4 / nvfp4, bf16; G is then the mode's group: 32 or 16).
 size_t gate_up_mma_smem(int64_t H, int G, bool fp = false);
-void launch_gate_up_mma(DType dtype, int G, Activation act, const GateUpArgs& a, int n, size_t smem,
-                        cudaStream_t stream, bool fp = false);
+void launch_gate_up_mma(DType dtype, int G, Activation act, const GateUpArgs& a, size_t smem, cudaStream_t stream,
+                        bool fp = false);
 // Kernel 2 as a ring of work items over two buffers (moe_decode_gate_up_ring.cuh), plan calls only
 // (a.plan set, a.group_rows the item rows): its shared memory and its launch.
 size_t gate_up_ring_smem(int64_t H, int G, bool fp = false);
@@ -359,5 +360,8 @@ void launch_down_scalar(DType dtype, const DownArgs& a, int T, size_t smem, cuda
 
 // Lets `kernel` take up to kDecodeMaxSmem of dynamic shared memory (once per kernel).
 void allow_smem(const void* kernel);
+// CTAs of `kernel` (kThreads each, smem bytes of dynamic shared memory) resident per SM (the occupancy
+// API, asked once per kernel and size: the launches ask it at every call).
+int resident_ctas_per_sm(const void* kernel, size_t smem);
 
 }  // namespace expertqmm::cuda::decode

@@ -51,8 +51,7 @@ void with_gate_up_instance(DType dtype, int G, Activation act, bool fp, F&& f) {
 
 
 size_t gate_up_ring_smem(int64_t H, int G, bool fp) {
-  const size_t one = GateUpTcLayout(static_cast<int>(H), fp ? kTcFpLayoutGroup : G).total;
-  return 2 * ((one + 127) / 128 * 128);
+  return 2 * ring_buffer_bytes(GateUpTcLayout(static_cast<int>(H), fp ? kTcFpLayoutGroup : G));
 }
 
 void launch_gate_up_ring(DType dtype, int G, Activation act, const GateUpArgs& a, size_t smem, cudaStream_t stream,
@@ -69,8 +68,7 @@ void launch_gate_up_ring(DType dtype, int G, Activation act, const GateUpArgs& a
     allow_smem(reinterpret_cast<const void*>(kernel));
     // CTAs per SM as resident, at most kRingCtasPerSm (fewer where two rings' buffers do not fit an
     // SM: a CTA past the resident ones would wait for them to finish all their items).
-    int resident = 0;
-    EXPERTQMM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, smem));
+    const int resident = resident_ctas_per_sm(reinterpret_cast<const void*>(kernel), smem);
     const int64_t per_sm = std::max(1, std::min(resident, kRingCtasPerSm));
     const dim3 grid(static_cast<unsigned>(std::min<int64_t>(items, per_sm * device_sm_count())));
     kernel<<<grid, kThreads, smem, stream>>>(a);
@@ -82,9 +80,9 @@ size_t gate_up_mma_smem(int64_t H, int G, bool fp) {
   return GateUpTcLayout(static_cast<int>(H), fp ? kTcFpLayoutGroup : G).total;
 }
 
-void launch_gate_up_mma(DType dtype, int G, Activation act, const GateUpArgs& a, int n, size_t smem,
-                        cudaStream_t stream, bool fp) {
-  const dim3 grid(ceil_div(a.I, kTcRows), static_cast<unsigned>(std::min(n, a.E)));
+void launch_gate_up_mma(DType dtype, int G, Activation act, const GateUpArgs& a, size_t smem, cudaStream_t stream,
+                        bool fp) {
+  const dim3 grid(ceil_div(a.I, kTcRows), static_cast<unsigned>(a.group_rows));
   auto launch = [&](auto kernel) {
     allow_smem(reinterpret_cast<const void*>(kernel));
     kernel<<<grid, kThreads, smem, stream>>>(a);

@@ -185,11 +185,13 @@ __device__ __forceinline__ void gate_up_reduce_glu(const GateUpArgs& a, unsigned
 // one-item grid, the CTA's later items are not computed either, so "the same bytes" holds for valid
 // plans). The launch sizes the grid by the CTAs that fit an SM (at most 2).
 constexpr int kRingCtasPerSm = 2;
+// One ring buffer: an item's GateUpTcLayout, rounded up to 128 bytes (the launch asks for two).
+__host__ __device__ inline size_t ring_buffer_bytes(const GateUpTcLayout& L) { return (L.total + 127) / 128 * 128; }
 template <DType D, int G, Activation A, bool kFp>
 __device__ __forceinline__ void gate_up_glu_mma_ring(const GateUpArgs& a, unsigned char* smem) {
   const int g = (threadIdx.x & 31) >> 2;
   const GateUpTcLayout L(a.H, G);
-  const size_t buf_bytes = (L.total + 127) / 128 * 128;
+  const size_t buf_bytes = ring_buffer_bytes(L);
   const int col_blocks = a.I / kTcRows;
   const int items = col_blocks * a.group_rows;
   const int stride = gridDim.x;

@@ -2,6 +2,7 @@
 // its scratch, and the three launches.
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <mutex>
 #include <unordered_set>
 
@@ -21,6 +22,18 @@ void allow_smem(const void* kernel) {
   if (!done.insert(kernel).second) return;
   EXPERTQMM_CUDA_CHECK(
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kDecodeMaxSmem)));
+}
+
+int resident_ctas_per_sm(const void* kernel, size_t smem) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, size_t>, int> known;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = known.find({kernel, smem});
+  if (it != known.end()) return it->second;
+  int ctas = 0;
+  EXPERTQMM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, kThreads, smem));
+  known.emplace(std::make_pair(kernel, smem), ctas);
+  return ctas;
 }
 
 }  // namespace decode
@@ -188,9 +201,10 @@ void launch_decode_glu(const Tensor& x, const QuantizedWeight& gate, const Quant
   ga.k = 1;
   ga.plan = nullptr;
   ga.identity_rows = T;
+  ga.group_rows = 1;  // the identity plan's one group
   ga.hidden = static_cast<uint16_t*>(hidden);
   ga.faults = device_faults();
-  launch_gate_up_mma(x.dtype(), gate.group_size, act, ga, T, gate_up_mma_smem(H, gate.group_size), current_stream());
+  launch_gate_up_mma(x.dtype(), gate.group_size, act, ga, gate_up_mma_smem(H, gate.group_size), current_stream());
 }
 
 DecodeScratch decode_scratch(int64_t T, int64_t k, int64_t E, int64_t I) {
@@ -310,7 +324,7 @@ void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, 
   if (gate.bits == 4 && !route_in_gate_up && decode_gate_up_ring(T, ring_smem))
     launch_gate_up_ring(D, gate.group_size, ex.activation, ga, ring_smem, stream, fp_gate);
   else if (gate.bits == 4)
-    launch_gate_up_mma(D, gate.group_size, ex.activation, ga, n, gate_up_mma_smem(H, gate.group_size, fp_gate), stream,
+    launch_gate_up_mma(D, gate.group_size, ex.activation, ga, gate_up_mma_smem(H, gate.group_size, fp_gate), stream,
                        fp_gate);
   else
     launch_gate_up_scalar(D, ex.activation, ga, n, gate_up_scalar_smem(T, H), stream);

@@ -44,30 +44,28 @@ cudaGraph_t capture_graph(cudaStream_t stream, const std::function<void()>& call
   return nullptr;
 }
 
-int kernel_nodes(cudaGraph_t graph) {
+namespace {
+// The kernel nodes of `graph`, in the graph's node order.
+std::vector<cudaGraphNode_t> kernel_node_list(cudaGraph_t graph) {
   size_t nodes = 0;
   EXPECT_EQ(cudaGraphGetNodes(graph, nullptr, &nodes), cudaSuccess);
   std::vector<cudaGraphNode_t> all(nodes);
   EXPECT_EQ(cudaGraphGetNodes(graph, all.data(), &nodes), cudaSuccess);
-  int kernels = 0;
+  std::vector<cudaGraphNode_t> kernels;
   for (cudaGraphNode_t node : all) {
     cudaGraphNodeType type;
     EXPECT_EQ(cudaGraphNodeGetType(node, &type), cudaSuccess);
-    kernels += type == cudaGraphNodeTypeKernel;
+    if (type == cudaGraphNodeTypeKernel) kernels.push_back(node);
   }
   return kernels;
 }
+}  // namespace
+
+int kernel_nodes(cudaGraph_t graph) { return static_cast<int>(kernel_node_list(graph).size()); }
 
 std::vector<dim3> kernel_grids(cudaGraph_t graph) {
-  size_t nodes = 0;
-  EXPECT_EQ(cudaGraphGetNodes(graph, nullptr, &nodes), cudaSuccess);
-  std::vector<cudaGraphNode_t> all(nodes);
-  EXPECT_EQ(cudaGraphGetNodes(graph, all.data(), &nodes), cudaSuccess);
   std::vector<dim3> grids;
-  for (cudaGraphNode_t node : all) {
-    cudaGraphNodeType type;
-    EXPECT_EQ(cudaGraphNodeGetType(node, &type), cudaSuccess);
-    if (type != cudaGraphNodeTypeKernel) continue;
+  for (cudaGraphNode_t node : kernel_node_list(graph)) {
     cudaKernelNodeParams params{};
     EXPECT_EQ(cudaGraphKernelNodeGetParams(node, &params), cudaSuccess);
     grids.push_back(params.gridDim);
