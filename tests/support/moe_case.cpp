@@ -126,8 +126,12 @@ void expect_layer_rows_match(const Tensor& h, const Tensor& x, const Layer& l, c
 }
 
 // GPU routing against CPU routing. exact: every token must pick the same experts; otherwise a token
-// may differ only where the GPU's pick is within 1/64 (relative) of the CPU's k-th logit. Weights
-// are compared per expert on tokens whose sets agree.
+// may differ only where the GPU's pick is within 1/64 (relative) of the CPU's k-th logit, and at most
+// half of the tokens with a near-tie at the k-th place (near_tie, on the CPU's logits) may differ: a GPU
+// that resolved every near-tie its own way would differ on all of them, while rounding (bf16 logits,
+// other summation orders) flips a few. (A fixed share of all tokens, T / 10, failed under racecheck at
+// E = 200, T = 37 with 4 near-tie tokens differing: how many near-ties a row has depends on the seed.)
+// Weights are compared per expert on tokens whose sets agree.
 void expect_routing_match(const Tensor& h, const RouterWeights& r, bool exact, const std::string& what) {
   const int64_t T = h.size(0);
   const int k = r.top_k;
@@ -163,15 +167,19 @@ void expect_routing_match(const Tensor& h, const RouterWeights& r, bool exact, c
     ++differing;
     ASSERT_FALSE(exact) << what << ": token " << t << " picked different experts";
     if (logits.empty()) logits = cpu_router_logits(h, r);
-    std::vector<float> row(logits.begin() + t * E, logits.begin() + (t + 1) * E);
-    std::sort(row.begin(), row.end(), std::greater<float>());
+    const std::vector<float> row = sorted_row(logits, t, E);
     const float kth = row[k - 1];
     for (const auto& kv : gmap)
       EXPECT_GE(logits[t * E + kv.first], kth - std::fabs(kth) * (1.0f / 64) - 1e-6f)
           << what << ": token " << t << " picked expert " << kv.first << " (logit " << logits[t * E + kv.first]
           << ") far below the k-th logit " << kth;
   }
-  EXPECT_LE(differing, std::max<int64_t>(1, T / 10)) << what << ": too many tokens disagree";
+  if (differing > 0) {
+    int64_t near_ties = 0;
+    for (int64_t t = 0; t < T; ++t) near_ties += near_tie(logits, t, E, k);
+    EXPECT_LE(differing, std::max<int64_t>(1, near_ties / 2))
+        << what << ": " << differing << " tokens disagree, of " << near_ties << " with a near-tie at the k-th place";
+  }
   EXPECT_LE(rel_error(gw_matched, cw_matched), exact ? 1e-5 : 1e-2) << what;
   cuda_check();
 }
