@@ -48,13 +48,6 @@ TEST(Settings, UnsetEnvironmentGivesTheDefaults) {
   EXPECT_EQ(s.deterministic, RouteSwitch::automatic);
   EXPECT_EQ(s.wgmma, RouteSwitch::automatic);
   EXPECT_EQ(s.wgmma_width, 0);
-  EXPECT_EQ(s.decode_gate_up_ring, RouteSwitch::automatic);
-}
-
-TEST(Settings, DecodeGateUpRingVariable) {
-  EXPECT_EQ(parse({{"EXPERTQMM_DECODE_GATE_UP_RING", "0"}}).decode_gate_up_ring, RouteSwitch::off);
-  EXPECT_EQ(parse({{"EXPERTQMM_DECODE_GATE_UP_RING", "1"}}).decode_gate_up_ring, RouteSwitch::on);
-  for (const char* bad : kSwitchBad) expect_rejected("EXPERTQMM_DECODE_GATE_UP_RING", bad);
 }
 
 TEST(Settings, ExpertTilesVariable) {
@@ -125,7 +118,7 @@ TEST(Settings, ChainedLaunchScopeIsPerThreadAndRestores) {
 // Every variable of the table is parsed (a bad value of each is caught), and nothing else is.
 TEST(Settings, TableListsEveryVariableAndEachIsValidated) {
   const std::vector<SettingInfo> table = settings_table();
-  ASSERT_EQ(table.size(), 8u);
+  ASSERT_EQ(table.size(), 7u);
   for (const SettingInfo& row : table) {
     EXPECT_EQ(row.variable.rfind("EXPERTQMM_", 0), 0u) << row.variable;
     EXPECT_FALSE(row.values.empty() || row.current.empty() || row.what.empty()) << row.variable;
@@ -209,8 +202,7 @@ TEST(Settings, ApiOverridesAndRejectsBadValues) {
   };
   const SwitchApi switches[] = {{wgmma_setting, set_wgmma, RouteSwitch::off},
                                 {decode_layer_setting, set_decode_layer, RouteSwitch::off},
-                                {chained_launch_setting, set_chained_launch, RouteSwitch::on},
-                                {decode_gate_up_ring_setting, set_decode_gate_up_ring, RouteSwitch::on}};
+                                {chained_launch_setting, set_chained_launch, RouteSwitch::on}};
   for (const SwitchApi& api : switches) {
     const RouteSwitch before = api.get();
     api.set(api.value);

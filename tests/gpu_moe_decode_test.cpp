@@ -1,8 +1,7 @@
-// The decode layer (src/cuda/moe_decode_layer.cu: moe_layer_into in three kernels when T*k <= 64)
-// beyond the backend-ops table (gpu_backend_ops_test.cpp checks it against float64 and the general
-// path at Gemma 4's geometry and at small odd ones, with its hits counted and runs bit-identical):
-// calls it does not take, CUDA graph capture + replay as three kernel nodes, the one-token routing
-// in the gate/up CTAs, and the gate/up ring (EXPERTQMM_DECODE_GATE_UP_RING) against the one-item grid.
+// The decode layer (src/cuda/moe_decode_layer.cu: moe_layer_into in three kernels when T*k <= 64) beyond
+// the backend-ops table (gpu_backend_ops_test.cpp checks it against float64 and the general path at
+// Gemma 4's geometry and at small odd ones, with its hits counted and runs bit-identical): calls it
+// does not take, and CUDA graph capture + replay as three kernel nodes.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -37,36 +36,6 @@ struct DecodeInputs {
         x(test::random_tensor({T, g.H}, g.dtype, 1.0f, Device::cuda)),
         other(test::random_tensor({T, g.H}, g.dtype, 1.0f, Device::cuda)) {}
 };
-
-// Rows both decode-layer byte-identity tests take: Gemma 4's H and I (16 experts) separate in bf16 and
-// fused in f16, then `more`, then a small mxfp4 layer (the kFp form).
-std::vector<test::MoeGeometry> decode_geometries(const std::vector<test::MoeGeometry>& more) {
-  std::vector<test::MoeGeometry> g = {{2816, 704, 16, 8, 4, 64, 8, false, Activation::geglu, DType::bf16},
-                                      {2816, 704, 16, 8, 4, 64, 8, true, Activation::geglu, DType::f16}};
-  g.insert(g.end(), more.begin(), more.end());
-  test::MoeGeometry fp4{512, 256, 32, 4, 4, 32, 8, false, Activation::geglu, DType::bf16};
-  fp4.mode = QuantMode::mxfp4;
-  g.push_back(fp4);
-  return g;
-}
-
-using RingGuard = test::SettingGuard<RouteSwitch, decode_gate_up_ring_setting, set_decode_gate_up_ring>;
-// One measured decode call of `in` with the gate/up ring on or off, in ws after the one-item grid
-// routed `other` into it (so hidden rows the ring did not write would show as other's); its output
-// bytes, the call's decode-layer hit expected.
-std::vector<uint8_t> decode_call_bytes(const test::Layer& l, const DecodeInputs& in, Workspace& ws, bool ring,
-                                       const std::string& what) {
-  {
-    RingGuard one_item(RouteSwitch::off);
-    (void)test::run_layer(in.other, in.x, l.gpu, ws);
-  }
-  RingGuard setting(ring ? RouteSwitch::on : RouteSwitch::off);
-  const uint64_t before = test::decode_hits();
-  std::vector<uint8_t> bytes = test::run_layer(in.h, in.x, l.gpu, ws).to_host_bytes();
-  cuda_check();
-  EXPECT_EQ(test::decode_hits(), before + 1) << what << ": the decode layer did not serve the call";
-  return bytes;
-}
 }  // namespace
 
 #ifdef EXPERTQMM_HAVE_CUDA
@@ -101,19 +70,55 @@ TEST(GpuMoeDecode, RouteInGateUpIsChosenForTheLayerAloneAtOneToken) {
 TEST(GpuMoeDecode, UnsupportedCallsFallBack) {
   EXPERTQMM_REQUIRE_GPU();
   test::DecodeSwitchGuard on(RouteSwitch::on);
-  const test::Layer l = test::make_layer({320, 96, 16, 4, 4, 32, 8, false, Activation::geglu, DType::bf16});
-  Workspace ws;
-  const uint64_t before = test::decode_hits();
-  // T = 9 > 8 tokens; T*k = 36 is still under the row bound.
-  const Tensor h = test::random_tensor({9, 320}, DType::bf16, 1.0f, Device::cuda);
-  const Tensor out = test::run_layer(h, h, l.gpu, ws);
-  cuda_check();
-  EXPECT_EQ(test::decode_hits(), before);
-  // And the result is still right (general path): compare with the switch forced off.
-  test::DecodeSwitchGuard off(RouteSwitch::off);
-  Workspace ws2;
-  EXPECT_EQ(out.to_host_bytes(), test::run_layer(h, h, l.gpu, ws2).to_host_bytes());
+  // T = 17 > 16 tokens (T*k = 68 is still under the row bound); 8-bit experts at T = 9 > 8 (the
+  // scalar kernels take one pass of at most 8 rows per expert).
+  for (int bits : {4, 8}) {
+    const test::Layer l = test::make_layer({320, 96, 16, 4, bits, 32, 8, false, Activation::geglu, DType::bf16});
+    const int64_t T = bits == 4 ? 17 : 9;
+    Workspace ws;
+    const uint64_t before = test::decode_hits();
+    const Tensor h = test::random_tensor({T, 320}, DType::bf16, 1.0f, Device::cuda);
+    const Tensor out = test::run_layer(h, h, l.gpu, ws);
+    cuda_check();
+    EXPECT_EQ(test::decode_hits(), before) << bits << "-bit experts, T=" << T;
+    // And the result is still right (general path): compare with the switch forced off.
+    test::DecodeSwitchGuard off(RouteSwitch::off);
+    Workspace ws2;
+    EXPECT_EQ(out.to_host_bytes(), test::run_layer(h, h, l.gpu, ws2).to_host_bytes()) << bits << "-bit experts";
+  }
 }
+
+#ifdef EXPERTQMM_HAVE_CUDA
+// The gate/up grid's group rows (host only): one per (token, slot) row at most, the experts hit up
+// to T = 8, and one more per 8 rows beyond (an expert's rows come in plan groups of at most 8).
+TEST(GpuMoeDecode, GroupRowsBoundThePlansGroups) {
+  EXPECT_EQ(cuda::decode_group_rows(1, 8, 128), 8);
+  EXPECT_EQ(cuda::decode_group_rows(8, 8, 128), 64);
+  EXPECT_EQ(cuda::decode_group_rows(8, 8, 16), 16);    // T <= 8: no expert has more than 8 rows
+  EXPECT_EQ(cuda::decode_group_rows(16, 8, 128), 128);
+  EXPECT_EQ(cuda::decode_group_rows(16, 8, 16), 32);   // 16 experts + 128 / 8
+  EXPECT_EQ(cuda::decode_group_rows(16, 8, 8), 24);    // every expert's 16 rows: 2 groups each (16) fit
+  EXPECT_EQ(cuda::decode_group_rows(9, 2, 8), 10);     // 8 + 18 / 8
+  // The bound holds for every split of the n = T*k rows over E experts (each expert <= T rows, one
+  // per token): the most groups any split gives (sum of ceil(c_e / 8)), by dynamic programming over
+  // the experts, never exceeds the grid's rows.
+  for (int64_t E : {8, 16, 40, 128})
+    for (int64_t k : {1, 2, 8})
+      for (int64_t T = 1; T <= 16; ++T) {
+        const int64_t n = T * k;
+        if (k > E) continue;
+        std::vector<int64_t> most(n + 1, -1);  // most groups over the experts so far holding r rows
+        most[0] = 0;
+        for (int64_t e = 0; e < E; ++e)
+          for (int64_t r = n; r >= 1; --r)
+            for (int64_t c = 1; c <= std::min(T, r); ++c)
+              if (most[r - c] >= 0) most[r] = std::max(most[r], most[r - c] + (c + 7) / 8);
+        const std::string what = detail::cat("T=", T, " k=", k, " E=", E);
+        EXPECT_GE(cuda::decode_group_rows(T, k, E), most[n]) << what;
+        EXPECT_LE(cuda::decode_group_rows(T, k, E), n) << what;
+      }
+}
+#endif
 
 // A warmed-up decode call captured in a CUDA graph (global mode: any host sync or allocation fails
 // the capture) holds exactly three kernel nodes and replays to the uncaptured bytes, twice.
@@ -125,7 +130,7 @@ TEST(GpuMoeDecode, CapturedInACudaGraphAsThreeKernels) {
   const test::Layer l = test::make_layer(g);
   const test::CaptureStream stream;
   Workspace ws;
-  for (int64_t T : {8, 1, 3}) {
+  for (int64_t T : {8, 1, 3, 16}) {
     const std::string what = detail::cat("T=", T);
     const Tensor h = test::random_tensor({T, g.H}, g.dtype, 1.0f, Device::cuda);
     const Tensor x = test::random_tensor({T, g.H}, g.dtype, 1.0f, Device::cuda);
@@ -137,6 +142,12 @@ TEST(GpuMoeDecode, CapturedInACudaGraphAsThreeKernels) {
     ASSERT_NE(graph, nullptr) << what;
     EXPECT_EQ(ws.bytes_held(), held) << what << ": the workspace grew during the captured call";
     EXPECT_EQ(test::kernel_nodes(graph), 3) << what << ": the decode layer should be three kernels";
+    // The gate/up grid: 16-column blocks x decode_group_rows (T = 16 at E = 16: 32 group rows, the
+    // experts' rows in groups of at most 8).
+    const dim3 gate_up(static_cast<unsigned>(g.I / 16), static_cast<unsigned>(cuda::decode_group_rows(T, g.k, g.E)));
+    bool found = false;
+    for (const dim3& d : test::kernel_grids(graph)) found |= d.x == gate_up.x && d.y == gate_up.y && d.z == 1;
+    EXPECT_TRUE(found) << what << ": no gate/up grid of " << gate_up.x << " x " << gate_up.y;
     test::expect_replays_match(graph, stream.get(), replayed, expected, 3, what);
   }
 #endif
@@ -205,10 +216,15 @@ TEST(GpuMoeDecode, OneTokenTopkBreaksExactTiesLikeTheCpu) {
 TEST(GpuMoeDecode, RouteInGateUpIsBitIdenticalAtOneToken) {
   EXPERTQMM_REQUIRE_GPU();
   test::DecodeSwitchGuard on(RouteSwitch::on);
-  std::vector<test::MoeGeometry> geometries =
-      decode_geometries({{512, 256, 128, 8, 4, 64, 8, false, Activation::geglu, DType::bf16},
-                         {256, 128, 256, 8, 4, 128, 8, true, Activation::swiglu, DType::bf16},
-                         {320, 96, 16, 4, 4, 32, 0, false, Activation::geglu, DType::bf16}});
+  std::vector<test::MoeGeometry> geometries = {
+      {2816, 704, 16, 8, 4, 64, 8, false, Activation::geglu, DType::bf16},
+      {2816, 704, 16, 8, 4, 64, 8, true, Activation::geglu, DType::f16},
+      {512, 256, 128, 8, 4, 64, 8, false, Activation::geglu, DType::bf16},
+      {256, 128, 256, 8, 4, 128, 8, true, Activation::swiglu, DType::bf16},
+      {320, 96, 16, 4, 4, 32, 0, false, Activation::geglu, DType::bf16}};
+  test::MoeGeometry fp4{512, 256, 32, 4, 4, 32, 8, false, Activation::geglu, DType::bf16};
+  fp4.mode = QuantMode::mxfp4;
+  geometries.push_back(fp4);
   // Qwen3-MoE's router (softmax_topk: the gate/up CTAs rank the rounded probabilities), its geometry
   // renormalised, and smaller ones without renormalising, f16 and a dense router.
   for (test::MoeGeometry q : {test::MoeGeometry{2048, 768, 128, 8, 4, 64, 8, false, Activation::swiglu, DType::bf16},
@@ -263,88 +279,4 @@ TEST(GpuMoeDecode, RouteInGateUpIsBitIdenticalAtOneToken) {
   EXPECT_EQ(test::kernel_nodes(graph), 3);
   test::expect_replays_match(graph, stream.get(), replayed, expected, 3, "T=1 routed in gate/up");
 #endif
-}
-
-// The gate/up kernel as a ring of work items (EXPERTQMM_DECODE_GATE_UP_RING: at most 2 CTAs per SM,
-// each streaming its next item's codes into a second buffer) runs the one-item CTA's steps in the
-// same order, so it gives the same bytes: Gemma 4's H and I (16 experts), odd geometries (I = 96,
-// group 32 / 128, a dense router), f16 fused gate_up, SwiGLU, mxfp4, and Qwen3's router at I = 1024
-// (64 column blocks x up to 32 groups: several items per CTA on any GPU), at 2-8 tokens. (Layers of
-// 128 real-size experts take ~40 s each to build on the CPU.) Captured in a graph, the ring is the
-// one 1-D gate/up grid of min(items, 2 x SMs) CTAs (2 fit an SM of an H200; the launch asks the
-// occupancy API) where the one-item grid is (I / 16, min(T * k, E)).
-TEST(GpuMoeDecode, GateUpRingGivesTheOneItemGridsBytes) {
-  EXPERTQMM_REQUIRE_GPU();
-  test::DecodeSwitchGuard on(RouteSwitch::on);
-  const std::vector<test::MoeGeometry> geometries = decode_geometries(
-      {{320, 96, 16, 4, 4, 32, 8, false, Activation::geglu, DType::bf16},
-       {256, 128, 32, 8, 4, 128, 0, true, Activation::swiglu, DType::bf16},
-       {512, 1024, 32, 8, 4, 64, 8, false, Activation::swiglu, DType::bf16, RouterKind::softmax_topk}});
-#ifdef EXPERTQMM_HAVE_CUDA
-  int device = 0, sms = 0;
-  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
-  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), cudaSuccess);
-  const test::CaptureStream stream;
-#endif
-  for (const test::MoeGeometry& g : geometries) {
-    const test::Layer l = test::make_layer(g);
-    for (int64_t T : {2, 5, 8}) {
-      const std::string what = g.name() + detail::cat(" T=", T);
-      const DecodeInputs in(g, T);
-      std::vector<uint8_t> bytes[2];
-      Workspace ws;  // one arena for both calls (decode_call_bytes)
-      for (int ring = 0; ring < 2; ++ring) {
-        bytes[ring] = decode_call_bytes(l, in, ws, ring == 1, what);
-#ifdef EXPERTQMM_HAVE_CUDA
-        RingGuard setting(ring ? RouteSwitch::on : RouteSwitch::off);
-        Tensor out = Tensor::empty({T, g.H}, g.dtype, Device::cuda);
-        cudaGraph_t graph = test::capture_graph(stream.get(), [&] { moe_layer_into(out, in.h, in.x, l.gpu, ws); }, what);
-        ASSERT_NE(graph, nullptr) << what;
-        const unsigned col_blocks = static_cast<unsigned>(g.I / 16);
-        const unsigned group_rows = static_cast<unsigned>(std::min<int64_t>(T * g.k, g.E));
-        const unsigned ring_ctas = std::min<unsigned>(col_blocks * group_rows, 2u * static_cast<unsigned>(sms));
-        bool one_item = false, ring_grid = false;
-        for (const dim3& d : test::kernel_grids(graph)) {
-          one_item |= d.x == col_blocks && d.y == group_rows && d.z == 1;
-          ring_grid |= d.x == ring_ctas && d.y == 1 && d.z == 1;
-        }
-        EXPECT_EQ(one_item, ring == 0) << what << ": the one-item gate/up grid";
-        EXPECT_TRUE(!ring || ring_grid) << what << ": no gate/up grid of " << ring_ctas << " CTAs";
-        EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
-#endif
-      }
-      EXPECT_EQ(bytes[1], bytes[0]) << what << ": the ring's output differs from the one-item grid's";
-    }
-  }
-}
-
-#ifdef EXPERTQMM_HAVE_CUDA
-// The ring's rule (host only): off unless the setting is on; then from 2 tokens, within the decode
-// kernels' shared memory.
-TEST(GpuMoeDecode, GateUpRingRule) {
-  {
-    RingGuard unset(RouteSwitch::automatic);
-    EXPECT_FALSE(cuda::decode_gate_up_ring(8, 1024));
-  }
-  RingGuard on(RouteSwitch::on);
-  EXPECT_FALSE(cuda::decode_gate_up_ring(1, 1024));
-  EXPECT_TRUE(cuda::decode_gate_up_ring(2, 1024));
-  EXPECT_TRUE(cuda::decode_gate_up_ring(8, 160 * 1024));
-  EXPECT_FALSE(cuda::decode_gate_up_ring(8, 160 * 1024 + 1));
-}
-#endif
-
-// The sanitizers' view of the ring (tests/support/backend_cases.h: the Sanitize suites): a small layer
-// with many more items (64 column blocks x ~22 live expert groups) than the ring has CTAs on a large
-// GPU (264 on an H200), so each CTA takes several and refills a buffer it computed from before, against
-// the one-item grid's bytes (the same arena, `other` routed into it before each call).
-TEST(SanitizeMoeDecodeRing, MatchesTheOneItemGrid) {
-  EXPERTQMM_REQUIRE_GPU();
-  test::DecodeSwitchGuard on(RouteSwitch::on);
-  const test::MoeGeometry g{256, 1024, 32, 8, 4, 64, 8, false, Activation::geglu, DType::bf16};
-  const test::Layer l = test::make_layer(g);
-  const DecodeInputs in(g, 4);
-  Workspace ws;
-  const std::vector<uint8_t> one_item = decode_call_bytes(l, in, ws, false, "T=4");
-  EXPECT_EQ(decode_call_bytes(l, in, ws, true, "T=4"), one_item);
 }

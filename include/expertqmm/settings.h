@@ -37,13 +37,6 @@ RouteSwitch decode_layer_setting();
 void set_decode_route_in_gate_up(RouteSwitch s);
 RouteSwitch decode_route_in_gate_up_setting();
 
-// EXPERTQMM_DECODE_GATE_UP_RING=0|1: from 2 tokens, the decode layer's 4-bit gate/up kernel as a ring
-// of work items (at most 2 CTAs per SM, each streaming its next item's codes into a second buffer while
-// it computes the current one) instead of one CTA per item (bench/NOTES.md step 42). The same output
-// bits. `automatic` is off until it is measured.
-void set_decode_gate_up_ring(RouteSwitch s);
-RouteSwitch decode_gate_up_ring_setting();
-
 // EXPERTQMM_CHAINED_LAUNCH=0|1: programmatic dependent launches (sm_90) at the Gemma 4 block's two
 // boundaries that allow them at decode sizes: the router (which reads the block's input, not the
 // entry norms' output) starts while the entry norms run, and the exit kernel loads its other inputs

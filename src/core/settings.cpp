@@ -35,7 +35,7 @@ int parse_wgmma_width(const char* variable, const std::optional<std::string>& va
 // API overrides: -1 = none (the environment decides), else the value.
 constexpr int kNone = -1;
 std::atomic<int> g_expert_tiles{kNone}, g_decode_layer{kNone}, g_decode_route_in_gate_up{kNone}, g_chained_launch{kNone}, g_deterministic{kNone}, g_wgmma{kNone},
-    g_wgmma_width{kNone}, g_decode_gate_up_ring{kNone};
+    g_wgmma_width{kNone};
 std::atomic<ProductMode> g_product_mode{ProductMode::fused};
 thread_local int t_chained_launch = kNone;  // ChainedLaunchScope's value on this thread
 
@@ -81,11 +81,6 @@ const Variable kVariables[] = {
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.wgmma_width = parse_wgmma_width(n, v); },
      [] { return wgmma_width() ? std::to_string(wgmma_width()) : std::string("auto"); },
      &g_wgmma_width, [](const EnvSettings& e) { return e.wgmma_width; }},
-    {"EXPERTQMM_DECODE_GATE_UP_RING", "0|1",
-     "1: the decode layer's 4-bit gate/up from 2 tokens as a ring of work items over two buffers per CTA (unset: 0, not yet measured)",
-     [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.decode_gate_up_ring = parse_switch(n, v); },
-     [] { return std::string(switch_text(decode_gate_up_ring_setting())); },
-     &g_decode_gate_up_ring, [](const EnvSettings& e) { return switch_override(e.decode_gate_up_ring); }},
 };
 
 // The environment, parsed on first use. A bad value is kept as its message and thrown on every read.
@@ -147,8 +142,6 @@ void set_decode_route_in_gate_up(RouteSwitch s) { set_switch(g_decode_route_in_g
 RouteSwitch decode_route_in_gate_up_setting() {
   return read_switch(g_decode_route_in_gate_up, env().decode_route_in_gate_up);
 }
-void set_decode_gate_up_ring(RouteSwitch s) { set_switch(g_decode_gate_up_ring, s, "set_decode_gate_up_ring"); }
-RouteSwitch decode_gate_up_ring_setting() { return read_switch(g_decode_gate_up_ring, env().decode_gate_up_ring); }
 void set_chained_launch(RouteSwitch s) { set_switch(g_chained_launch, s, "set_chained_launch"); }
 RouteSwitch chained_launch_setting() {
   if (t_chained_launch != kNone) return static_cast<RouteSwitch>(t_chained_launch);

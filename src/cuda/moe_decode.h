@@ -11,8 +11,7 @@
 // 8-bit experts (8-bit MLX checkpoints, bench preset gemma4-26b-a4b-q8).
 // The tensor-core kernels 2 and 3 are tile functions (moe_decode_tiles.cuh).
 // Files: this header (the arguments, the plan and what the kernels share), moe_decode_router.cu,
-// moe_decode_tiles.cuh with moe_decode_gate_up.cu and moe_decode_down.cu (tensor cores; kernel 2
-// also as a ring of work items, moe_decode_gate_up_ring.cuh, behind EXPERTQMM_DECODE_GATE_UP_RING),
+// moe_decode_tiles.cuh with moe_decode_gate_up.cu and moe_decode_down.cu (tensor cores),
 // moe_decode_scalar.cu (8-bit), and moe_decode_layer.cu (the host: support check and launches).
 // Numerics are the general path's (src/cuda/moe.cu): the router rounds r and the logits to h's
 // dtype and routes with device/route_topk.cuh (the same code as route_into); gate and up are
@@ -22,7 +21,8 @@
 // the general path rounds y to the dtype first), summed in slot order as launch_weighted_combine.
 // Only summation orders differ, so routing agrees with route_into except at logit near-ties.
 //
-// supports_decode_layer takes: T <= 8, k <= 8, T*k <= 64; bf16 or f16 activations with the same
+// supports_decode_layer takes: T <= 16 (T <= 8 with 8-bit experts; the router's staged h within
+// decode_max_smem), k <= 8, T*k <= 128; bf16 or f16 activations with the same
 // dtype for h, x, out and every scale/bias; 4- or 8-bit experts with group 32/64/128 (separate or
 // fused gate_up), or mxfp4 / nvfp4 experts under bf16 (the tensor-core kernels' kFp form; mxfp8
 // has no decode kernel); a router that is affine 4/8-bit with group 32/64/128, in any fp mode
@@ -63,21 +63,30 @@ using device::word_x;
 
 constexpr int kWarps = 8;
 constexpr int kThreads = 32 * kWarps;
-constexpr int kDecodeMaxTokens = 8;  // T: the router stages every token's r in shared memory
-constexpr int kDecodeMaxTopK = 8;    // k: one warp per slot in the down/combine kernel
-constexpr size_t kDecodeMaxSmem = 160 * 1024;  // dynamic shared memory of any decode kernel (sm_80: 163 KB)
+constexpr int kDecodeMaxTokens = 16;  // T: the router stages every token's h in shared memory
+constexpr int kDecodeMaxTopK = 8;     // k: one warp per slot in the down/combine kernel
+constexpr int kPlanGroupRows = 8;     // rows of one plan group: the tensor-core gate/up mma's n
+constexpr int kScalarMaxTokens = 8;   // T of the scalar (8-bit) kernels: an expert has <= T <= 8 rows
+static_assert(static_cast<int64_t>(kDecodeMaxTokens) * kDecodeMaxTopK <= kDecodeMaxRows, "the plan holds T*k rows");
+// Dynamic shared memory of any decode kernel: the device's opt-in limit per block (H100 / H200: 227
+// KB; sm_80: 163 KB, asked once per device) less kDecodeStaticSmem, which covers every decode
+// kernel's static shared memory (the router's: ~3.7 KB). The router needs (T + 1) * 12.4 KB at
+// H = 2816: 215 KB at T = 16.
+constexpr size_t kDecodeStaticSmem = 8 * 1024;
+size_t decode_max_smem();
 
 // The expert-group plan that the router's last CTA leaves for the gate/up kernel: the n = T*k flat
-// rows (t*k + j) sorted by expert (stable), one group per distinct expert in increasing id order.
+// rows (t*k + j) sorted by expert (stable), in increasing expert id order; an expert's rows form
+// groups of at most kPlanGroupRows (the mma's n: more than 8 rows only from T = 9).
 struct DecodePlan {
-  // [g][j] the token (row / k) of group g's j-th row, j < count[g] (a group holds <= T rows): a
-  // gate/up CTA learns its activation rows in the same round trip as its group (plan_group). First,
-  // so that each group's 32 bytes are one sector.
-  int32_t token[kDecodeMaxRows][kDecodeMaxTokens];
-  int32_t groups;                    // distinct experts
+  // [g][j] the token (row / k) of group g's j-th row, j < count[g]: a gate/up CTA learns its
+  // activation rows in the same round trip as its group (plan_group). First, so that each group's
+  // 32 bytes are one sector.
+  int32_t token[kDecodeMaxRows][kPlanGroupRows];
+  int32_t groups;                    // groups (distinct experts up to T = 8)
   int32_t expert[kDecodeMaxRows];    // [g] expert id of group g
   int32_t begin[kDecodeMaxRows];     // [g] first entry of group g in row[]
-  int32_t count[kDecodeMaxRows];     // [g] rows routed to the expert
+  int32_t count[kDecodeMaxRows];     // [g] rows of the group, <= kPlanGroupRows
   int32_t row[kDecodeMaxRows];       // flat rows ordered by (expert, row)
 };
 
@@ -123,7 +132,7 @@ struct GateUpArgs {
   int rows_per_pass;  // activation rows staged at once: min(kGuRowsPerPass, T) (an expert has <= T rows)
   const DecodePlan* plan;  // null: the identity plan of identity_rows rows (plan_group below)
   int identity_rows;
-  int group_rows;  // the tensor-core kernel's expert group rows (grid rows, or the ring's items): min(T*k, E)
+  int group_rows;  // the tensor-core kernel's expert group rows (grid rows): decode_group_rows
   uint16_t* hidden;  // (n, I) of D: row t*k + j = act(gate) * up of slot (t, j)
   uint32_t* faults;
   // One token routed by the CTAs themselves (EXPERTQMM_DECODE_ROUTE_IN_GATE_UP; rank_group in
@@ -146,7 +155,7 @@ struct GateUpArgs {
 struct PlanGroup {
   int groups, expert, begin, count, token;
 };
-// g < kDecodeMaxRows (the gate/up grid has min(n, E) <= kDecodeMaxRows group rows), so every field
+// g < kDecodeMaxRows (the gate/up grid has decode_group_rows <= n <= kDecodeMaxRows group rows), so every field
 // is read at once, before groups is known: one L2 round trip, where a check of groups first made
 // it two (and the token, through row[], a third; bench/NOTES.md step 39).
 __device__ __forceinline__ PlanGroup plan_group(const GateUpArgs& a, int g, int j) {
@@ -224,8 +233,7 @@ template <DType D>
 using MmaType = std::conditional_t<D == DType::bf16, __nv_bfloat16, __half>;
 
 constexpr int kTcRows = 16;       // weight rows per mma tile
-constexpr int kTcMaxN = 8;        // activation rows per mma (T <= 8)
-static_assert(kDecodeMaxTokens >= kTcMaxN, "plan_group reads token[g][lane row] for every mma column");
+constexpr int kTcMaxN = kPlanGroupRows;  // activation rows per mma: one plan group's
 constexpr int kTcRowPad = 32;     // bytes after each staged code row (bank spread, 16-byte aligned)
 
 __host__ __device__ constexpr int tc_code_row_bytes(int K) { return K / 2 + kTcRowPad; }
@@ -328,7 +336,7 @@ constexpr uint32_t kTcOnePair = D == DType::bf16 ? 0x3F803F80u : 0x3C003C00u;
 
 // ---------------------------------------------------------------------------------------------
 // The kernels' launches (grid and shared memory from the arguments; on `stream`) and the dynamic
-// shared memory each needs (the layer checks these against kDecodeMaxSmem before it picks the path).
+// shared memory each needs (the layer checks these against decode_max_smem() before it picks the path).
 
 // Kernel 1 (moe_decode_router.cu); proj_bits 0: a dense projection in D, else 4 or 8; fp: an fp
 // mode's projection (mxfp4 / nvfp4 4-bit, mxfp8 8-bit; bf16).
@@ -343,11 +351,6 @@ void launch_router(DType dtype, int proj_bits, const RouterArgs& a, size_t smem,
 size_t gate_up_mma_smem(int64_t H, int G, bool fp = false);
 void launch_gate_up_mma(DType dtype, int G, Activation act, const GateUpArgs& a, size_t smem, cudaStream_t stream,
                         bool fp = false);
-// Kernel 2 as a ring of work items over two buffers (moe_decode_gate_up_ring.cuh), plan calls only
-// (a.plan set, a.group_rows the item rows): its shared memory and its launch.
-size_t gate_up_ring_smem(int64_t H, int G, bool fp = false);
-void launch_gate_up_ring(DType dtype, int G, Activation act, const GateUpArgs& a, size_t smem, cudaStream_t stream,
-                         bool fp = false);
 // Kernel 3 on tensor cores, 4-bit experts (moe_decode_down.cu).
 size_t down_mma_smem(int64_t k, int64_t I, int G, bool fp = false);
 void launch_down_mma(DType dtype, int G, const DownArgs& a, int T, size_t smem, cudaStream_t stream, bool fp = false);
@@ -358,10 +361,7 @@ void launch_gate_up_scalar(DType dtype, Activation act, const GateUpArgs& a, int
 size_t down_scalar_smem(int64_t k, int64_t I);
 void launch_down_scalar(DType dtype, const DownArgs& a, int T, size_t smem, cudaStream_t stream);
 
-// Lets `kernel` take up to kDecodeMaxSmem of dynamic shared memory (once per kernel).
+// Lets `kernel` take up to decode_max_smem() of dynamic shared memory (once per kernel).
 void allow_smem(const void* kernel);
-// CTAs of `kernel` (kThreads each, smem bytes of dynamic shared memory) resident per SM (the occupancy
-// API, asked once per kernel and size: the launches ask it at every call).
-int resident_ctas_per_sm(const void* kernel, size_t smem);
 
 }  // namespace expertqmm::cuda::decode

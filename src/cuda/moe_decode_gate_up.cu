@@ -1,8 +1,6 @@
 // Kernel 2 of the decode layer (moe_decode.h) on tensor cores, for 4-bit experts: gate and up of
-// every row routed to an expert, then the GLU product; one CTA per work item (moe_decode_tiles.cuh)
-// or a ring of items (moe_decode_gate_up_ring.cuh).
-#include "cuda/gather_qmm_routes.h"  // device_sm_count
-#include "cuda/moe_decode_gate_up_ring.cuh"
+// every row routed to an expert, then the GLU product; one CTA per work item (moe_decode_tiles.cuh).
+#include "cuda/moe_decode_tiles.cuh"
 
 namespace expertqmm::cuda::decode {
 
@@ -16,13 +14,6 @@ template <DType D, int G, Activation A, bool kFp, GroupSource kSource>
 __global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_mma_kernel(GateUpArgs a) {
   extern __shared__ __align__(16) unsigned char tc_smem[];
   gate_up_glu_mma_tile<D, G, A, kFp, kSource>(a, blockIdx.x, blockIdx.y, tc_smem);
-}
-
-// The same work as a ring of items over two buffers (moe_decode_gate_up_ring.cuh), the plan's only.
-template <DType D, int G, Activation A, bool kFp>
-__global__ void __launch_bounds__(kThreads, 2) decode_gate_up_glu_ring_kernel(GateUpArgs a) {
-  extern __shared__ __align__(16) unsigned char ring_smem[];
-  gate_up_glu_mma_ring<D, G, A, kFp>(a, ring_smem);
 }
 
 // Calls f(dtype tag, group tag, fp tag, activation tag) with the compile-time values of the run-time ones.
@@ -49,32 +40,6 @@ void with_gate_up_instance(DType dtype, int G, Activation act, bool fp, F&& f) {
 
 }  // namespace
 
-
-size_t gate_up_ring_smem(int64_t H, int G, bool fp) {
-  return 2 * ring_buffer_bytes(GateUpTcLayout(static_cast<int>(H), fp ? kTcFpLayoutGroup : G));
-}
-
-void launch_gate_up_ring(DType dtype, int G, Activation act, const GateUpArgs& a, size_t smem, cudaStream_t stream,
-                         bool fp) {
-  // plan_group reads group indices below group_rows: within the plan's arrays (kDecodeMaxRows).
-  EXPERTQMM_CHECK(a.plan != nullptr && a.logits == nullptr && a.group_rows >= 1 && a.group_rows <= kDecodeMaxRows &&
-                      a.group_rows <= a.E && a.I % kTcRows == 0,
-                  "decode gate/up ring", "needs the router's plan, 1 <= group_rows <= min(", kDecodeMaxRows,
-                  ", E) and whole 16-column blocks (group_rows=", a.group_rows, ", E=", a.E, ", I=", a.I, ")");
-  const int64_t items = static_cast<int64_t>(a.I / kTcRows) * a.group_rows;
-  with_gate_up_instance(dtype, G, act, fp, [&](auto dtag, auto gtag, auto fptag, auto atag) {
-    auto kernel = decode_gate_up_glu_ring_kernel<decltype(dtag)::value, decltype(gtag)::value, decltype(atag)::value,
-                                                 decltype(fptag)::value>;
-    allow_smem(reinterpret_cast<const void*>(kernel));
-    // CTAs per SM as resident, at most kRingCtasPerSm (fewer where two rings' buffers do not fit an
-    // SM: a CTA past the resident ones would wait for them to finish all their items).
-    const int resident = resident_ctas_per_sm(reinterpret_cast<const void*>(kernel), smem);
-    const int64_t per_sm = std::max(1, std::min(resident, kRingCtasPerSm));
-    const dim3 grid(static_cast<unsigned>(std::min<int64_t>(items, per_sm * device_sm_count())));
-    kernel<<<grid, kThreads, smem, stream>>>(a);
-    EXPERTQMM_CUDA_CHECK_LAUNCH(decode_gate_up_glu_ring_kernel);
-  });
-}
 
 size_t gate_up_mma_smem(int64_t H, int G, bool fp) {
   return GateUpTcLayout(static_cast<int>(H), fp ? kTcFpLayoutGroup : G).total;

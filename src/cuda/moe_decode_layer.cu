@@ -4,7 +4,8 @@
 #include <cmath>
 #include <map>
 #include <mutex>
-#include <unordered_set>
+#include <set>
+#include <utility>
 
 #include "cuda/moe_decode.h"
 #include "cuda/moe_decode_select.h"
@@ -15,25 +16,30 @@ namespace expertqmm::cuda {
 
 namespace decode {
 
-void allow_smem(const void* kernel) {
+size_t decode_max_smem() {
   static std::mutex mu;
-  static std::unordered_set<const void*> done;
+  static std::map<int, size_t> known;  // device -> its opt-in limit
+  int device = 0;
+  EXPERTQMM_CUDA_CHECK(cudaGetDevice(&device));
   std::lock_guard<std::mutex> lock(mu);
-  if (!done.insert(kernel).second) return;
-  EXPERTQMM_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kDecodeMaxSmem)));
+  auto it = known.find(device);
+  if (it != known.end()) return it->second;
+  int optin = 0;
+  EXPERTQMM_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  const size_t limit = static_cast<size_t>(optin) > kDecodeStaticSmem ? optin - kDecodeStaticSmem : 0;
+  return known.emplace(device, limit).first->second;
 }
 
-int resident_ctas_per_sm(const void* kernel, size_t smem) {
+void allow_smem(const void* kernel) {
   static std::mutex mu;
-  static std::map<std::pair<const void*, size_t>, int> known;
+  static std::set<std::pair<const void*, int>> done;  // (kernel, device)
+  int device = 0;
+  EXPERTQMM_CUDA_CHECK(cudaGetDevice(&device));
+  const size_t limit = decode_max_smem();
   std::lock_guard<std::mutex> lock(mu);
-  auto it = known.find({kernel, smem});
-  if (it != known.end()) return it->second;
-  int ctas = 0;
-  EXPERTQMM_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas, kernel, kThreads, smem));
-  known.emplace(std::make_pair(kernel, smem), ctas);
-  return ctas;
+  if (!done.insert({kernel, device}).second) return;
+  EXPERTQMM_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(limit)));
 }
 
 }  // namespace decode
@@ -153,8 +159,10 @@ RouteSupport supports_decode_layer(const Tensor& out, const Tensor& h, const Ten
       first.bits == 4 ? gate_up_mma_smem(H, first.group_size, fp_gate) : gate_up_scalar_smem(T, H);
   const size_t down_bytes =
       ex.down.bits == 4 ? down_mma_smem(k, I, ex.down.group_size, fp_down) : down_scalar_smem(k, I);
-  if (router_smem(T, H) > kDecodeMaxSmem || gate_up_bytes > kDecodeMaxSmem || down_bytes > kDecodeMaxSmem)
-    return route_miss(Fallback::shape);
+  // The scalar (8-bit) kernels take an expert's rows in one pass of at most 8.
+  if ((first.bits != 4 || ex.down.bits != 4) && T > kScalarMaxTokens) return route_miss(Fallback::shape);
+  const size_t limit = decode_max_smem();
+  if (router_smem(T, H) > limit || gate_up_bytes > limit || down_bytes > limit) return route_miss(Fallback::shape);
   return route_ok();
 }
 
@@ -165,7 +173,7 @@ RouteSupport supports_decode_glu(const Tensor& x, const QuantizedWeight& gate, c
   if (D != DType::bf16 && D != DType::f16) return route_miss(Fallback::dtype);
   if (x.ndim() != 2 || !x.is_contiguous() || x.device() != Device::cuda) return route_miss(Fallback::topology);
   const int64_t T = x.size(0), H = x.size(1);
-  if (T < 1 || T > kDecodeMaxTokens) return route_miss(Fallback::shape);
+  if (T < 1 || T > kPlanGroupRows) return route_miss(Fallback::shape);  // the identity plan's one group
   if (H % 32 != 0 || H > INT32_MAX / 4 || !rows_aligned(x)) return route_miss(Fallback::alignment);
   if (act != Activation::geglu && act != Activation::swiglu) return route_miss(Fallback::topology);
   if (!gate.defined() || gate.w.ndim() != 2) return route_miss(Fallback::topology);
@@ -180,7 +188,7 @@ RouteSupport supports_decode_glu(const Tensor& x, const QuantizedWeight& gate, c
   if (gate.bits != 4) return route_miss(Fallback::quantization);
   for (const QuantizedWeight* q : {&gate, &up})  // scale and bias spans are copied in 16-byte units
     if (!is_aligned(q->scales.data(), 16) || !is_aligned(q->biases.data(), 16)) return route_miss(Fallback::alignment);
-  if (gate_up_mma_smem(H, gate.group_size) > kDecodeMaxSmem) return route_miss(Fallback::shape);
+  if (gate_up_mma_smem(H, gate.group_size) > decode_max_smem()) return route_miss(Fallback::shape);
   return route_ok();
 }
 
@@ -226,8 +234,10 @@ bool decode_routes_in_gate_up(int64_t T, int gate_bits, int64_t E, int64_t k, bo
   return wanted && T == 1 && gate_bits == 4 && E <= decode::kThreads && k <= decode::kDecodeMaxTopK;
 }
 
-bool decode_gate_up_ring(int64_t T, size_t ring_smem) {
-  return decode_gate_up_ring_setting() == RouteSwitch::on && T >= 2 && ring_smem <= decode::kDecodeMaxSmem;
+int decode_group_rows(int64_t T, int64_t k, int64_t E) {
+  const int64_t n = T * k, hit = std::min(n, E);
+  const int64_t more = T > kPlanGroupRows ? n / kPlanGroupRows : 0;  // sum of ceil(c_e / 8) <= hit + n / 8
+  return static_cast<int>(std::min(n, hit + more));
 }
 
 void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, const Tensor& h, const Tensor& x,
@@ -286,7 +296,7 @@ void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, 
   ga.k = k;
   ga.rows_per_pass = gate_up_scalar_rows_per_pass(T);  // scalar kernel only
   ga.plan = plan;
-  ga.group_rows = std::min(n, E);
+  ga.group_rows = decode_group_rows(T, k, E);
   ga.hidden = static_cast<uint16_t*>(arena_at(base, sc.hidden));
   ga.faults = device_faults();
 
@@ -320,10 +330,7 @@ void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, 
   const bool fp_gate = gate.mode != QuantMode::affine, fp_down = ex.down.mode != QuantMode::affine;
   launch_router(D, proj_bits, ra, router_smem(T, H), stream, quantized && rt.proj.mode != QuantMode::affine,
                 chain_router);
-  const size_t ring_smem = gate.bits == 4 ? gate_up_ring_smem(H, gate.group_size, fp_gate) : 0;
-  if (gate.bits == 4 && !route_in_gate_up && decode_gate_up_ring(T, ring_smem))
-    launch_gate_up_ring(D, gate.group_size, ex.activation, ga, ring_smem, stream, fp_gate);
-  else if (gate.bits == 4)
+  if (gate.bits == 4)
     launch_gate_up_mma(D, gate.group_size, ex.activation, ga, gate_up_mma_smem(H, gate.group_size, fp_gate), stream,
                        fp_gate);
   else

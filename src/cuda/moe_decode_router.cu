@@ -37,11 +37,11 @@ constexpr int kRouterCachedScales = kRouterThreads;  // per_expert_scale prefetc
 // weights; else warp t = token t, device::warp_topk_softmax; indices into shared memory,
 // per_expert_scale from the prefetched copy), writes indices and weights, resets the counter, and
 // builds the DecodePlan from the shared indices: thread b < n counts the rows with a smaller expert id and the
-// earlier rows with the same id, which is row b's place in the stably sorted order; first rows of
-// an expert name groups, and every row writes its token into its group's token list.
+// earlier rows with the same id, which is row b's place in the stably sorted order; an expert's 0th,
+// 8th, ... rows start groups, and every row writes its token into its group's token list.
 // Occupancy (ptxas, sm_90a): 93-113 registers, no spills; 1 CTA (8 warps) per SM is all it needs:
 // grid E = 128 <= 132 SMs, one wave. Dynamic shared memory (T + 1) * 3168 floats at H = 2816:
-// 25 KB at T=1, 114 KB at T=8. In flight per SM: the expert row (2.8 KB + 88 B of scales/biases)
+// 25 KB at T=1, 114 KB at T=8, 215 KB at T=16 (decode_max_smem: 219 KB on sm_90; T <= 11 on sm_80). In flight per SM: the expert row (2.8 KB + 88 B of scales/biases)
 // beside the norm inputs (norm weight 5.6 KB + h 5.6 KB per token: ~14 KB at T=1, ~53 KB at T=8,
 // L2 hits after the first CTA) in one round trip; then the counter atomic, one L2 read of the
 // logits and the top-k in the last CTA (T=8: the 8 tokens on the 8 warps at once).
@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
   __shared__ float pes_s[kRouterCachedScales];
   __shared__ int is_last;
   __shared__ int32_t ids[kDecodeMaxRows];
-  __shared__ int first_of_expert[kDecodeMaxRows];
+  __shared__ int starts_group[kDecodeMaxRows];
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int e = blockIdx.x;
@@ -175,8 +175,10 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
           s = __fadd_rn(s, __fmul_rn(v[i], v[i]));
         }
 #pragma unroll
-        for (int tt = 0; tt < kDecodeMaxTokens; ++tt)
+        for (int tt = 0; tt < kDecodeMaxTokens; ++tt) {
+          if (tt >= a.T) break;  // uniform: the call's tokens only
           if (tt == t) sq[tt] = __fadd_rn(sq[tt], s);
+        }
         float4* dst = reinterpret_cast<float4*>(hs + t * row_floats + padded(8 * u));
         dst[0] = make_float4(v[0], v[1], v[2], v[3]);
         dst[1] = make_float4(v[4], v[5], v[6], v[7]);
@@ -324,7 +326,9 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
   }
   __syncthreads();
 
-  // The plan: rows grouped by expert (stable counting sort over n <= 64 rows).
+  // The plan: rows grouped by expert (stable counting sort over n <= 128 rows), an expert's rows in
+  // groups of kPlanGroupRows (T > 8 only can give an expert more): row b starts a group when it is
+  // its expert's 0th, 8th, ... row.
   const int n = a.T * a.k;
   int32_t mine = -1;
   int less = 0, before = 0, same = 0;
@@ -340,19 +344,19 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
         before += b < tid;
       }
     }
-    first_of_expert[tid] = before == 0;
+    starts_group[tid] = before % kPlanGroupRows == 0;
     a.plan->row[less + before] = tid;
   }
-  const int groups = __syncthreads_count(tid < n && before == 0);
+  const int groups = __syncthreads_count(tid < n && before % kPlanGroupRows == 0);
   if (tid < n) {
-    int g = 0;  // the row's group: the distinct experts with a smaller id
+    int g = before / kPlanGroupRows;  // the row's group: the groups of smaller expert ids, then its own
 #pragma unroll 1
-    for (int b = 0; b < n; ++b) g += first_of_expert[b] && ids[b] < mine;
-    a.plan->token[g][before] = tid / a.k;  // before < T: an expert takes a token's row at most once
-    if (before == 0) {
+    for (int b = 0; b < n; ++b) g += starts_group[b] && ids[b] < mine;
+    a.plan->token[g][before % kPlanGroupRows] = tid / a.k;  // an expert takes a token's row at most once
+    if (before % kPlanGroupRows == 0) {
       a.plan->expert[g] = mine;
-      a.plan->begin[g] = less;
-      a.plan->count[g] = same;
+      a.plan->begin[g] = less + before;
+      a.plan->count[g] = min(same - before, kPlanGroupRows);
     }
   }
   if (tid == 0) a.plan->groups = groups;

@@ -2,7 +2,6 @@
 // host tests can call it.
 #pragma once
 
-#include <cstddef>
 #include <cstdint>
 
 namespace expertqmm::cuda {
@@ -14,11 +13,10 @@ namespace expertqmm::cuda {
 // ranks while the entry norms run, lost 2.5 (bench/NOTES.md step 33). Else the router's last CTA.
 bool decode_routes_in_gate_up(int64_t T, int gate_bits, int64_t E, int64_t k, bool router_chained);
 
-// Whether a plan-reading 4-bit gate/up call of T tokens runs as the ring of work items
-// (moe_decode_gate_up_ring.cuh): EXPERTQMM_DECODE_GATE_UP_RING on (automatic: off, not yet measured),
-// T >= 2 (at one token the one-item grid's 352 Gemma CTAs are one wave at 3 per SM, more slots than
-// the ring's 2 per SM), and the ring's two buffers (ring_smem bytes) within the decode kernels' shared
-// memory; else one CTA per item.
-bool decode_gate_up_ring(int64_t T, size_t ring_smem);
+// Rows of the decode gate/up grid (expert groups: the router's plan gives an expert's rows in groups
+// of at most 8, the mma's n): at most one group per (token, slot) row, and at most the experts hit
+// (<= min(T*k, E)) plus one more per 8 rows, which only T > 8 can need. CTAs of rows past the
+// plan's group count exit at once.
+int decode_group_rows(int64_t T, int64_t k, int64_t E);
 
 }  // namespace expertqmm::cuda

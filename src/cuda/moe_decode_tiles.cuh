@@ -99,7 +99,7 @@ struct DownTcLayout {
   }
 };
 
-// Work split: grid (ceil(I / 16), min(n, E)), 256 threads, __launch_bounds__(256, 2). CTA (x, g)
+// Work split: grid (ceil(I / 16), decode_group_rows(T, k, E)), 256 threads, __launch_bounds__(256, 2). CTA (x, g)
 // (col_block, g_idx below: the CTA's coordinates in that grid; tc_smem: its dynamic shared memory)
 // takes expert group g of the plan (CTAs past the plan's group count exit at once) and output
 // columns [16x, 16x + 16): two 16-row mma tiles, gate rows (staged rows 0..15) and up rows
@@ -110,7 +110,7 @@ struct DownTcLayout {
 //      of the K groups; 8 threads per row, 16-byte chunks) with the scales and biases (raw, by
 //      cp.async in the first group: the contiguous 16-row spans). Gemma: 45 KB of codes per CTA.
 //   2. K is split across the warps: warp w takes groups w, w+8, ... of the first half as soon as
-//      it has landed, then of the second half. B is read straight from global memory (the T <= 8
+//      it has landed, then of the second half. B is read straight from global memory (the T <= 16
 //      activation rows are shared by every CTA: L1/L2 hits), the lane's 16-byte unit per code word
 //      reordered in registers, one group ahead (the first before the wait for the codes); B column
 //      n is the group's row n. Per group: both tiles' G/16 mma steps, and G/16 more with A = 1 for
@@ -127,7 +127,6 @@ struct DownTcLayout {
 // logits itself (rank_group), as Gemma's router ranks them or as the softmax top-k one does. A
 // compile-time choice, so that each instance holds one way's code: the plan-reading instances' hot
 // loop was rescheduled (+3.9% at T = 2 / 8) while both rankings shared their body (NOTES steps 37-38).
-// The ring (moe_decode_gate_up_ring.cuh) runs copies of steps 1-3 below: change both together.
 enum class GroupSource { plan, rank_logits, rank_softmax };
 template <DType D, int G, Activation A, bool kFp, GroupSource kSource>
 __device__ __forceinline__ void gate_up_glu_mma_tile(const GateUpArgs& a, int col_block, int g_idx, unsigned char* tc_smem) {
@@ -154,7 +153,7 @@ __device__ __forceinline__ void gate_up_glu_mma_tile(const GateUpArgs& a, int co
       record_fault(a.faults, kFaultExpertOutOfRange, static_cast<uint32_t>(e), static_cast<uint32_t>(a.E));
     return;
   }
-  count = min(count, kTcMaxN);  // a plan group holds <= T <= 8 rows: the mma's n
+  count = min(count, kTcMaxN);  // a plan group holds <= kPlanGroupRows rows: the mma's n
   constexpr float kBias = device::kCodeBias<MmaType<D>>;
   const GateUpTcLayout L(a.H, G);
   unsigned char* codes = tc_smem + L.codes;

@@ -100,7 +100,7 @@ void route_into(const Tensor& h, const RouterWeights& router, int32_t* indices, 
 // call out (dtype, quantization, topology, shape, alignment); the layer plan (layer_plan.cu) applies
 // the setting and records the choice. call_decode_layer runs it on the current stream with the
 // scratch laid out by decode_scratch in the layer arena (slot kSlotLayerArena), no host sync.
-constexpr int64_t kDecodeMaxRows = 64;  // T*k; also T <= 8 and k <= 8 (moe_decode.h)
+constexpr int64_t kDecodeMaxRows = 128;  // T*k; also T <= 16 and k <= 8 (moe_decode.h)
 struct DecodeScratch {
   size_t logits = 0, indices = 0, weights = 0, plan = 0, hidden = 0;  // offsets in the arena
   size_t bytes = 0;
@@ -126,7 +126,7 @@ void moe_layer_into_chained(Tensor& out, const Tensor& h, const Tensor& x, const
 // act(x @ gate^T) * (x @ up^T) in one launch, the MLP run as a single always-chosen expert (the
 // identity plan, moe_decode.h plan_group). x: [T, H] contiguous on the device; gate, up: [I, H]
 // 4-bit (the tensor-core kernel), group 32/64/128, scales and biases in x's dtype, I % 32 == 0. The Gemma 4 block's dense branch
-// takes it for T <= kDecodeMaxTokens (8) in the fused product mode; the numerics are qmv's followed
+// takes it for T <= 8 (one plan group: the mma's n) in the fused product mode; the numerics are qmv's followed
 // by launch_glu_product's fused product (gate and up rounded to the dtype, one rounding after).
 RouteSupport supports_decode_glu(const Tensor& x, const QuantizedWeight& gate, const QuantizedWeight& up,
                                  Activation act);

@@ -414,25 +414,31 @@ void moe_rows(Table& t) {
   e16.fused = true;
   add(t, large, MoeLayerCase{e16, 50, MoePath::separate});
   add(t, large, MoeLayerCase{e16, 50, MoePath::automatic});
-  // The decode layer (T * k <= 64) at Gemma 4's geometry and at small odd ones: bf16 and f16, 4- and
-  // 8-bit experts, group 32 / 64 / 128, quantized and dense routers, k from 1 to 8, E = k.
+  // The decode layer (T <= 16, T * k <= 128; 8-bit experts T <= 8) at Gemma 4's geometry and at small
+  // odd ones: bf16 and f16, 4- and 8-bit experts, group 32 / 64 / 128, quantized and dense routers, k
+  // from 1 to 8, E = k. From T = 9 an expert can hold more than 8 rows (the plan's groups of 8): at
+  // E = 16, k = 8 and T = 16 every expert averages 8 rows; E = k = 8 gives every expert all T rows.
   const std::vector<int64_t> decode_tokens = {1, 2, 3, 7, 8};
+  const std::vector<int64_t> decode_tokens_4bit = {1, 2, 3, 7, 8, 9, 12, 16};
   std::vector<std::pair<MoeGeometry, std::vector<int64_t>>> decode = {
-      {{2816, 704, 16, 8, 4, 64, 8, false, Activation::geglu, DType::bf16}, decode_tokens},
-      {{2816, 704, 16, 8, 4, 64, 8, true, Activation::geglu, DType::f16}, decode_tokens},
-      {{256, 128, 8, 2, 4, 128, 8, false, Activation::geglu, DType::bf16}, decode_tokens},
+      {{2816, 704, 16, 8, 4, 64, 8, false, Activation::geglu, DType::bf16}, decode_tokens_4bit},
+      {{2816, 704, 16, 8, 4, 64, 8, true, Activation::geglu, DType::f16}, decode_tokens_4bit},
+      {{256, 128, 8, 2, 4, 128, 8, false, Activation::geglu, DType::bf16}, decode_tokens_4bit},
       {{256, 128, 8, 2, 4, 128, 8, true, Activation::swiglu, DType::f16}, decode_tokens},
-      {{256, 128, 8, 8, 4, 64, 8, false, Activation::swiglu, DType::bf16}, {1, 3, 8}},
+      {{256, 128, 8, 8, 4, 64, 8, false, Activation::swiglu, DType::bf16}, {1, 3, 8, 11, 16}},
       {{256, 128, 4, 1, 8, 64, 8, true, Activation::geglu, DType::bf16}, decode_tokens}};
   for (DType dtype : {DType::bf16, DType::f16}) {
     for (int bits : {4, 8}) {
-      decode.push_back({{320, 96, 16, 4, bits, 32, 8, false, Activation::geglu, dtype}, decode_tokens});
-      decode.push_back({{320, 96, 16, 4, bits, 32, 4, true, Activation::swiglu, dtype}, decode_tokens});
+      const std::vector<int64_t>& tokens = bits == 4 ? decode_tokens_4bit : decode_tokens;
+      decode.push_back({{320, 96, 16, 4, bits, 32, 8, false, Activation::geglu, dtype}, tokens});
+      decode.push_back({{320, 96, 16, 4, bits, 32, 4, true, Activation::swiglu, dtype}, tokens});
     }
     decode.push_back({{320, 96, 16, 4, 8, 32, 0, false, Activation::swiglu, dtype}, decode_tokens});
   }
   for (const auto& d : decode)
     for (int64_t T : d.second) add(t, large, MoeLayerCase{d.first, T, MoePath::decode});
+  // For the sanitizers: 8 experts, k = 8, 16 tokens (every expert's 16 rows as two plan groups).
+  add(t, small, MoeLayerCase{{256, 128, 8, 8, 4, 64, 8, false, Activation::swiglu, DType::bf16}, 16, MoePath::decode});
   // The decode layer's fp4 kernels (mxfp4 group 32, nvfp4 group 16; bf16): separate and fused
   // gate_up, both activations, Gemma 4's geometry, k from 2 to 8 (T = 1 / 8: one and eight rows per
   // expert group; 3: rows shared by tokens); routers affine 8-bit and in each fp mode (the router
@@ -444,7 +450,7 @@ void moe_rows(Table& t) {
                                           {256, 128, 8, 2, 4, group, 8, false, Activation::geglu, DType::bf16}};
     for (MoeGeometry& g : fp_decode) {
       g.mode = mode;
-      for (int64_t T : {1, 3, 8}) add(t, large, MoeLayerCase{g, T, MoePath::decode});
+      for (int64_t T : {1, 3, 8, 16}) add(t, large, MoeLayerCase{g, T, MoePath::decode});
     }
     for (QuantMode router : {QuantMode::mxfp4, QuantMode::mxfp8, QuantMode::nvfp4}) {
       MoeGeometry g = fp_decode[1];
@@ -461,7 +467,7 @@ void moe_rows(Table& t) {
   // paths (the decode layer also with 8-bit experts and a dense router).
   MoeGeometry qwen3{2048, 768, 128, 8, 4, 64, 8, false, Activation::swiglu, DType::bf16, RouterKind::softmax_topk};
   // (T = 96: 768 sorted rows, the tile route, and a float64 reference the CPU computes in seconds.)
-  for (int64_t T : {1, 8}) add(t, large, MoeLayerCase{qwen3, T, MoePath::decode});
+  for (int64_t T : {1, 8, 16}) add(t, large, MoeLayerCase{qwen3, T, MoePath::decode});
   for (int64_t T : {1, 8, 96}) add(t, large, MoeLayerCase{qwen3, T, MoePath::automatic});
   add(t, large, MoeLayerCase{qwen3, 40, MoePath::separate});
   MoeGeometry qwen3_small{256, 128, 8, 2, 4, 64, 8, false, Activation::swiglu, DType::bf16, RouterKind::softmax_topk};
