@@ -9,4 +9,9 @@ namespace expertqmm::cpu {
 
 EXPERTQMM_DECLARE_BACKEND_OPS()
 
+// The router's logits [T, E] for host h [T, H] (Gemma 4: of the normed h), in the dtype route ranks
+// them in: route's first half, for callers that need the scores themselves (the CLI's bench picks
+// the tokens it checks away from near-ties of these).
+Tensor router_logits(const Tensor& h, const RouterWeights& router);
+
 }  // namespace expertqmm::cpu

@@ -123,11 +123,15 @@ void softmax_rounded(const float* logits, int64_t E, DType dtype, float* p) {
 
 }  // namespace
 
+Tensor router_logits(const Tensor& h, const RouterWeights& router) {
+  return project(router.kind == RouterKind::gemma4 ? normalize(h, router) : h, router);
+}
+
 Routing route(const Tensor& h, const RouterWeights& router) {
   const int64_t T = h.size(0);
   const int k = router.top_k;
   const bool gemma4 = router.kind == RouterKind::gemma4;
-  const Tensor logits_t = project(gemma4 ? normalize(h, router) : h, router);
+  const Tensor logits_t = router_logits(h, router);
   const int64_t E = logits_t.size(1);
   const DType logit_dtype = logits_t.dtype();
   const std::vector<float> logits = to_f32(logits_t);

@@ -14,6 +14,7 @@ constexpr int kRouterChunks = 2;      // 16-byte weight chunks per thread per ba
 constexpr int kRouterUnits = 12;      // 16-byte h units per thread per staging batch
 constexpr int kRouterScaleUnits = 2;  // norm-weight units (8 values) per thread per staging batch
 constexpr int kRouterCachedScales = kRouterThreads;  // per_expert_scale prefetched for e < 256
+constexpr int kRouterSmallT = 8;  // kMaxT of the instances for T <= 8 (kDecodeMaxTokens beyond)
 
 // softmax_topk (Qwen3-MoE): the same kernel with the norm made the identity (inv_rms = 1, the scale
 // row 1 and root_size 1, so r = D(h) = h) and the last CTA routing by device::warp_softmax_topk.
@@ -51,16 +52,16 @@ constexpr int kRouterCachedScales = kRouterThreads;  // per_expert_scale prefetc
 // dot_hi with fp_word_dot's E2M1 / E4M3 values (qmv's fp arithmetic: s * sum(x * v) per group part).
 // kSoftmaxTopk: the router kind (RouterArgs::softmax_topk) as a template parameter, so that each
 // instance holds one top-k's code (the kernel's code is fetched cold by every SM at every layer:
-// bench/NOTES.md step 17).
-template <DType D, int kProj, bool kFp, bool kSoftmaxTopk>
+// bench/NOTES.md step 17). kMaxT: the most tokens the instance takes (its per-token registers).
+template <DType D, int kProj, bool kFp, bool kSoftmaxTopk, int kMaxT>
 __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArgs a) {
   using S = typename Elem<D>::storage;
   constexpr bool kQuant = kProj != 0;
   constexpr int kVals = kQuant ? 128 / kProj : 8;  // values per 16-byte chunk
   constexpr int kUnitsPerChunk = kVals / 8;
   extern __shared__ __align__(16) float smem[];    // scale*root_size row, then T raw h rows (padded)
-  __shared__ float red[kRouterWarps][kDecodeMaxTokens];
-  __shared__ float inv_rms[kDecodeMaxTokens];
+  __shared__ float red[kRouterWarps][kMaxT];
+  __shared__ float inv_rms[kMaxT];
   __shared__ float pes_s[kRouterCachedScales];
   __shared__ int is_last;
   __shared__ int32_t ids[kDecodeMaxRows];
@@ -120,9 +121,9 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
   // 2. Norm inputs, batched: the norm weight's units and h's units, all loads before any use.
   const int U = a.H / 8;
   const int TU = a.T * U;
-  float sq[kDecodeMaxTokens];
+  float sq[kMaxT];
 #pragma unroll
-  for (int t = 0; t < kDecodeMaxTokens; ++t) sq[t] = 0.f;
+  for (int t = 0; t < kMaxT; ++t) sq[t] = 0.f;
   for (int base = 0, sbase = 0; base < TU || sbase < U;
        base += kRouterThreads * kRouterUnits, sbase += kRouterThreads * kRouterScaleUnits) {
     device::RawUnit su[kRouterScaleUnits];  // the norm weight in 16-byte units (supports_decode_layer)
@@ -175,10 +176,8 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
           s = __fadd_rn(s, __fmul_rn(v[i], v[i]));
         }
 #pragma unroll
-        for (int tt = 0; tt < kDecodeMaxTokens; ++tt) {
-          if (tt >= a.T) break;  // uniform: the call's tokens only
+        for (int tt = 0; tt < kMaxT; ++tt)
           if (tt == t) sq[tt] = __fadd_rn(sq[tt], s);
-        }
         float4* dst = reinterpret_cast<float4*>(hs + t * row_floats + padded(8 * u));
         dst[0] = make_float4(v[0], v[1], v[2], v[3]);
         dst[1] = make_float4(v[4], v[5], v[6], v[7]);
@@ -187,7 +186,7 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
   }
   // 3. inv_rms per token.
 #pragma unroll
-  for (int t = 0; t < kDecodeMaxTokens; ++t) {
+  for (int t = 0; t < kMaxT; ++t) {
     if (t >= a.T) break;  // uniform: only the call's tokens are reduced
     for (int off = 16; off > 0; off >>= 1) sq[t] = __fadd_rn(sq[t], __shfl_xor_sync(0xffffffffu, sq[t], off));
     if (lane == 0) red[warp][t] = sq[t];
@@ -381,8 +380,16 @@ void launch_router(DType dtype, int proj_bits, const RouterArgs& a, size_t smem,
     constexpr DType DT = decltype(dtag)::value;
     constexpr int P = decltype(ptag)::value;
     constexpr bool F = decltype(fptag)::value;
-    if (a.softmax_topk) launch(decode_router_kernel<DT, P, F, true>);
-    else launch(decode_router_kernel<DT, P, F, false>);
+    // The per-token registers and reductions sized for 8 tokens up to T = 8, for 16 beyond: the code
+    // every SM fetches cold at each layer stays as it was (one 16-token build for every T grew it
+    // 12%, and the layer measured ~2% slower at T = 2-8: bench/NOTES.md step 43).
+    if (a.T <= kRouterSmallT) {
+      if (a.softmax_topk) launch(decode_router_kernel<DT, P, F, true, kRouterSmallT>);
+      else launch(decode_router_kernel<DT, P, F, false, kRouterSmallT>);
+    } else {
+      if (a.softmax_topk) launch(decode_router_kernel<DT, P, F, true, kDecodeMaxTokens>);
+      else launch(decode_router_kernel<DT, P, F, false, kDecodeMaxTokens>);
+    }
   };
   using BF16 = std::integral_constant<DType, DType::bf16>;
   using F16 = std::integral_constant<DType, DType::f16>;

@@ -31,6 +31,8 @@
 #include <memory>
 
 #include "core/float16.h"
+#include "core/gather_qmm_problem.h"  // detail::cast_floating
+#include "cpu/cpu_backend.h"
 #include "cuda/check.cuh"
 #include "expertqmm/safetensors.h"
 #include "reference.h"
@@ -381,9 +383,21 @@ int run_bench(int argc, char** argv) {
       off_plan += std::set<int32_t>(planned.begin() + t * k, planned.begin() + (t + 1) * k) !=
                   std::set<int32_t>(indices.begin() + t * k, indices.begin() + (t + 1) * k);
 
-    const std::vector<int64_t> checked = T > 1 ? std::vector<int64_t>{0, T - 1} : std::vector<int64_t>{0};
+    // Checked: a token near each end whose routing is not decided by a near-tie (checked_tokens),
+    // from the first and last 8 tokens' router logits on the host.
+    std::vector<int64_t> candidates;
+    for (int64_t t = 0; t < T; ++t)
+      if (t < 8 || t >= T - 8) candidates.push_back(t);
+    const std::vector<float> x_floats = host_floats(x_host);
+    std::vector<float> candidate_rows;
+    for (int64_t t : candidates)
+      candidate_rows.insert(candidate_rows.end(), x_floats.begin() + t * H, x_floats.begin() + (t + 1) * H);
+    const Tensor candidate_h = detail::cast_floating(
+        Tensor::from_host(candidate_rows.data(), {int64_t(candidates.size()), H}, DType::f32, Device::cpu), x_host.dtype());
+    const std::vector<int64_t> checked =
+        checked_tokens(host_floats(cpu::router_logits(candidate_h, host.router)), candidates, p.experts, int(k));
     const std::vector<double> ref =
-        reference_tokens(host.experts, host_floats(x_host), H, checked, indices, route_w, k);
+        reference_tokens(host.experts, x_floats, H, checked, indices, route_w, k);
 
     const double flops = double(T * k) * p.flops_per_assignment();
     const double bytes = double(experts_hit) * double(p.bytes_per_expert()) + 2.0 * double(T * H) * 2.0;

@@ -1,6 +1,8 @@
 #include "reference.h"
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
 #include <cstring>
 
 #include "core/float16.h"
@@ -115,6 +117,25 @@ std::vector<double> reference_tokens(const SwitchGLUWeights& ex, const std::vect
     }
   }
   return out;
+}
+
+std::vector<int64_t> checked_tokens(const std::vector<float>& logits, const std::vector<int64_t>& candidates,
+                                    int64_t E, int k) {
+  auto clear = [&](size_t i) {
+    if (k >= E) return true;
+    std::vector<float> row(logits.begin() + static_cast<int64_t>(i) * E, logits.begin() + static_cast<int64_t>(i + 1) * E);
+    std::sort(row.begin(), row.end(), std::greater<float>());
+    const float largest = std::max(std::fabs(row.front()), std::fabs(row.back()));
+    const float margin = std::fabs(row[k - 1]) * (1.0f / 64) + largest * (1.0f / 512) + 1e-6f;
+    return row[k - 1] - row[k] > margin;
+  };
+  const size_t n = candidates.size();
+  size_t first = 0, last = n - 1;
+  while (first < n && !clear(first)) ++first;
+  while (last > first && !clear(last)) --last;
+  if (first == n) return n > 1 ? std::vector<int64_t>{candidates[0], candidates[n - 1]} : std::vector<int64_t>{candidates[0]};
+  if (last == first) return {candidates[first]};
+  return {candidates[first], candidates[last]};
 }
 
 double rel_error(const float* got, const double* ref, int64_t n) {

@@ -17,6 +17,15 @@ std::vector<double> reference_tokens(const SwitchGLUWeights& experts, const std:
                                      const std::vector<int64_t>& tokens, const std::vector<int32_t>& indices,
                                      const std::vector<float>& weights, int64_t k);
 
+// The tokens the bench checks against the reference: of `candidates` (token ids in increasing
+// order, logits [candidates, E] row by row as cpu::router_logits gives them), the first and the last
+// whose k-th and (k+1)-th logits are not a near-tie: there the layer's router and route(), which sum
+// in other orders, may pick different experts, and the reference (route()'s experts) would not be
+// the layer's. Near-tie: within 1/64 of the k-th's magnitude plus 1/512 of the row's largest (the
+// tests' band). With only near-ties, the first and last candidates.
+std::vector<int64_t> checked_tokens(const std::vector<float>& logits, const std::vector<int64_t>& candidates,
+                                    int64_t E, int k);
+
 // ||got - ref|| / ||ref||; +inf when got has a NaN or Inf, or ref is 0 while got is not.
 double rel_error(const float* got, const double* ref, int64_t n);
 
