@@ -12,6 +12,7 @@
 #include "expertqmm/checkpoint.h"
 #include "expertqmm/error.h"
 #include "support/golden.h"
+#include "support/moe_case.h"
 #include "support/test_util.h"
 
 namespace expertqmm {
@@ -103,7 +104,9 @@ TEST(GpuGolden, CheckpointFeedForwardMatchesTheCpu) {
 // the same weights, at a decode size (the decode layer declines 16-bit experts: the experts path with
 // gather_mm's GEMV) and a prefill size (sorted rows: gather_mm's tile route). MLX's CPU computes
 // gather_mm in float32 only, so the CPU reference (checked against MLX's float32 twin by
-// cpu_golden_checkpoints_test.cpp) is the comparison here.
+// cpu_golden_checkpoints_test.cpp) is the comparison here, token by token where the two routers
+// agree (random h: at 40 tokens one may sit at a near-tie of the bf16 logits, as it did once, rel
+// error 0.074 over the whole output; expect_close_where_routed_alike).
 TEST(GpuGolden, SixteenBitExpertsCheckpointMatchesTheCpu) {
   EXPERTQMM_REQUIRE_GPU();
   const Gemma4Checkpoint ck = Gemma4Checkpoint::open(test::golden_dir() + "/gemma4_bf16_down_ckpt");
@@ -114,7 +117,9 @@ TEST(GpuGolden, SixteenBitExpertsCheckpointMatchesTheCpu) {
     const Tensor h = test::random_tensor({T, ck.config().hidden_size}, DType::bf16);
     const Tensor cpu = gemma4_ffn(h, cpu_w);
     const Tensor gpu = gemma4_ffn(h.to(Device::cuda), gpu_w);
-    EXPECT_LE(test::rel_error(test::to_float(gpu), test::to_float(cpu)), kTolerance) << "T=" << T;
+    test::expect_close_where_routed_alike(cpu, gpu, h, cpu_w.moe.router,
+                                          test::to_i32(route(h.to(Device::cuda), gpu_w.moe.router).indices),
+                                          detail::cat("T=", T));
   }
 }
 
