@@ -1,4 +1,4 @@
-// The decode layer (src/cuda/moe_decode_layer.cu: moe_layer_into in three kernels when T*k <= 64) beyond
+// The decode layer (src/cuda/moe_decode_layer.cu: moe_layer_into in three kernels up to 16 tokens) beyond
 // the backend-ops table (gpu_backend_ops_test.cpp checks it against float64 and the general path at
 // Gemma 4's geometry and at small odd ones, with its hits counted and runs bit-identical): calls it
 // does not take, and CUDA graph capture + replay as three kernel nodes.
@@ -132,6 +132,7 @@ TEST(GpuMoeDecode, CapturedInACudaGraphAsThreeKernels) {
   Workspace ws;
   for (int64_t T : {8, 1, 3, 16}) {
     const std::string what = detail::cat("T=", T);
+    if (!cuda::decode_router_fits(T, g.H)) continue;  // sm_80: T = 16 at H = 2816 takes the general path
     const Tensor h = test::random_tensor({T, g.H}, g.dtype, 1.0f, Device::cuda);
     const Tensor x = test::random_tensor({T, g.H}, g.dtype, 1.0f, Device::cuda);
     const Tensor expected = test::run_layer(h, x, l.gpu, ws);

@@ -1,7 +1,7 @@
 // The Qwen3-MoE feed-forward part on CUDA against the CPU reference: a small synthetic layer in both
 // GLU product modes across decode / unsorted / sorted / prefill sizes, mlx-lm's golden checkpoint,
 // one layer captured in a CUDA graph, and the routes the layer takes at Qwen3-30B-A3B's geometry
-// (the decode layer at T <= 8, the expert tile route at prefill).
+// (the decode layer up to 16 tokens, the expert tile route at prefill).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -117,7 +117,7 @@ TEST(GpuQwen3MoeFfn, RoutesAtTheRealGeometry) {
     const Tensor got = qwen3_moe_ffn(hd, gpu_w);
     cuda_check();
     const RouteCounters decode = counters("moe_decode_layer"), qmm = counters("gather_qmm");
-    if (T <= 8) {
+    if (T <= 16) {
       EXPECT_EQ(decode.hits, 1u) << what << ": the decode layer did not serve the call\n"
                                  << diagnostics::format(diagnostics::snapshot());
     } else {
@@ -129,7 +129,7 @@ TEST(GpuQwen3MoeFfn, RoutesAtTheRealGeometry) {
     int64_t finite = 0;
     for (float v : test::to_float(got)) finite += std::isfinite(v);
     EXPECT_EQ(finite, T * 2048) << what << ": every output element written and finite";
-    if (T <= 8)
+    if (T <= 16)
       test::expect_close_where_routed_alike(qwen3_moe_ffn(h, cpu_w), got, router_input(h, cpu_w), cpu_w.moe.router,
                                             block_routing(hd, gpu_w), what);
   }

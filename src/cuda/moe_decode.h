@@ -66,7 +66,7 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kDecodeMaxTokens = 16;  // T: the router stages every token's h in shared memory
 constexpr int kDecodeMaxTopK = 8;     // k: one warp per slot in the down/combine kernel
 constexpr int kPlanGroupRows = 8;     // rows of one plan group: the tensor-core gate/up mma's n
-constexpr int kScalarMaxTokens = 8;   // T of the scalar (8-bit) kernels: an expert has <= T <= 8 rows
+constexpr int kScalarMaxTokens = 8;   // T of the scalar (8-bit) kernels: measured and tested up to 8
 static_assert(static_cast<int64_t>(kDecodeMaxTokens) * kDecodeMaxTopK <= kDecodeMaxRows, "the plan holds T*k rows");
 // Dynamic shared memory of any decode kernel: the device's opt-in limit per block (H100 / H200: 227
 // KB; sm_80: 163 KB, asked once per device) less kDecodeStaticSmem, which covers every decode
@@ -357,7 +357,7 @@ void launch_down_mma(DType dtype, int G, const DownArgs& a, int T, size_t smem, 
 // Kernels 2 and 3 for 8-bit experts (moe_decode_scalar.cu).
 int gate_up_scalar_rows_per_pass(int64_t T);  // GateUpArgs::rows_per_pass
 size_t gate_up_scalar_smem(int64_t T, int64_t H);
-void launch_gate_up_scalar(DType dtype, Activation act, const GateUpArgs& a, int n, size_t smem, cudaStream_t stream);
+void launch_gate_up_scalar(DType dtype, Activation act, const GateUpArgs& a, size_t smem, cudaStream_t stream);
 size_t down_scalar_smem(int64_t k, int64_t I);
 void launch_down_scalar(DType dtype, const DownArgs& a, int T, size_t smem, cudaStream_t stream);
 

@@ -159,7 +159,8 @@ RouteSupport supports_decode_layer(const Tensor& out, const Tensor& h, const Ten
       first.bits == 4 ? gate_up_mma_smem(H, first.group_size, fp_gate) : gate_up_scalar_smem(T, H);
   const size_t down_bytes =
       ex.down.bits == 4 ? down_mma_smem(k, I, ex.down.group_size, fp_down) : down_scalar_smem(k, I);
-  // The scalar (8-bit) kernels take an expert's rows in one pass of at most 8.
+  // The scalar (8-bit) kernels: measured and tested up to 8 tokens only (they would take split plan
+  // groups too, their grid being GateUpArgs::group_rows, but are not yet measured beyond).
   if ((first.bits != 4 || ex.down.bits != 4) && T > kScalarMaxTokens) return route_miss(Fallback::shape);
   const size_t limit = decode_max_smem();
   if (router_smem(T, H) > limit || gate_up_bytes > limit || down_bytes > limit) return route_miss(Fallback::shape);
@@ -240,12 +241,13 @@ int decode_group_rows(int64_t T, int64_t k, int64_t E) {
   return static_cast<int>(std::min(n, hit + more));
 }
 
+bool decode_router_fits(int64_t T, int64_t H) { return router_smem(T, H) <= decode_max_smem(); }
+
 void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, const Tensor& h, const Tensor& x,
                        const MoeWeights& w, Workspace& ws, bool chain_router) {
   const RouterWeights& rt = w.router;
   const SwitchGLUWeights& ex = w.experts;
   const int T = static_cast<int>(x.size(0)), H = static_cast<int>(x.size(1)), k = rt.top_k;
-  const int n = T * k;
   const QuantizedWeight& gate = ex.fused() ? ex.gate_up : ex.gate;
   const QuantizedWeight& up = ex.fused() ? ex.gate_up : ex.up;
   const int E = static_cast<int>(gate.w.size(0));
@@ -334,7 +336,7 @@ void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, 
     launch_gate_up_mma(D, gate.group_size, ex.activation, ga, gate_up_mma_smem(H, gate.group_size, fp_gate), stream,
                        fp_gate);
   else
-    launch_gate_up_scalar(D, ex.activation, ga, n, gate_up_scalar_smem(T, H), stream);
+    launch_gate_up_scalar(D, ex.activation, ga, gate_up_scalar_smem(T, H), stream);
   if (ex.down.bits == 4)
     launch_down_mma(D, ex.down.group_size, da, T, down_mma_smem(k, I, ex.down.group_size, fp_down), stream, fp_down);
   else

@@ -42,7 +42,8 @@ constexpr int kRouterSmallT = 8;  // kMaxT of the instances for T <= 8 (kDecodeM
 // 8th, ... rows start groups, and every row writes its token into its group's token list.
 // Occupancy (ptxas, sm_90a): 93-113 registers, no spills; 1 CTA (8 warps) per SM is all it needs:
 // grid E = 128 <= 132 SMs, one wave. Dynamic shared memory (T + 1) * 3168 floats at H = 2816:
-// 25 KB at T=1, 114 KB at T=8, 215 KB at T=16 (decode_max_smem: 219 KB on sm_90; T <= 11 on sm_80). In flight per SM: the expert row (2.8 KB + 88 B of scales/biases)
+// 25 KiB at T=1, 111 KiB at T=8, 210 KiB at T=16 (decode_max_smem: 219 KiB on sm_90, 155 KiB on sm_80,
+// where T <= 11 fits). In flight per SM: the expert row (2.8 KB + 88 B of scales/biases)
 // beside the norm inputs (norm weight 5.6 KB + h 5.6 KB per token: ~14 KB at T=1, ~53 KB at T=8,
 // L2 hits after the first CTA) in one round trip; then the counter atomic, one L2 read of the
 // logits and the top-k in the last CTA (T=8: the 8 tokens on the 8 warps at once).

@@ -318,8 +318,8 @@ size_t gate_up_scalar_smem(int64_t T, int64_t H) {
   return static_cast<size_t>(gate_up_scalar_rows_per_pass(T) * staged_floats(static_cast<int>(H))) * 4;
 }
 
-void launch_gate_up_scalar(DType dtype, Activation act, const GateUpArgs& a, int n, size_t smem, cudaStream_t stream) {
-  const dim3 grid(ceil_div(a.I, kGuCols), static_cast<unsigned>(std::min(n, a.E)));
+void launch_gate_up_scalar(DType dtype, Activation act, const GateUpArgs& a, size_t smem, cudaStream_t stream) {
+  const dim3 grid(ceil_div(a.I, kGuCols), static_cast<unsigned>(a.group_rows));
   auto launch = [&](auto kernel) {
     allow_smem(reinterpret_cast<const void*>(kernel));
     kernel<<<grid, kThreads, smem, stream>>>(a);

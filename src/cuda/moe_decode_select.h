@@ -19,4 +19,9 @@ bool decode_routes_in_gate_up(int64_t T, int gate_bits, int64_t E, int64_t k, bo
 // plan's group count exit at once.
 int decode_group_rows(int64_t T, int64_t k, int64_t E);
 
+// Whether the decode router's staged rows for T tokens of width H fit this device's shared memory
+// (decode_max_smem: on sm_80 Gemma's H = 2816 fits up to T = 11, on sm_90 up to 16); a call past it
+// takes the general path (supports_decode_layer).
+bool decode_router_fits(int64_t T, int64_t H);
+
 }  // namespace expertqmm::cuda

@@ -394,7 +394,7 @@ void moe_rows(Table& t) {
         add(t, large, MoeLayerCase{g, T, MoePath::automatic});
       }
     }
-  // Experts in MLX's fp modes: the decode layer (mxfp4 / nvfp4 in bf16, T * k <= 64), qmv (mxfp8 and
+  // Experts in MLX's fp modes: the decode layer (mxfp4 / nvfp4 in bf16, T <= 16), qmv (mxfp8 and
   // f16 at decode sizes) and the expert tile route's mma.sync kernel (sorted prefill rows, bf16).
   for (QuantMode mode : {QuantMode::mxfp4, QuantMode::mxfp8, QuantMode::nvfp4})
     for (bool fused : {false, true}) {
@@ -441,7 +441,7 @@ void moe_rows(Table& t) {
   add(t, small, MoeLayerCase{{256, 128, 8, 8, 4, 64, 8, false, Activation::swiglu, DType::bf16}, 16, MoePath::decode});
   // The decode layer's fp4 kernels (mxfp4 group 32, nvfp4 group 16; bf16): separate and fused
   // gate_up, both activations, Gemma 4's geometry, k from 2 to 8 (T = 1 / 8: one and eight rows per
-  // expert group; 3: rows shared by tokens); routers affine 8-bit and in each fp mode (the router
+  // expert group; 3: rows shared by tokens; 16: experts over 8 rows, split plan groups); routers affine 8-bit and in each fp mode (the router
   // kernel's kFp), which the general path (rhs_tiles / qmv) also runs at T = 40.
   for (QuantMode mode : {QuantMode::mxfp4, QuantMode::nvfp4}) {
     const int group = quant_mode_group_size(mode);

@@ -111,7 +111,7 @@ struct SwitchGluCase {
 };
 
 // moe_layer_into against float64 fed with the device's routing. auto: the library's choice (the
-// decode layer where T * k <= 64 and it applies, else the general path); separate: ProductMode::
+// decode layer where it applies (T <= 16, T * k <= 128), else the general path); separate: ProductMode::
 // separate; decode: the decode layer forced on, also against the decode layer forced off (the general
 // path), with its hits counted and two runs bit-identical.
 enum class MoePath { automatic, separate, decode };

@@ -130,6 +130,7 @@ std::vector<int64_t> checked_tokens(const std::vector<float>& logits, const std:
     return row[k - 1] - row[k] > margin;
   };
   const size_t n = candidates.size();
+  if (n == 0) return {};
   size_t first = 0, last = n - 1;
   while (first < n && !clear(first)) ++first;
   while (last > first && !clear(last)) --last;
