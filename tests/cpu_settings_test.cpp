@@ -64,6 +64,10 @@ TEST(Settings, DecodeLayerVariable) {
 
 TEST(Settings, DecodeRouteInGateUpVariable) {
   EXPECT_EQ(parse({}).decode_route_in_gate_up, RouteSwitch::automatic);
+  EXPECT_EQ(parse({}).decode_down_groups, RouteSwitch::automatic);
+  EXPECT_EQ(parse({{"EXPERTQMM_DECODE_DOWN_GROUPS", "0"}}).decode_down_groups, RouteSwitch::off);
+  EXPECT_EQ(parse({{"EXPERTQMM_DECODE_DOWN_GROUPS", "1"}}).decode_down_groups, RouteSwitch::on);
+  for (const char* bad : kSwitchBad) expect_rejected("EXPERTQMM_DECODE_DOWN_GROUPS", bad);
   EXPECT_EQ(parse({{"EXPERTQMM_DECODE_ROUTE_IN_GATE_UP", "0"}}).decode_route_in_gate_up, RouteSwitch::off);
   EXPECT_EQ(parse({{"EXPERTQMM_DECODE_ROUTE_IN_GATE_UP", "1"}}).decode_route_in_gate_up, RouteSwitch::on);
   for (const char* bad : kSwitchBad) expect_rejected("EXPERTQMM_DECODE_ROUTE_IN_GATE_UP", bad);
@@ -118,7 +122,7 @@ TEST(Settings, ChainedLaunchScopeIsPerThreadAndRestores) {
 // Every variable of the table is parsed (a bad value of each is caught), and nothing else is.
 TEST(Settings, TableListsEveryVariableAndEachIsValidated) {
   const std::vector<SettingInfo> table = settings_table();
-  ASSERT_EQ(table.size(), 7u);
+  ASSERT_EQ(table.size(), 8u);
   for (const SettingInfo& row : table) {
     EXPECT_EQ(row.variable.rfind("EXPERTQMM_", 0), 0u) << row.variable;
     EXPECT_FALSE(row.values.empty() || row.current.empty() || row.what.empty()) << row.variable;
@@ -202,7 +206,8 @@ TEST(Settings, ApiOverridesAndRejectsBadValues) {
   };
   const SwitchApi switches[] = {{wgmma_setting, set_wgmma, RouteSwitch::off},
                                 {decode_layer_setting, set_decode_layer, RouteSwitch::off},
-                                {chained_launch_setting, set_chained_launch, RouteSwitch::on}};
+                                {chained_launch_setting, set_chained_launch, RouteSwitch::on},
+                                {decode_down_groups_setting, set_decode_down_groups, RouteSwitch::on}};
   for (const SwitchApi& api : switches) {
     const RouteSwitch before = api.get();
     api.set(api.value);

@@ -281,3 +281,91 @@ TEST(GpuMoeDecode, RouteInGateUpIsBitIdenticalAtOneToken) {
   test::expect_replays_match(graph, stream.get(), replayed, expected, 3, "T=1 routed in gate/up");
 #endif
 }
+
+#ifdef EXPERTQMM_HAVE_CUDA
+namespace {
+using DownGroupsGuard = test::SettingGuard<RouteSwitch, decode_down_groups_setting, set_decode_down_groups>;
+
+// Each geometry's layer at each T, the down groups (EXPERTQMM_DECODE_DOWN_GROUPS) against the
+// per-token down kernel: the same products up to the fp32 summation order inside each, so the outputs
+// agree within a bf16 rounding here and there (a missing, misplaced or stale row or column of the
+// partials gives an error near 1). Before each measured call `other` is routed through the down
+// groups into the same workspace, so partials the measured call did not write would show as other's.
+void expect_down_groups_match(const std::vector<test::MoeGeometry>& geometries, const std::vector<int64_t>& tokens) {
+  test::DecodeSwitchGuard on(RouteSwitch::on);
+  for (const test::MoeGeometry& g : geometries) {
+    const test::Layer l = test::make_layer(g);
+    for (int64_t T : tokens) {
+      if (!cuda::decode_router_fits(T, g.H)) continue;  // sm_80 at Gemma's H: T <= 11
+      const std::string what = g.name() + detail::cat(" T=", T);
+      const DecodeInputs in(g, T);
+      Workspace ws;
+      std::vector<float> out[2];
+      for (int groups = 0; groups < 2; ++groups) {
+        {
+          DownGroupsGuard through_groups(RouteSwitch::on);
+          (void)test::run_layer(in.other, in.x, l.gpu, ws);
+        }
+        DownGroupsGuard setting(groups ? RouteSwitch::on : RouteSwitch::off);
+        const uint64_t before = test::decode_hits();
+        out[groups] = test::to_float(test::run_layer(in.h, in.x, l.gpu, ws));
+        cuda_check();
+        EXPECT_EQ(test::decode_hits(), before + 1) << what << ": the decode layer did not serve the call";
+        EXPECT_EQ(cuda::decode_down_groups(T, g.bits), groups == 1) << what;
+      }
+      EXPECT_LE(test::rel_error(out[1], out[0]), 1e-3) << what << ": the down groups differ from the per-token down";
+    }
+  }
+}
+}  // namespace
+
+// Gemma 4's H and I (16 experts: at T = 16 experts hold more than 8 rows, split plan groups) in bf16
+// with separate gate and up and in f16 fused; an odd geometry (H = 320: 10 blocks of 32 columns,
+// I = 96, group 32); group 128 with SwiGLU and a dense router; Qwen3's router; mxfp4 experts (the
+// tile's kFp form). Captured at Gemma's geometry: four kernel nodes (router, gate/up, down groups,
+// combine) with the down grid (H / 32, decode_group_rows), replays matching the uncaptured call.
+TEST(GpuMoeDecode, DownGroupsMatchThePerTokenDown) {
+  EXPERTQMM_REQUIRE_GPU();
+  test::MoeGeometry fp4{512, 256, 32, 4, 4, 32, 8, false, Activation::geglu, DType::bf16};
+  fp4.mode = QuantMode::mxfp4;
+  expect_down_groups_match({{2816, 704, 16, 8, 4, 64, 8, false, Activation::geglu, DType::bf16},
+                            {2816, 704, 16, 8, 4, 64, 8, true, Activation::geglu, DType::f16},
+                            {320, 96, 16, 4, 4, 32, 8, false, Activation::geglu, DType::bf16},
+                            {256, 128, 32, 8, 4, 128, 0, true, Activation::swiglu, DType::bf16},
+                            {512, 256, 32, 8, 4, 64, 8, false, Activation::swiglu, DType::bf16, RouterKind::softmax_topk},
+                            fp4},
+                           {2, 5, 8, 16});
+  test::DecodeSwitchGuard on(RouteSwitch::on);
+  DownGroupsGuard groups(RouteSwitch::on);
+  const test::MoeGeometry g{2816, 704, 16, 8, 4, 64, 8, false, Activation::geglu, DType::bf16};
+  const test::Layer l = test::make_layer(g);
+  const test::CaptureStream stream;
+  Workspace ws;
+  for (int64_t T : {8, 16}) {
+    if (!cuda::decode_router_fits(T, g.H)) continue;
+    const std::string what = detail::cat("down groups T=", T);
+    const Tensor h = test::random_tensor({T, g.H}, g.dtype, 1.0f, Device::cuda);
+    const Tensor x = test::random_tensor({T, g.H}, g.dtype, 1.0f, Device::cuda);
+    const Tensor expected = test::run_layer(h, x, l.gpu, ws);
+    cuda_check();
+    Tensor replayed = Tensor::empty({T, g.H}, g.dtype, Device::cuda);
+    cudaGraph_t graph = test::capture_graph(stream.get(), [&] { moe_layer_into(replayed, h, x, l.gpu, ws); }, what);
+    ASSERT_NE(graph, nullptr) << what;
+    EXPECT_EQ(test::kernel_nodes(graph), 4) << what;
+    const dim3 down(static_cast<unsigned>(g.H / 32), static_cast<unsigned>(cuda::decode_group_rows(T, g.k, g.E)));
+    bool found = false;
+    for (const dim3& d : test::kernel_grids(graph)) found |= d.x == down.x && d.y == down.y && d.z == 1;
+    EXPECT_TRUE(found) << what << ": no down-groups grid of " << down.x << " x " << down.y;
+    test::expect_replays_match(graph, stream.get(), replayed, expected, 3, what);
+  }
+}
+
+// For the sanitizers: every expert's 16 rows as two plan groups (E = k = 8, T = 16), and an odd
+// geometry with shared experts.
+TEST(SanitizeMoeDecodeDownGroups, MatchThePerTokenDown) {
+  EXPERTQMM_REQUIRE_GPU();
+  expect_down_groups_match({{256, 128, 8, 8, 4, 64, 8, false, Activation::swiglu, DType::bf16},
+                            {320, 96, 16, 4, 4, 32, 8, false, Activation::geglu, DType::bf16}},
+                           {5, 16});
+}
+#endif

@@ -35,7 +35,7 @@ int parse_wgmma_width(const char* variable, const std::optional<std::string>& va
 // API overrides: -1 = none (the environment decides), else the value.
 constexpr int kNone = -1;
 std::atomic<int> g_expert_tiles{kNone}, g_decode_layer{kNone}, g_decode_route_in_gate_up{kNone}, g_chained_launch{kNone}, g_deterministic{kNone}, g_wgmma{kNone},
-    g_wgmma_width{kNone};
+    g_wgmma_width{kNone}, g_decode_down_groups{kNone};
 std::atomic<ProductMode> g_product_mode{ProductMode::fused};
 thread_local int t_chained_launch = kNone;  // ChainedLaunchScope's value on this thread
 
@@ -81,6 +81,11 @@ const Variable kVariables[] = {
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.wgmma_width = parse_wgmma_width(n, v); },
      [] { return wgmma_width() ? std::to_string(wgmma_width()) : std::string("auto"); },
      &g_wgmma_width, [](const EnvSettings& e) { return e.wgmma_width; }},
+    {"EXPERTQMM_DECODE_DOWN_GROUPS", "0|1",
+     "1: the decode layer's 4-bit down product from 2 tokens per (expert group, 32 columns), then a slot-order combine kernel (unset: 0, not yet measured)",
+     [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.decode_down_groups = parse_switch(n, v); },
+     [] { return std::string(switch_text(decode_down_groups_setting())); },
+     &g_decode_down_groups, [](const EnvSettings& e) { return switch_override(e.decode_down_groups); }},
 };
 
 // The environment, parsed on first use. A bad value is kept as its message and thrown on every read.
@@ -142,6 +147,8 @@ void set_decode_route_in_gate_up(RouteSwitch s) { set_switch(g_decode_route_in_g
 RouteSwitch decode_route_in_gate_up_setting() {
   return read_switch(g_decode_route_in_gate_up, env().decode_route_in_gate_up);
 }
+void set_decode_down_groups(RouteSwitch s) { set_switch(g_decode_down_groups, s, "set_decode_down_groups"); }
+RouteSwitch decode_down_groups_setting() { return read_switch(g_decode_down_groups, env().decode_down_groups); }
 void set_chained_launch(RouteSwitch s) { set_switch(g_chained_launch, s, "set_chained_launch"); }
 RouteSwitch chained_launch_setting() {
   if (t_chained_launch != kNone) return static_cast<RouteSwitch>(t_chained_launch);

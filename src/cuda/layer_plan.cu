@@ -293,7 +293,7 @@ LayerPlan plan_moe_layer(const Tensor& out, const Tensor& h, const Tensor& x, co
                            !requested ? Fallback::disabled : decode.reason);
   if (requested && decode.ok) {
     p.path = LayerPath::decode;
-    p.decode = decode_scratch(s.T, s.k, s.E, s.I);
+    p.decode = decode_scratch(s.T, s.k, s.E, s.I, s.D, w.experts.down.bits);
     return p;
   }
   ArenaLayout layout;

@@ -88,6 +88,9 @@ struct DecodePlan {
   int32_t begin[kDecodeMaxRows];     // [g] first entry of group g in row[]
   int32_t count[kDecodeMaxRows];     // [g] rows of the group, <= kPlanGroupRows
   int32_t row[kDecodeMaxRows];       // flat rows ordered by (expert, row)
+  // [g][j] the flat row (t*k + slot) of group g's j-th row: the down groups' activation rows (the
+  // hidden rows). Last, so that the fields above keep their offsets.
+  int32_t flat[kDecodeMaxRows][kPlanGroupRows];
 };
 
 
@@ -145,6 +148,10 @@ struct GateUpArgs {
   bool softmax_topk, renormalize;  // the router's kind (RouterArgs)
   int32_t* indices;
   uint16_t* weights;
+  // The down groups' form (TileForm::down_partials in moe_decode_tiles.cuh): the same fields read as
+  // down's (x the hidden rows [n, I], H := I its width, I := H the output width, gate and up both the
+  // down weight: up_row0 = 16), and each row's fp32 products written here, (n, H) row-major.
+  float* partials;
 };
 
 
@@ -158,11 +165,13 @@ struct PlanGroup {
 // g < kDecodeMaxRows (the gate/up grid has decode_group_rows <= n <= kDecodeMaxRows group rows), so every field
 // is read at once, before groups is known: one L2 round trip, where a check of groups first made
 // it two (and the token, through row[], a third; bench/NOTES.md step 39).
+// kFlat: the flat row (DecodePlan::flat) instead of the token, for the down groups.
+template <bool kFlat = false>
 __device__ __forceinline__ PlanGroup plan_group(const GateUpArgs& a, int g, int j) {
   if (!a.plan) return {1, 0, 0, a.identity_rows, j};  // identity: row j is token j (k = 1)
   const DecodePlan& p = *a.plan;
   const int groups = p.groups, expert = p.expert[g], begin = p.begin[g], count = p.count[g];
-  const int token = p.token[g][j];
+  const int token = kFlat ? p.flat[g][j] : p.token[g][j];
   const bool live = g < groups;  // selects, not a branch the loads would sink into
   return {groups, live ? expert : 0, live ? begin : 0, live ? count : 0, live ? token : 0};
 }
@@ -354,6 +363,12 @@ void launch_gate_up_mma(DType dtype, int G, Activation act, const GateUpArgs& a,
 // Kernel 3 on tensor cores, 4-bit experts (moe_decode_down.cu).
 size_t down_mma_smem(int64_t k, int64_t I, int G, bool fp = false);
 void launch_down_mma(DType dtype, int G, const DownArgs& a, int T, size_t smem, cudaStream_t stream, bool fp = false);
+// Kernel 3 as the down groups (EXPERTQMM_DECODE_DOWN_GROUPS; moe_decode_down.cu): the gate/up tile's
+// down_partials form over grid (H / 32, a.group_rows), a the down form of GateUpArgs (its fields'
+// comment), then the slot-order combine of a.partials into out (grid (T, ceil(H / 256))).
+size_t down_groups_smem(int64_t I, int G, bool fp = false);
+void launch_down_groups(DType dtype, int G, const GateUpArgs& a, size_t smem, cudaStream_t stream, bool fp = false);
+void launch_slot_combine(DType dtype, const DownArgs& a, const float* partials, int T, cudaStream_t stream);
 // Kernels 2 and 3 for 8-bit experts (moe_decode_scalar.cu).
 int gate_up_scalar_rows_per_pass(int64_t T);  // GateUpArgs::rows_per_pass
 size_t gate_up_scalar_smem(int64_t T, int64_t H);

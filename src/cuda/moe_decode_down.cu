@@ -14,8 +14,68 @@ __global__ void __launch_bounds__(kThreads, 2) decode_down_combine_mma_kernel(Do
   down_combine_mma_tile<D, G, kFp>(a, blockIdx.x, blockIdx.y, tc_smem);
 }
 
+// The down groups (EXPERTQMM_DECODE_DOWN_GROUPS; moe_decode_tiles.cuh TileForm::down_partials): CTA
+// (x, g) computes down rows [32x, 32x + 32) of group g's expert for the group's <= 8 hidden rows, the
+// gate/up tile's work split with K = I (Gemma: 32 code rows of 352 bytes, 11 K groups over 8 warps),
+// into partials[flat row, 32x ..] in fp32. Every expert's down rows are read and dequantized once per
+// group, where the per-token kernel above does it once per (token, slot).
+template <DType D, int G, bool kFp>
+__global__ void __launch_bounds__(kThreads, 2) decode_down_groups_kernel(GateUpArgs a) {
+  extern __shared__ __align__(16) unsigned char tc_smem[];
+  gate_up_glu_mma_tile<D, G, Activation::geglu, kFp, GroupSource::plan, TileForm::down_partials>(
+      a, 2 * static_cast<int>(blockIdx.x), blockIdx.y, tc_smem);
+}
+
+// out[t, c] = the k slots' partials times their weights, summed in slot order in fp32, one rounding
+// (store_slot_sum's arithmetic; a slot whose expert id is out of range is skipped and recorded as a
+// fault, as its group's CTA skipped it). Grid (T, ceil(H / 256)),
+// one column per thread: coalesced rows of partials, k <= 8 loads per thread.
+template <DType D>
+__global__ void __launch_bounds__(kThreads) decode_slot_combine_kernel(DownArgs a, const float* __restrict__ partials) {
+  device::pdl_launch_dependents();  // a chained exit kernel may load its other inputs meanwhile
+  const int t = blockIdx.x, c = blockIdx.y * kThreads + threadIdx.x;
+  if (c >= a.H) return;
+  float sum = 0.f;
+  for (int j = 0; j < a.k; ++j) {
+    const int64_t b = static_cast<int64_t>(t) * a.k + j;
+    const int e = a.indices[b];
+    if (e < 0 || e >= a.E) {
+      if (c == 0) record_fault(a.faults, kFaultExpertOutOfRange, static_cast<uint32_t>(e), static_cast<uint32_t>(a.E));
+      continue;
+    }
+    sum = __fadd_rn(sum, __fmul_rn(Elem<D>::load(a.weights[b]), partials[b * a.H + c]));
+  }
+  a.out[static_cast<int64_t>(t) * a.H + c] = Elem<D>::store(sum);
+}
+
 }  // namespace
 
+
+size_t down_groups_smem(int64_t I, int G, bool fp) {
+  return GateUpTcLayout(static_cast<int>(I), fp ? kTcFpLayoutGroup : G).total;
+}
+
+void launch_down_groups(DType dtype, int G, const GateUpArgs& a, size_t smem, cudaStream_t stream, bool fp) {
+  // a.I (the output width, H) in whole 32-row blocks: supports_decode_layer's H % 32 == 0.
+  const dim3 grid(static_cast<unsigned>(a.I / (2 * kTcRows)), static_cast<unsigned>(a.group_rows));
+  auto launch = [&](auto kernel) {
+    allow_smem(reinterpret_cast<const void*>(kernel));
+    kernel<<<grid, kThreads, smem, stream>>>(a);
+    EXPERTQMM_CUDA_CHECK_LAUNCH(decode_down_groups_kernel);
+  };
+  const bool bf16 = dtype == DType::bf16;
+  if (fp) launch(decode_down_groups_kernel<DType::bf16, kTcFpLayoutGroup, true>);  // the mode's group at run time
+  else if (G == 32) launch(bf16 ? decode_down_groups_kernel<DType::bf16, 32, false> : decode_down_groups_kernel<DType::f16, 32, false>);
+  else if (G == 64) launch(bf16 ? decode_down_groups_kernel<DType::bf16, 64, false> : decode_down_groups_kernel<DType::f16, 64, false>);
+  else launch(bf16 ? decode_down_groups_kernel<DType::bf16, 128, false> : decode_down_groups_kernel<DType::f16, 128, false>);
+}
+
+void launch_slot_combine(DType dtype, const DownArgs& a, const float* partials, int T, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(T), ceil_div(a.H, kThreads));
+  if (dtype == DType::bf16) decode_slot_combine_kernel<DType::bf16><<<grid, kThreads, 0, stream>>>(a, partials);
+  else decode_slot_combine_kernel<DType::f16><<<grid, kThreads, 0, stream>>>(a, partials);
+  EXPERTQMM_CUDA_CHECK_LAUNCH(decode_slot_combine_kernel);
+}
 
 size_t down_mma_smem(int64_t k, int64_t I, int G, bool fp) {
   return static_cast<size_t>(k) * DownTcLayout(static_cast<int>(I), fp ? kTcFpLayoutGroup : G).per_warp;

@@ -216,10 +216,12 @@ void launch_decode_glu(const Tensor& x, const QuantizedWeight& gate, const Quant
   launch_gate_up_mma(x.dtype(), gate.group_size, act, ga, gate_up_mma_smem(H, gate.group_size), current_stream());
 }
 
-DecodeScratch decode_scratch(int64_t T, int64_t k, int64_t E, int64_t I) {
+DecodeScratch decode_scratch(int64_t T, int64_t k, int64_t E, int64_t I, int64_t H, int down_bits) {
   DecodeScratch sc;
   ArenaLayout layout;
   const int64_t n = T * k;
+  sc.down_groups = decode_down_groups(T, down_bits);
+  if (sc.down_groups) sc.partials = layout.reserve(static_cast<size_t>(n * H) * sizeof(float));
   sc.logits = layout.reserve(static_cast<size_t>(T * E) * sizeof(float));
   sc.indices = layout.reserve(static_cast<size_t>(n) * sizeof(int32_t));
   sc.weights = layout.reserve(static_cast<size_t>(n) * sizeof(uint16_t));
@@ -239,6 +241,10 @@ int decode_group_rows(int64_t T, int64_t k, int64_t E) {
   const int64_t n = T * k, hit = std::min(n, E);
   const int64_t more = T > kPlanGroupRows ? n / kPlanGroupRows : 0;  // sum of ceil(c_e / 8) <= hit + n / 8
   return static_cast<int>(std::min(n, hit + more));
+}
+
+bool decode_down_groups(int64_t T, int down_bits) {
+  return decode_down_groups_setting() == RouteSwitch::on && T >= 2 && down_bits == 4;
 }
 
 bool decode_router_fits(int64_t T, int64_t H) { return router_smem(T, H) <= decode_max_smem(); }
@@ -337,10 +343,27 @@ void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, 
                        fp_gate);
   else
     launch_gate_up_scalar(D, ex.activation, ga, gate_up_scalar_smem(T, H), stream);
-  if (ex.down.bits == 4)
+  if (sc.down_groups) {
+    // The down groups: the gate/up tile's down_partials form (GateUpArgs read as down's), then the
+    // slot-order combine.
+    GateUpArgs dg = ga;
+    dg.x = ga.hidden;
+    dg.x_stride = I;
+    dg.gate = dg.up = quant_view(ex.down, I);
+    dg.gate_rows_per_expert = dg.up_rows_per_expert = H;
+    dg.gate_row0 = 0;
+    dg.up_row0 = decode::kTcRows;
+    dg.H = I;  // K
+    dg.I = H;  // output columns
+    dg.hidden = nullptr;
+    dg.partials = static_cast<float*>(arena_at(base, sc.partials));
+    launch_down_groups(D, ex.down.group_size, dg, down_groups_smem(I, ex.down.group_size, fp_down), stream, fp_down);
+    launch_slot_combine(D, da, dg.partials, T, stream);
+  } else if (ex.down.bits == 4) {
     launch_down_mma(D, ex.down.group_size, da, T, down_mma_smem(k, I, ex.down.group_size, fp_down), stream, fp_down);
-  else
+  } else {
     launch_down_scalar(D, da, T, down_scalar_smem(k, I), stream);
+  }
 }
 
 }  // namespace expertqmm::cuda

@@ -353,6 +353,7 @@ __global__ void __launch_bounds__(kRouterThreads) decode_router_kernel(RouterArg
 #pragma unroll 1
     for (int b = 0; b < n; ++b) g += starts_group[b] && ids[b] < mine;
     a.plan->token[g][before % kPlanGroupRows] = tid / a.k;  // an expert takes a token's row at most once
+    a.plan->flat[g][before % kPlanGroupRows] = tid;
     if (before % kPlanGroupRows == 0) {
       a.plan->expert[g] = mine;
       a.plan->begin[g] = less + before;

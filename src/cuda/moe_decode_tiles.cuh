@@ -128,12 +128,18 @@ struct DownTcLayout {
 // compile-time choice, so that each instance holds one way's code: the plan-reading instances' hot
 // loop was rescheduled (+3.9% at T = 2 / 8) while both rankings shared their body (NOTES steps 37-38).
 enum class GroupSource { plan, rank_logits, rank_softmax };
-template <DType D, int G, Activation A, bool kFp, GroupSource kSource>
+// What the tile computes: gate and up with the GLU product into hidden (glu), or the down groups
+// (down_partials, EXPERTQMM_DECODE_DOWN_GROUPS: GateUpArgs read as down's, the caller passing even
+// col_blocks so that "gate" is down rows [16x, 16x + 16) and "up" (up_row0 = 16) the next 16; the
+// activation rows are the plan's flat rows (hidden rows), and both tiles' fp32 sums go to partials).
+enum class TileForm { glu, down_partials };
+template <DType D, int G, Activation A, bool kFp, GroupSource kSource, TileForm kForm = TileForm::glu>
 __device__ __forceinline__ void gate_up_glu_mma_tile(const GateUpArgs& a, int col_block, int g_idx, unsigned char* tc_smem) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 
   PlanGroup pg;
   constexpr bool kRanked = kSource != GroupSource::plan;
+  static_assert(kForm == TileForm::glu || !kRanked, "the down groups read the router's plan");
   int routed_row = 0;  // kRanked: the CTA's one row (rank_group)
   if constexpr (kRanked) {
     const RankedGroup rg =
@@ -141,7 +147,7 @@ __device__ __forceinline__ void gate_up_glu_mma_tile(const GateUpArgs& a, int co
     pg = {a.k, rg.expert, g_idx, 1, 0};  // one token
     routed_row = rg.row;
   } else {
-    pg = plan_group(a, g_idx, g);  // with the token of the lane's activation row g
+    pg = plan_group<kForm == TileForm::down_partials>(a, g_idx, g);  // with the lane's activation row g
   }
   auto row_of = [&](int i) { return kRanked ? routed_row : plan_row(a, i); };  // entry i of the row order
   if (g_idx >= pg.groups) return;  // uniform
@@ -285,7 +291,12 @@ __device__ __forceinline__ void gate_up_glu_mma_tile(const GateUpArgs& a, int co
       up += red[(w * 2 * kTcRows + kTcRows + j) * kTcMaxN + n];
     }
     const int64_t out_row = row_of(begin + n);
-    a.hidden[out_row * a.I + col0 + j] = Elem<D>::store(device::glu<A>(round_to<D>(gate), round_to<D>(up)));
+    if constexpr (kForm == TileForm::down_partials) {
+      a.partials[out_row * a.I + col0 + j] = gate;
+      a.partials[out_row * a.I + col0 + kTcRows + j] = up;
+    } else {
+      a.hidden[out_row * a.I + col0 + j] = Elem<D>::store(device::glu<A>(round_to<D>(gate), round_to<D>(up)));
+    }
   }
 }
 

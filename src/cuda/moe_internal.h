@@ -103,10 +103,12 @@ void route_into(const Tensor& h, const RouterWeights& router, int32_t* indices, 
 constexpr int64_t kDecodeMaxRows = 128;  // T*k; also T <= 16 and k <= 8 (moe_decode.h)
 struct DecodeScratch {
   size_t logits = 0, indices = 0, weights = 0, plan = 0, hidden = 0;  // offsets in the arena
+  size_t partials = 0;      // down_groups: the fp32 down products [T*k, H]
+  bool down_groups = false;  // the down product per expert group (decode_down_groups), decided at plan time
   size_t bytes = 0;
 };
 RouteSupport supports_decode_layer(const Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& weights);
-DecodeScratch decode_scratch(int64_t T, int64_t k, int64_t E, int64_t I);
+DecodeScratch decode_scratch(int64_t T, int64_t k, int64_t E, int64_t I, int64_t H, int down_bits);
 // counter: one zeroed unsigned of ws's kSlotCounters, zero again when the kernels finish (one per
 // workspace, as the arena: a workspace serves one call at a time).
 // chain_router: launch the router as a programmatic dependent launch (the caller's promise: the
