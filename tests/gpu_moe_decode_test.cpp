@@ -311,7 +311,7 @@ void expect_down_groups_match(const std::vector<test::MoeGeometry>& geometries, 
         out[groups] = test::to_float(test::run_layer(in.h, in.x, l.gpu, ws));
         cuda_check();
         EXPECT_EQ(test::decode_hits(), before + 1) << what << ": the decode layer did not serve the call";
-        EXPECT_EQ(cuda::decode_down_groups(T, g.bits), groups == 1) << what;
+        EXPECT_EQ(cuda::decode_down_groups(T, g.bits, 0), groups == 1) << what;
       }
       EXPECT_LE(test::rel_error(out[1], out[0]), 1e-3) << what << ": the down groups differ from the per-token down";
     }
@@ -321,19 +321,21 @@ void expect_down_groups_match(const std::vector<test::MoeGeometry>& geometries, 
 
 // Gemma 4's H and I (16 experts: at T = 16 experts hold more than 8 rows, split plan groups) in bf16
 // with separate gate and up and in f16 fused; an odd geometry (H = 320: 10 blocks of 32 columns,
-// I = 96, group 32); group 128 with SwiGLU and a dense router; Qwen3's router; mxfp4 experts (the
-// tile's kFp form). Captured at Gemma's geometry: four kernel nodes (router, gate/up, down groups,
+// I = 96, group 32); group 128 with SwiGLU and a dense router; Qwen3's router; mxfp4 and nvfp4
+// experts (the tile's kFp form; nvfp4 fused, group 16). Captured at Gemma's geometry: four kernel nodes (router, gate/up, down groups,
 // combine) with the down grid (H / 32, decode_group_rows), replays matching the uncaptured call.
 TEST(GpuMoeDecode, DownGroupsMatchThePerTokenDown) {
   EXPERTQMM_REQUIRE_GPU();
   test::MoeGeometry fp4{512, 256, 32, 4, 4, 32, 8, false, Activation::geglu, DType::bf16};
   fp4.mode = QuantMode::mxfp4;
+  test::MoeGeometry nvfp4{320, 96, 16, 4, 4, 16, 8, true, Activation::swiglu, DType::bf16};
+  nvfp4.mode = QuantMode::nvfp4;
   expect_down_groups_match({{2816, 704, 16, 8, 4, 64, 8, false, Activation::geglu, DType::bf16},
                             {2816, 704, 16, 8, 4, 64, 8, true, Activation::geglu, DType::f16},
                             {320, 96, 16, 4, 4, 32, 8, false, Activation::geglu, DType::bf16},
                             {256, 128, 32, 8, 4, 128, 0, true, Activation::swiglu, DType::bf16},
                             {512, 256, 32, 8, 4, 64, 8, false, Activation::swiglu, DType::bf16, RouterKind::softmax_topk},
-                            fp4},
+                            fp4, nvfp4},
                            {2, 5, 8, 16});
   test::DecodeSwitchGuard on(RouteSwitch::on);
   DownGroupsGuard groups(RouteSwitch::on);

@@ -21,8 +21,8 @@ enum class ProductMode : uint8_t { fused, separate };
 void set_expert_tiles(RouteSwitch s);
 RouteSwitch expert_tiles_setting();
 
-// EXPERTQMM_DECODE_LAYER=0|1: the decode MoE layer (the whole moe_layer_into in three kernels when
-// T*k is small, src/cuda/moe_decode_layer.cu) off or on; `automatic` is on. Its selections are
+// EXPERTQMM_DECODE_LAYER=0|1: the decode MoE layer (the whole moe_layer_into in three kernels, four
+// with EXPERTQMM_DECODE_DOWN_GROUPS, up to 16 tokens, src/cuda/moe_decode_layer.cu) off or on; `automatic` is on. Its selections are
 // counted under "moe_decode_layer".
 void set_decode_layer(RouteSwitch s);
 RouteSwitch decode_layer_setting();

@@ -285,7 +285,7 @@ LayerPlan plan_moe_layer(const Tensor& out, const Tensor& h, const Tensor& x, co
   LayerPlan p;
   p.shape = expert_shape(x, w.router.top_k, w.experts);
   const ExpertShape& s = p.shape;
-  // Decode sizes: the whole layer in three kernels when it supports the call (counted under
+  // Decode sizes: the whole layer in three (or four) kernels when it supports the call (counted under
   // Primitive::moe_decode_layer; a miss falls to the experts path below).
   const bool requested = decode_layer_setting() != RouteSwitch::off;
   const RouteSupport decode = supports_decode_layer(out, h, x, w);
@@ -293,7 +293,7 @@ LayerPlan plan_moe_layer(const Tensor& out, const Tensor& h, const Tensor& x, co
                            !requested ? Fallback::disabled : decode.reason);
   if (requested && decode.ok) {
     p.path = LayerPath::decode;
-    p.decode = decode_scratch(s.T, s.k, s.E, s.I, s.D, w.experts.down.bits);
+    p.decode = decode_scratch(s.T, s.k, s.E, s.I, s.D, w.experts.down);
     return p;
   }
   ArenaLayout layout;

@@ -7,6 +7,8 @@
 //                                   routed to the expert, then the GLU product -> hidden [n, I]
 //   3. decode_down_combine_kernel  per (token, column block): the k slots' down GEMVs, weighted and
 //                                   summed in slot order in fp32, one rounding -> out [T, H]
+//      (or, with EXPERTQMM_DECODE_DOWN_GROUPS, two kernels: decode_down_groups_kernel per (expert
+//      group, 32 columns) -> fp32 partials [n, H], then decode_slot_combine_kernel -> out [T, H])
 // Kernels 2 and 3 exist twice: on tensor cores for 4-bit experts (the Gemma layer) and scalar for
 // 8-bit experts (8-bit MLX checkpoints, bench preset gemma4-26b-a4b-q8).
 // The tensor-core kernels 2 and 3 are tile functions (moe_decode_tiles.cuh).
@@ -75,7 +77,8 @@ static_assert(static_cast<int64_t>(kDecodeMaxTokens) * kDecodeMaxTopK <= kDecode
 constexpr size_t kDecodeStaticSmem = 8 * 1024;
 size_t decode_max_smem();
 
-// The expert-group plan that the router's last CTA leaves for the gate/up kernel: the n = T*k flat
+// The expert-group plan that the router's last CTA leaves for the gate/up kernel (and the down
+// groups): the n = T*k flat
 // rows (t*k + j) sorted by expert (stable), in increasing expert id order; an expert's rows form
 // groups of at most kPlanGroupRows (the mma's n: more than 8 rows only from T = 9).
 struct DecodePlan {

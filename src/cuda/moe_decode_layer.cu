@@ -216,11 +216,12 @@ void launch_decode_glu(const Tensor& x, const QuantizedWeight& gate, const Quant
   launch_gate_up_mma(x.dtype(), gate.group_size, act, ga, gate_up_mma_smem(H, gate.group_size), current_stream());
 }
 
-DecodeScratch decode_scratch(int64_t T, int64_t k, int64_t E, int64_t I, int64_t H, int down_bits) {
+DecodeScratch decode_scratch(int64_t T, int64_t k, int64_t E, int64_t I, int64_t H, const QuantizedWeight& down) {
   DecodeScratch sc;
   ArenaLayout layout;
   const int64_t n = T * k;
-  sc.down_groups = decode_down_groups(T, down_bits);
+  const size_t groups_smem = down.bits == 4 ? down_groups_smem(I, down.group_size, down.mode != QuantMode::affine) : 0;
+  sc.down_groups = decode_down_groups(T, down.bits, groups_smem);
   if (sc.down_groups) sc.partials = layout.reserve(static_cast<size_t>(n * H) * sizeof(float));
   sc.logits = layout.reserve(static_cast<size_t>(T * E) * sizeof(float));
   sc.indices = layout.reserve(static_cast<size_t>(n) * sizeof(int32_t));
@@ -243,8 +244,8 @@ int decode_group_rows(int64_t T, int64_t k, int64_t E) {
   return static_cast<int>(std::min(n, hit + more));
 }
 
-bool decode_down_groups(int64_t T, int down_bits) {
-  return decode_down_groups_setting() == RouteSwitch::on && T >= 2 && down_bits == 4;
+bool decode_down_groups(int64_t T, int down_bits, size_t smem) {
+  return decode_down_groups_setting() == RouteSwitch::on && T >= 2 && down_bits == 4 && smem <= decode_max_smem();
 }
 
 bool decode_router_fits(int64_t T, int64_t H) { return router_smem(T, H) <= decode_max_smem(); }

@@ -22,8 +22,10 @@ int decode_group_rows(int64_t T, int64_t k, int64_t E);
 // Whether a decode call of T tokens runs its down product as the down groups (per expert group and
 // 32 columns, then a slot-order combine kernel: four kernels) instead of per token:
 // EXPERTQMM_DECODE_DOWN_GROUPS on (automatic: off, not yet measured), T >= 2 (at one token every
-// group is one row, the same work as per token), 4-bit down weights (the tensor-core tile).
-bool decode_down_groups(int64_t T, int down_bits);
+// group is one row, the same work as per token), 4-bit down weights (the tensor-core tile), and its
+// smem bytes of shared memory within decode_max_smem (about 18 I at group 64, where the per-token
+// kernel needs 11 k I: more at k = 1 for a very wide I).
+bool decode_down_groups(int64_t T, int down_bits, size_t smem);
 
 // Whether the decode router's staged rows for T tokens of width H fit this device's shared memory
 // (decode_max_smem: on sm_80 Gemma's H = 2816 fits up to T = 11, on sm_90 up to 16); a call past it

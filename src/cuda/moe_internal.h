@@ -95,7 +95,8 @@ void launch_weighted_combine(DType y_dtype, const void* y, int64_t y_rows, const
 void route_into(const Tensor& h, const RouterWeights& router, int32_t* indices, void* weights, Workspace& ws);
 
 // moe_decode_layer.cu: the decode layer, moe_layer_into in three kernels (router with top-k and the
-// expert grouping; gate/up with the GLU product; down with the weighted combine) for at most
+// expert grouping; gate/up with the GLU product; down with the weighted combine; four with the down
+// groups, EXPERTQMM_DECODE_DOWN_GROUPS) for at most
 // kDecodeMaxRows (token, slot) rows. supports_decode_layer: the first Fallback class that rules a
 // call out (dtype, quantization, topology, shape, alignment); the layer plan (layer_plan.cu) applies
 // the setting and records the choice. call_decode_layer runs it on the current stream with the
@@ -108,7 +109,7 @@ struct DecodeScratch {
   size_t bytes = 0;
 };
 RouteSupport supports_decode_layer(const Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& weights);
-DecodeScratch decode_scratch(int64_t T, int64_t k, int64_t E, int64_t I, int64_t H, int down_bits);
+DecodeScratch decode_scratch(int64_t T, int64_t k, int64_t E, int64_t I, int64_t H, const QuantizedWeight& down);
 // counter: one zeroed unsigned of ws's kSlotCounters, zero again when the kernels finish (one per
 // workspace, as the arena: a workspace serves one call at a time).
 // chain_router: launch the router as a programmatic dependent launch (the caller's promise: the
