@@ -70,8 +70,8 @@ constexpr int kDecodeMaxTopK = 8;     // k: one warp per slot in the down/combin
 constexpr int kPlanGroupRows = 8;     // rows of one plan group: the tensor-core gate/up mma's n
 constexpr int kScalarMaxTokens = 8;   // T of the scalar (8-bit) kernels: measured and tested up to 8
 static_assert(static_cast<int64_t>(kDecodeMaxTokens) * kDecodeMaxTopK <= kDecodeMaxRows, "the plan holds T*k rows");
-// Dynamic shared memory of any decode kernel: the device's opt-in limit per block (H100 / H200: 227
-// KB; sm_80: 163 KB, asked once per device) less kDecodeStaticSmem, which covers every decode
+// Dynamic shared memory of any decode kernel: the device's opt-in limit per block (device_smem_optin,
+// asked once: H100 / H200 227 KiB, sm_80 163 KiB) less kDecodeStaticSmem, which covers every decode
 // kernel's static shared memory (the router's: ~3.7 KB). The router needs (T + 1) * 12.4 KB at
 // H = 2816: 215 KB at T = 16.
 constexpr size_t kDecodeStaticSmem = 8 * 1024;

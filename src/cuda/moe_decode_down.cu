@@ -48,6 +48,20 @@ __global__ void __launch_bounds__(kThreads) decode_slot_combine_kernel(DownArgs 
   a.out[static_cast<int64_t>(t) * a.H + c] = Elem<D>::store(sum);
 }
 
+// Calls f(dtype tag, group tag, fp tag) with the compile-time values of the run-time ones (the mode's
+// group read at run time for fp: bf16 only, supports_decode_layer).
+template <class F>
+void with_down_instance(DType dtype, int G, bool fp, F&& f) {
+  auto with_group = [&](auto dtag) {
+    if (G == 32) f(dtag, std::integral_constant<int, 32>{}, std::false_type{});
+    else if (G == 64) f(dtag, std::integral_constant<int, 64>{}, std::false_type{});
+    else f(dtag, std::integral_constant<int, 128>{}, std::false_type{});
+  };
+  if (fp) f(std::integral_constant<DType, DType::bf16>{}, std::integral_constant<int, kTcFpLayoutGroup>{}, std::true_type{});
+  else if (dtype == DType::bf16) with_group(std::integral_constant<DType, DType::bf16>{});
+  else with_group(std::integral_constant<DType, DType::f16>{});
+}
+
 }  // namespace
 
 
@@ -58,16 +72,12 @@ size_t down_groups_smem(int64_t I, int G, bool fp) {
 void launch_down_groups(DType dtype, int G, const GateUpArgs& a, size_t smem, cudaStream_t stream, bool fp) {
   // a.I (the output width, H) in whole 32-row blocks: supports_decode_layer's H % 32 == 0.
   const dim3 grid(static_cast<unsigned>(a.I / (2 * kTcRows)), static_cast<unsigned>(a.group_rows));
-  auto launch = [&](auto kernel) {
+  with_down_instance(dtype, G, fp, [&](auto dtag, auto gtag, auto fptag) {
+    auto kernel = decode_down_groups_kernel<decltype(dtag)::value, decltype(gtag)::value, decltype(fptag)::value>;
     allow_smem(reinterpret_cast<const void*>(kernel));
     kernel<<<grid, kThreads, smem, stream>>>(a);
     EXPERTQMM_CUDA_CHECK_LAUNCH(decode_down_groups_kernel);
-  };
-  const bool bf16 = dtype == DType::bf16;
-  if (fp) launch(decode_down_groups_kernel<DType::bf16, kTcFpLayoutGroup, true>);  // the mode's group at run time
-  else if (G == 32) launch(bf16 ? decode_down_groups_kernel<DType::bf16, 32, false> : decode_down_groups_kernel<DType::f16, 32, false>);
-  else if (G == 64) launch(bf16 ? decode_down_groups_kernel<DType::bf16, 64, false> : decode_down_groups_kernel<DType::f16, 64, false>);
-  else launch(bf16 ? decode_down_groups_kernel<DType::bf16, 128, false> : decode_down_groups_kernel<DType::f16, 128, false>);
+  });
 }
 
 void launch_slot_combine(DType dtype, const DownArgs& a, const float* partials, int T, cudaStream_t stream) {
@@ -83,16 +93,12 @@ size_t down_mma_smem(int64_t k, int64_t I, int G, bool fp) {
 
 void launch_down_mma(DType dtype, int G, const DownArgs& a, int T, size_t smem, cudaStream_t stream, bool fp) {
   const dim3 grid(static_cast<unsigned>(T), ceil_div(a.H, kTcRows));
-  auto launch = [&](auto kernel) {
+  with_down_instance(dtype, G, fp, [&](auto dtag, auto gtag, auto fptag) {
+    auto kernel = decode_down_combine_mma_kernel<decltype(dtag)::value, decltype(gtag)::value, decltype(fptag)::value>;
     allow_smem(reinterpret_cast<const void*>(kernel));
     kernel<<<grid, kThreads, smem, stream>>>(a);
     EXPERTQMM_CUDA_CHECK_LAUNCH(decode_down_combine_mma_kernel);
-  };
-  const bool bf16 = dtype == DType::bf16;
-  if (fp) launch(decode_down_combine_mma_kernel<DType::bf16, kTcFpLayoutGroup, true>);  // the mode's group at run time
-  else if (G == 32) launch(bf16 ? decode_down_combine_mma_kernel<DType::bf16, 32> : decode_down_combine_mma_kernel<DType::f16, 32>);
-  else if (G == 64) launch(bf16 ? decode_down_combine_mma_kernel<DType::bf16, 64> : decode_down_combine_mma_kernel<DType::f16, 64>);
-  else launch(bf16 ? decode_down_combine_mma_kernel<DType::bf16, 128> : decode_down_combine_mma_kernel<DType::f16, 128>);
+  });
 }
 
 }  // namespace expertqmm::cuda::decode

@@ -2,11 +2,10 @@
 // its scratch, and the three launches.
 #include <algorithm>
 #include <cmath>
-#include <map>
 #include <mutex>
-#include <set>
-#include <utility>
+#include <unordered_set>
 
+#include "cuda/gather_qmm_routes.h"  // device_smem_optin
 #include "cuda/moe_decode.h"
 #include "cuda/moe_decode_select.h"
 #include "cuda/moe_internal.h"
@@ -17,29 +16,17 @@ namespace expertqmm::cuda {
 namespace decode {
 
 size_t decode_max_smem() {
-  static std::mutex mu;
-  static std::map<int, size_t> known;  // device -> its opt-in limit
-  int device = 0;
-  EXPERTQMM_CUDA_CHECK(cudaGetDevice(&device));
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = known.find(device);
-  if (it != known.end()) return it->second;
-  int optin = 0;
-  EXPERTQMM_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  const size_t limit = static_cast<size_t>(optin) > kDecodeStaticSmem ? optin - kDecodeStaticSmem : 0;
-  return known.emplace(device, limit).first->second;
+  const size_t optin = device_smem_optin();
+  return optin > kDecodeStaticSmem ? optin - kDecodeStaticSmem : 0;
 }
 
 void allow_smem(const void* kernel) {
   static std::mutex mu;
-  static std::set<std::pair<const void*, int>> done;  // (kernel, device)
-  int device = 0;
-  EXPERTQMM_CUDA_CHECK(cudaGetDevice(&device));
-  const size_t limit = decode_max_smem();
+  static std::unordered_set<const void*> done;
   std::lock_guard<std::mutex> lock(mu);
-  if (!done.insert({kernel, device}).second) return;
+  if (!done.insert(kernel).second) return;
   EXPERTQMM_CUDA_CHECK(
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(limit)));
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(decode_max_smem())));
 }
 
 }  // namespace decode
