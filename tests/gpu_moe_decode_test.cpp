@@ -287,10 +287,11 @@ namespace {
 using DownGroupsGuard = test::SettingGuard<RouteSwitch, decode_down_groups_setting, set_decode_down_groups>;
 
 // Each geometry's layer at each T, the down groups (EXPERTQMM_DECODE_DOWN_GROUPS) against the
-// per-token down kernel: the same products up to the fp32 summation order inside each, so the outputs
-// agree within a bf16 rounding here and there (a missing, misplaced or stale row or column of the
-// partials gives an error near 1). Before each measured call `other` is routed through the down
-// groups into the same workspace, so partials the measured call did not write would show as other's.
+// per-token down kernel: per (down row, hidden row) the same mma column, the same group sums of x and
+// the same fp32 operations in the same order, and the same slot-order combine, so the outputs are the
+// same bytes (a missing, misplaced or stale row or column of the partials would differ near 1).
+// Before each measured call `other` is routed through the down groups into the same workspace, so
+// partials the measured call did not write would show as other's.
 void expect_down_groups_match(const std::vector<test::MoeGeometry>& geometries, const std::vector<int64_t>& tokens) {
   test::DecodeSwitchGuard on(RouteSwitch::on);
   for (const test::MoeGeometry& g : geometries) {
@@ -314,16 +315,20 @@ void expect_down_groups_match(const std::vector<test::MoeGeometry>& geometries, 
         EXPECT_EQ(cuda::decode_down_groups(T, g.bits, 0), groups == 1) << what;
       }
       EXPECT_LE(test::rel_error(out[1], out[0]), 1e-3) << what << ": the down groups differ from the per-token down";
+      size_t differ = 0;
+      for (size_t i = 0; i < out[0].size(); ++i) differ += out[1][i] != out[0][i];
+      EXPECT_EQ(differ, 0u) << what << ": outputs not bit-identical to the per-token down's";
     }
   }
 }
 }  // namespace
 
 // Gemma 4's H and I (16 experts: at T = 16 experts hold more than 8 rows, split plan groups) in bf16
-// with separate gate and up and in f16 fused; an odd geometry (H = 320: 10 blocks of 32 columns,
-// I = 96, group 32); group 128 with SwiGLU and a dense router; Qwen3's router; mxfp4 and nvfp4
-// experts (the tile's kFp form; nvfp4 fused, group 16). Captured at Gemma's geometry: four kernel nodes (router, gate/up, down groups,
-// combine) with the down grid (H / 32, decode_group_rows), replays matching the uncaptured call.
+// with separate gate and up and in f16 fused; an odd geometry (H = 320: two blocks of 128 columns and
+// one of 64, whose upper four warps idle; I = 96, group 32); group 128 with SwiGLU and a dense router;
+// Qwen3's router; mxfp4 and nvfp4 experts (the tile's kFp form; nvfp4 fused, group 16). Captured at
+// Gemma's geometry: four kernel nodes (router, gate/up, down groups, combine) with the down grid
+// (H / 128, decode_group_rows), replays matching the uncaptured call.
 TEST(GpuMoeDecode, DownGroupsMatchThePerTokenDown) {
   EXPERTQMM_REQUIRE_GPU();
   test::MoeGeometry fp4{512, 256, 32, 4, 4, 32, 8, false, Activation::geglu, DType::bf16};
@@ -354,7 +359,7 @@ TEST(GpuMoeDecode, DownGroupsMatchThePerTokenDown) {
     cudaGraph_t graph = test::capture_graph(stream.get(), [&] { moe_layer_into(replayed, h, x, l.gpu, ws); }, what);
     ASSERT_NE(graph, nullptr) << what;
     EXPECT_EQ(test::kernel_nodes(graph), 4) << what;
-    const dim3 down(static_cast<unsigned>(g.H / 32), static_cast<unsigned>(cuda::decode_group_rows(T, g.k, g.E)));
+    const dim3 down(static_cast<unsigned>((g.H + 127) / 128), static_cast<unsigned>(cuda::decode_group_rows(T, g.k, g.E)));
     bool found = false;
     for (const dim3& d : test::kernel_grids(graph)) found |= d.x == down.x && d.y == down.y && d.z == 1;
     EXPECT_TRUE(found) << what << ": no down-groups grid of " << down.x << " x " << down.y;

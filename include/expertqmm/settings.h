@@ -38,10 +38,10 @@ void set_decode_route_in_gate_up(RouteSwitch s);
 RouteSwitch decode_route_in_gate_up_setting();
 
 // EXPERTQMM_DECODE_DOWN_GROUPS=0|1: from 2 tokens, the decode layer's 4-bit down product per (expert
-// group, 32 columns), as gate/up is (each expert's down rows read and dequantized once per group of
-// up to 8 rows), then the weighted slot-order combine as a fourth kernel, instead of per (token, 16
-// columns) with one slot per warp (bench/NOTES.md step 44). The same arithmetic but for the fp32
-// summation order inside each product. `automatic` is off until it is measured.
+// group, 128 columns), each expert's down rows read and dequantized once per group of up to 8 rows,
+// then the weighted slot-order combine as a fourth kernel, instead of per (token, 16 columns) with
+// one slot per warp (bench/NOTES.md steps 44-45). The same arithmetic, the same bytes out.
+// `automatic` is off until it is measured.
 void set_decode_down_groups(RouteSwitch s);
 RouteSwitch decode_down_groups_setting();
 

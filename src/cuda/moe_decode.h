@@ -8,7 +8,7 @@
 //   3. decode_down_combine_kernel  per (token, column block): the k slots' down GEMVs, weighted and
 //                                   summed in slot order in fp32, one rounding -> out [T, H]
 //      (or, with EXPERTQMM_DECODE_DOWN_GROUPS, two kernels: decode_down_groups_kernel per (expert
-//      group, 32 columns) -> fp32 partials [n, H], then decode_slot_combine_kernel -> out [T, H])
+//      group, 128 columns) -> fp32 partials [n, H], then decode_slot_combine_kernel -> out [T, H])
 // Kernels 2 and 3 exist twice: on tensor cores for 4-bit experts (the Gemma layer) and scalar for
 // 8-bit experts (8-bit MLX checkpoints, bench preset gemma4-26b-a4b-q8).
 // The tensor-core kernels 2 and 3 are tile functions (moe_decode_tiles.cuh).
@@ -151,10 +151,6 @@ struct GateUpArgs {
   bool softmax_topk, renormalize;  // the router's kind (RouterArgs)
   int32_t* indices;
   uint16_t* weights;
-  // The down groups' form (TileForm::down_partials in moe_decode_tiles.cuh): the same fields read as
-  // down's (x the hidden rows [n, I], H := I its width, I := H the output width, gate and up both the
-  // down weight: up_row0 = 16), and each row's fp32 products written here, (n, H) row-major.
-  float* partials;
 };
 
 
@@ -168,13 +164,11 @@ struct PlanGroup {
 // g < kDecodeMaxRows (the gate/up grid has decode_group_rows <= n <= kDecodeMaxRows group rows), so every field
 // is read at once, before groups is known: one L2 round trip, where a check of groups first made
 // it two (and the token, through row[], a third; bench/NOTES.md step 39).
-// kFlat: the flat row (DecodePlan::flat) instead of the token, for the down groups.
-template <bool kFlat = false>
 __device__ __forceinline__ PlanGroup plan_group(const GateUpArgs& a, int g, int j) {
   if (!a.plan) return {1, 0, 0, a.identity_rows, j};  // identity: row j is token j (k = 1)
   const DecodePlan& p = *a.plan;
   const int groups = p.groups, expert = p.expert[g], begin = p.begin[g], count = p.count[g];
-  const int token = kFlat ? p.flat[g][j] : p.token[g][j];
+  const int token = p.token[g][j];
   const bool live = g < groups;  // selects, not a branch the loads would sink into
   return {groups, live ? expert : 0, live ? begin : 0, live ? count : 0, live ? token : 0};
 }
@@ -192,6 +186,16 @@ struct DownArgs {
   int H, I, E, k;
   uint16_t* out;  // (T, H) of D
   uint32_t* faults;
+};
+
+// Kernel 3 as the down groups (EXPERTQMM_DECODE_DOWN_GROUPS): per (plan group, 128 output columns),
+// each expert's down rows read once per group instead of once per (token, slot).
+struct DownGroupArgs {
+  const uint16_t* hidden;  // (n, I) of D: row t*k + j is slot (t, j)'s GLU product
+  device::QuantView down;  // as DownArgs::down
+  const DecodePlan* plan;  // the router's: groups, expert, count and flat rows of each group
+  int H, I;
+  float* partials;  // (n, H) fp32 out: row t*k + j = slot (t, j)'s down product, unweighted
 };
 
 // The slot bookkeeping both down kernels end with. Lane 0 of slot warp j records the slot's weight
@@ -366,11 +370,12 @@ void launch_gate_up_mma(DType dtype, int G, Activation act, const GateUpArgs& a,
 // Kernel 3 on tensor cores, 4-bit experts (moe_decode_down.cu).
 size_t down_mma_smem(int64_t k, int64_t I, int G, bool fp = false);
 void launch_down_mma(DType dtype, int G, const DownArgs& a, int T, size_t smem, cudaStream_t stream, bool fp = false);
-// Kernel 3 as the down groups (EXPERTQMM_DECODE_DOWN_GROUPS; moe_decode_down.cu): the gate/up tile's
-// down_partials form over grid (H / 32, a.group_rows), a the down form of GateUpArgs (its fields'
-// comment), then the slot-order combine of a.partials into out (grid (T, ceil(H / 256))).
+// Kernel 3 as the down groups (EXPERTQMM_DECODE_DOWN_GROUPS; moe_decode_down.cu): grid
+// (ceil(H / 128), group_rows) into a.partials, then the slot-order combine of the partials into out
+// (grid (T, ceil(H / 256))).
 size_t down_groups_smem(int64_t I, int G, bool fp = false);
-void launch_down_groups(DType dtype, int G, const GateUpArgs& a, size_t smem, cudaStream_t stream, bool fp = false);
+void launch_down_groups(DType dtype, int G, const DownGroupArgs& a, int group_rows, size_t smem, cudaStream_t stream,
+                        bool fp = false);
 void launch_slot_combine(DType dtype, const DownArgs& a, const float* partials, int T, cudaStream_t stream);
 // Kernels 2 and 3 for 8-bit experts (moe_decode_scalar.cu).
 int gate_up_scalar_rows_per_pass(int64_t T);  // GateUpArgs::rows_per_pass

@@ -14,16 +14,13 @@ __global__ void __launch_bounds__(kThreads, 2) decode_down_combine_mma_kernel(Do
   down_combine_mma_tile<D, G, kFp>(a, blockIdx.x, blockIdx.y, tc_smem);
 }
 
-// The down groups (EXPERTQMM_DECODE_DOWN_GROUPS; moe_decode_tiles.cuh TileForm::down_partials): CTA
-// (x, g) computes down rows [32x, 32x + 32) of group g's expert for the group's <= 8 hidden rows, the
-// gate/up tile's work split with K = I (Gemma: 32 code rows of 352 bytes, 11 K groups over 8 warps),
-// into partials[flat row, 32x ..] in fp32. Every expert's down rows are read and dequantized once per
-// group, where the per-token kernel above does it once per (token, slot).
+// The down groups (EXPERTQMM_DECODE_DOWN_GROUPS; moe_decode_tiles.cuh down_groups_mma_tile): CTA
+// (x, g) computes down rows [128x, 128x + 128) of plan group g's expert for the group's <= 8 hidden
+// rows into partials[flat row, ..] in fp32.
 template <DType D, int G, bool kFp>
-__global__ void __launch_bounds__(kThreads, 2) decode_down_groups_kernel(GateUpArgs a) {
+__global__ void __launch_bounds__(kThreads, 3) decode_down_groups_kernel(DownGroupArgs a) {
   extern __shared__ __align__(16) unsigned char tc_smem[];
-  gate_up_glu_mma_tile<D, G, Activation::geglu, kFp, GroupSource::plan, TileForm::down_partials>(
-      a, 2 * static_cast<int>(blockIdx.x), blockIdx.y, tc_smem);
+  down_groups_mma_tile<D, G, kFp>(a, blockIdx.x, blockIdx.y, tc_smem);
 }
 
 // out[t, c] = the k slots' partials times their weights, summed in slot order in fp32, one rounding
@@ -66,12 +63,12 @@ void with_down_instance(DType dtype, int G, bool fp, F&& f) {
 
 
 size_t down_groups_smem(int64_t I, int G, bool fp) {
-  return GateUpTcLayout(static_cast<int>(I), fp ? kTcFpLayoutGroup : G).total;
+  return DownGroupLayout(static_cast<int>(I), fp ? kTcFpLayoutGroup : G).total;
 }
 
-void launch_down_groups(DType dtype, int G, const GateUpArgs& a, size_t smem, cudaStream_t stream, bool fp) {
-  // a.I (the output width, H) in whole 32-row blocks: supports_decode_layer's H % 32 == 0.
-  const dim3 grid(static_cast<unsigned>(a.I / (2 * kTcRows)), static_cast<unsigned>(a.group_rows));
+void launch_down_groups(DType dtype, int G, const DownGroupArgs& a, int group_rows, size_t smem, cudaStream_t stream,
+                        bool fp) {
+  const dim3 grid(ceil_div(a.H, kWarps * kTcRows), static_cast<unsigned>(group_rows));
   with_down_instance(dtype, G, fp, [&](auto dtag, auto gtag, auto fptag) {
     auto kernel = decode_down_groups_kernel<decltype(dtag)::value, decltype(gtag)::value, decltype(fptag)::value>;
     allow_smem(reinterpret_cast<const void*>(kernel));

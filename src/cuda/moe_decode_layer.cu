@@ -331,21 +331,16 @@ void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, 
                        fp_gate);
   else
     launch_gate_up_scalar(D, ex.activation, ga, gate_up_scalar_smem(T, H), stream);
-  if (sc.down_groups) {
-    // The down groups: the gate/up tile's down_partials form (GateUpArgs read as down's), then the
-    // slot-order combine.
-    GateUpArgs dg = ga;
-    dg.x = ga.hidden;
-    dg.x_stride = I;
-    dg.gate = dg.up = quant_view(ex.down, I);
-    dg.gate_rows_per_expert = dg.up_rows_per_expert = H;
-    dg.gate_row0 = 0;
-    dg.up_row0 = decode::kTcRows;
-    dg.H = I;  // K
-    dg.I = H;  // output columns
-    dg.hidden = nullptr;
+  if (sc.down_groups) {  // per (plan group, 128 columns) into fp32 partials, then the slot-order combine
+    DownGroupArgs dg{};
+    dg.hidden = ga.hidden;
+    dg.down = da.down;
+    dg.plan = plan;
+    dg.H = H;
+    dg.I = I;
     dg.partials = static_cast<float*>(arena_at(base, sc.partials));
-    launch_down_groups(D, ex.down.group_size, dg, down_groups_smem(I, ex.down.group_size, fp_down), stream, fp_down);
+    launch_down_groups(D, ex.down.group_size, dg, ga.group_rows, down_groups_smem(I, ex.down.group_size, fp_down),
+                       stream, fp_down);
     launch_slot_combine(D, da, dg.partials, T, stream);
   } else if (ex.down.bits == 4) {
     launch_down_mma(D, ex.down.group_size, da, T, down_mma_smem(k, I, ex.down.group_size, fp_down), stream, fp_down);

@@ -20,11 +20,11 @@ bool decode_routes_in_gate_up(int64_t T, int gate_bits, int64_t E, int64_t k, bo
 int decode_group_rows(int64_t T, int64_t k, int64_t E);
 
 // Whether a decode call of T tokens runs its down product as the down groups (per expert group and
-// 32 columns, then a slot-order combine kernel: four kernels) instead of per token:
+// 128 columns, then a slot-order combine kernel: four kernels) instead of per token:
 // EXPERTQMM_DECODE_DOWN_GROUPS on (automatic: off, not yet measured), T >= 2 (at one token every
 // group is one row, the same work as per token), 4-bit down weights (the tensor-core tile), and its
-// smem bytes of shared memory within decode_max_smem (about 18 I at group 64, where the per-token
-// kernel needs 11 k I: more at k = 1 for a very wide I).
+// smem bytes of shared memory within decode_max_smem (about 89 I + 4 KB at group 64, Gemma's 65 KB;
+// the per-token kernel needs about 11 k I).
 bool decode_down_groups(int64_t T, int down_bits, size_t smem);
 
 // Whether the decode router's staged rows for T tokens of width H fit this device's shared memory

@@ -128,18 +128,12 @@ struct DownTcLayout {
 // compile-time choice, so that each instance holds one way's code: the plan-reading instances' hot
 // loop was rescheduled (+3.9% at T = 2 / 8) while both rankings shared their body (NOTES steps 37-38).
 enum class GroupSource { plan, rank_logits, rank_softmax };
-// What the tile computes: gate and up with the GLU product into hidden (glu), or the down groups
-// (down_partials, EXPERTQMM_DECODE_DOWN_GROUPS: GateUpArgs read as down's, the caller passing even
-// col_blocks so that "gate" is down rows [16x, 16x + 16) and "up" (up_row0 = 16) the next 16; the
-// activation rows are the plan's flat rows (hidden rows), and both tiles' fp32 sums go to partials).
-enum class TileForm { glu, down_partials };
-template <DType D, int G, Activation A, bool kFp, GroupSource kSource, TileForm kForm = TileForm::glu>
+template <DType D, int G, Activation A, bool kFp, GroupSource kSource>
 __device__ __forceinline__ void gate_up_glu_mma_tile(const GateUpArgs& a, int col_block, int g_idx, unsigned char* tc_smem) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
 
   PlanGroup pg;
   constexpr bool kRanked = kSource != GroupSource::plan;
-  static_assert(kForm == TileForm::glu || !kRanked, "the down groups read the router's plan");
   int routed_row = 0;  // kRanked: the CTA's one row (rank_group)
   if constexpr (kRanked) {
     const RankedGroup rg =
@@ -147,7 +141,7 @@ __device__ __forceinline__ void gate_up_glu_mma_tile(const GateUpArgs& a, int co
     pg = {a.k, rg.expert, g_idx, 1, 0};  // one token
     routed_row = rg.row;
   } else {
-    pg = plan_group<kForm == TileForm::down_partials>(a, g_idx, g);  // with the lane's activation row g
+    pg = plan_group(a, g_idx, g);  // with the token of the lane's activation row g
   }
   auto row_of = [&](int i) { return kRanked ? routed_row : plan_row(a, i); };  // entry i of the row order
   if (g_idx >= pg.groups) return;  // uniform
@@ -291,12 +285,7 @@ __device__ __forceinline__ void gate_up_glu_mma_tile(const GateUpArgs& a, int co
       up += red[(w * 2 * kTcRows + kTcRows + j) * kTcMaxN + n];
     }
     const int64_t out_row = row_of(begin + n);
-    if constexpr (kForm == TileForm::down_partials) {
-      a.partials[out_row * a.I + col0 + j] = gate;
-      a.partials[out_row * a.I + col0 + kTcRows + j] = up;
-    } else {
-      a.hidden[out_row * a.I + col0 + j] = Elem<D>::store(device::glu<A>(round_to<D>(gate), round_to<D>(up)));
-    }
+    a.hidden[out_row * a.I + col0 + j] = Elem<D>::store(device::glu<A>(round_to<D>(gate), round_to<D>(up)));
   }
 }
 
@@ -423,6 +412,153 @@ __device__ __forceinline__ void down_combine_mma_tile(const DownArgs& a, int tok
   }
   __syncthreads();
   store_slot_sum<D, kTcRows>(a, tok, col0, tid, partial, slot_weight, slot_ok);
+}
+
+// Shared memory of the down-groups kernel (bytes), with its region offsets: the CTA's 128 code rows
+// (one 16-row mma tile per warp), their scales and biases (kFp: the raw scale codes, within the same
+// bytes), and the group's <= 8 hidden rows in the mma k order (stage_tc_unit) with their group sums.
+struct DownGroupLayout {
+  int code_row, groups, x_row;
+  size_t codes, scales, biases, xs, sx, total;
+  __host__ __device__ DownGroupLayout(int I, int G) {
+    constexpr int kRows = kWarps * kTcRows;
+    code_row = tc_code_row_bytes(I);
+    groups = I / G;
+    x_row = tc_x_row_elems(I);
+    codes = 0;
+    scales = static_cast<size_t>(kRows) * code_row;
+    biases = scales + static_cast<size_t>(kRows) * groups * sizeof(uint16_t);
+    xs = biases + static_cast<size_t>(kRows) * groups * sizeof(uint16_t);
+    sx = xs + static_cast<size_t>(kTcMaxN) * x_row * sizeof(uint16_t);
+    total = sx + static_cast<size_t>(kTcMaxN) * groups * sizeof(float);
+  }
+};
+
+// The down groups (EXPERTQMM_DECODE_DOWN_GROUPS): each expert's down rows are read and dequantized
+// once per plan group (<= 8 rows) instead of once per (token, slot) as down_combine_mma_tile does.
+// Work split: grid (ceil(H / 128), decode_group_rows(T, k, E)), 256 threads, 3 CTAs per SM (Gemma: 65
+// KB of shared memory, 45 KB of it codes, as a gate/up CTA). CTA (x, g) takes plan group g (CTAs past
+// the plan's group count exit at once) and down rows (output columns) [128x, 128x + 128): warp w
+// the 16-row mma tile 128x + 16w .. + 15 over the whole of K = I, so no sum crosses warps.
+//   1. the plan entry (group count, expert, rows, the lane's two flat rows) in one round trip, then
+//      each warp requests its 16 code rows and their scales and biases by cp.async (lane (r, j):
+//      chunks j, j + 4, ... of rows r and r + 8, as down_combine_mma_tile);
+//   2. the CTA stages the group's hidden rows (their flat rows' GLU products) meanwhile, one barrier;
+//   3. per K group: tc_group_dot with B column n = the group's row n, then acc += s c + (b - M s)
+//      sum(x): per (down row, hidden row) the per-token kernel's arithmetic, operation for operation;
+//   4. lane (g, t) writes its four fp32 sums (down rows g and g + 8 for the group's rows 2t and
+//      2t + 1) to partials[flat row, column]; decode_slot_combine_kernel weights and sums them.
+template <DType D, int G, bool kFp>
+__device__ __forceinline__ void down_groups_mma_tile(const DownGroupArgs& a, int col_block, int g_idx,
+                                                     unsigned char* smem) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  constexpr float kBias = device::kCodeBias<MmaType<D>>;
+  const DecodePlan& p = *a.plan;
+  // g_idx < kDecodeMaxRows (grid rows <= n), so every field is read before the count check.
+  const int groups = p.groups, expert = p.expert[g_idx], count = p.count[g_idx];
+  const int flat_lo = p.flat[g_idx][2 * t], flat_hi = p.flat[g_idx][2 * t + 1];
+  if (g_idx >= groups) return;  // uniform
+
+  const DownGroupLayout L(a.I, G);
+  const int row0 = (col_block * kWarps + warp) * kTcRows;  // the warp's first down row
+  const bool live_warp = row0 < a.H;                       // H % 32 == 0: whole 16-row tiles
+  unsigned char* codes = smem + L.codes + static_cast<size_t>(warp) * kTcRows * L.code_row;
+  uint16_t* sc = reinterpret_cast<uint16_t*>(smem + L.scales) + warp * kTcRows * L.groups;
+  uint16_t* bi = reinterpret_cast<uint16_t*>(smem + L.biases) + warp * kTcRows * L.groups;
+  uint16_t* xs = reinterpret_cast<uint16_t*>(smem + L.xs);
+  float* sx = reinterpret_cast<float*>(smem + L.sx);
+
+  // 1. The warp's code rows, scales and biases.
+  if (live_warp) {
+    const int chunks = a.I / 32;
+    const int64_t first = static_cast<int64_t>(expert) * a.H + row0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = lane / 4 + 8 * h;
+      const uint4* src = reinterpret_cast<const uint4*>(a.down.w) + (first + r) * chunks;
+      unsigned char* dst = codes + r * L.code_row;
+      for (int c = lane % 4; c < chunks; c += 4) device::cp_async_16(dst + 16 * c, src + c, true);
+    }
+    if constexpr (kFp) {
+      const int fp_groups = a.I >> a.down.group_shift;
+      for (int c = lane; c < fp_groups; c += 32)
+        device::cp_async_16(reinterpret_cast<unsigned char*>(sc) + 16 * c, a.down.fp_scales + first * fp_groups + 16 * c, true);
+    } else {
+      const int span_chunks = 2 * L.groups;  // 16 rows x groups x 2 bytes, 16-byte aligned (row0 % 16 == 0)
+      for (int i = lane; i < 2 * span_chunks; i += 32) {
+        const bool bias = i >= span_chunks;
+        const int c = i - (bias ? span_chunks : 0);
+        device::cp_async_16((bias ? bi : sc) + 8 * c, (bias ? a.down.biases : a.down.scales) + first * L.groups + 8 * c, true);
+      }
+    }
+    device::cp_async_commit();
+  }
+
+  // 2. The group's hidden rows: unit idx = j * U + u of row j; the G / 8 lanes of a K group are
+  //    consecutive and all live or all not (U % (G / 8) == 0), as stage_tc_unit's shuffles need.
+  const int U = a.I / 8, units = count * U;
+  constexpr int kUnits = 4;  // per thread per batch (Gemma: 704 units, one batch)
+  for (int base = 0; base < units; base += kThreads * kUnits) {  // uniform
+    uint4 v[kUnits];
+#pragma unroll
+    for (int i = 0; i < kUnits; ++i) {
+      const int idx = base + tid + kThreads * i, j = idx / U;
+      v[i] = idx < units ? *reinterpret_cast<const uint4*>(a.hidden + static_cast<int64_t>(p.flat[g_idx][j]) * a.I + 8 * (idx - j * U))
+                         : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int i = 0; i < kUnits; ++i) {
+      const int idx = base + tid + kThreads * i, j = idx < units ? idx / U : 0;
+      stage_tc_unit<D, G>(xs + j * L.x_row, sx + j * L.groups, idx - j * U, idx < units, v[i]);
+    }
+  }
+  device::cp_async_wait<0>();
+  __syncthreads();
+  if (!live_warp) return;
+
+  // 3. The warp's 16 x (<= 8) products over K.
+  const bool live_n = g < count;  // B column n = g: the group's row g
+  const uint16_t* xrow = xs + g * L.x_row;
+  const bool live_lo = 2 * t < count, live_hi = 2 * t + 1 < count;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int grp = 0; grp < L.groups; ++grp) {
+    uint4 xb[G / 32];
+#pragma unroll
+    for (int w = 0; w < G / 32; ++w)
+      xb[w] = live_n ? *reinterpret_cast<const uint4*>(xrow + grp * G + t * (G / 4) + 8 * w) : make_uint4(0u, 0u, 0u, 0u);
+    if constexpr (kFp) {
+      const int fp_groups = a.I >> a.down.group_shift, si = fp_scale_index(grp, t, a.down.group_shift);
+      const bool e4m3 = a.down.fp_mode == static_cast<int>(QuantMode::nvfp4);
+      const uint8_t* codes8 = reinterpret_cast<const uint8_t*>(sc);
+      const uint32_t s_lo = device::FpDequantBf16::scale_pair(codes8[g * fp_groups + si], e4m3);
+      const uint32_t s_hi = device::FpDequantBf16::scale_pair(codes8[(g + 8) * fp_groups + si], e4m3);
+      tc_fp4_block_dot(codes + g * L.code_row, codes + (g + 8) * L.code_row, grp, t, xb[0], s_lo, s_hi, acc);
+      continue;
+    }
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
+    tc_group_dot<D, G>(codes + g * L.code_row, codes + (g + 8) * L.code_row, grp, t, xb, c);
+    const float x0 = live_lo ? sx[2 * t * L.groups + grp] : 0.f;
+    const float x1 = live_hi ? sx[(2 * t + 1) * L.groups + grp] : 0.f;
+    const float s0 = raw_param<D>(sc[g * L.groups + grp]), s1 = raw_param<D>(sc[(g + 8) * L.groups + grp]);
+    const float b0 = fmaf(-kBias, s0, raw_param<D>(bi[g * L.groups + grp]));  // b - M s, as in gate/up
+    const float b1 = fmaf(-kBias, s1, raw_param<D>(bi[(g + 8) * L.groups + grp]));
+    acc[0] = fmaf(s0, c[0], fmaf(b0, x0, acc[0]));
+    acc[1] = fmaf(s0, c[1], fmaf(b0, x1, acc[1]));
+    acc[2] = fmaf(s1, c[2], fmaf(b1, x0, acc[2]));
+    acc[3] = fmaf(s1, c[3], fmaf(b1, x1, acc[3]));
+  }
+
+  // 4. Down rows g, g + 8 of the tile for the group's rows 2t, 2t + 1.
+  if (live_lo) {
+    float* out = a.partials + static_cast<int64_t>(flat_lo) * a.H + row0;
+    out[g] = acc[0];
+    out[g + 8] = acc[2];
+  }
+  if (live_hi) {
+    float* out = a.partials + static_cast<int64_t>(flat_hi) * a.H + row0;
+    out[g] = acc[1];
+    out[g + 8] = acc[3];
+  }
 }
 
 }  // namespace expertqmm::cuda::decode
