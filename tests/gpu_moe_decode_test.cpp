@@ -121,11 +121,13 @@ TEST(GpuMoeDecode, GroupRowsBoundThePlansGroups) {
 #endif
 
 // A warmed-up decode call captured in a CUDA graph (global mode: any host sync or allocation fails
-// the capture) holds exactly three kernel nodes and replays to the uncaptured bytes, twice.
+// the capture) holds exactly three kernel nodes and replays to the uncaptured bytes, twice (the
+// down per token at every T here; the down groups' four nodes: DownGroupsMatchThePerTokenDown).
 TEST(GpuMoeDecode, CapturedInACudaGraphAsThreeKernels) {
   EXPERTQMM_REQUIRE_GPU();
 #ifdef EXPERTQMM_HAVE_CUDA
   test::DecodeSwitchGuard on(RouteSwitch::on);
+  test::SettingGuard<RouteSwitch, decode_down_groups_setting, set_decode_down_groups> per_token(RouteSwitch::off);
   const test::MoeGeometry g{2816, 704, 16, 8, 4, 64, 8, false, Activation::geglu, DType::bf16};
   const test::Layer l = test::make_layer(g);
   const test::CaptureStream stream;
@@ -341,7 +343,7 @@ TEST(GpuMoeDecode, DownGroupsMatchThePerTokenDown) {
                             {256, 128, 32, 8, 4, 128, 0, true, Activation::swiglu, DType::bf16},
                             {512, 256, 32, 8, 4, 64, 8, false, Activation::swiglu, DType::bf16, RouterKind::softmax_topk},
                             fp4, nvfp4},
-                           {2, 5, 8, 16});
+                           {2, 5, 8, 12, 16});
   test::DecodeSwitchGuard on(RouteSwitch::on);
   DownGroupsGuard groups(RouteSwitch::on);
   const test::MoeGeometry g{2816, 704, 16, 8, 4, 64, 8, false, Activation::geglu, DType::bf16};
@@ -364,6 +366,21 @@ TEST(GpuMoeDecode, DownGroupsMatchThePerTokenDown) {
     for (const dim3& d : test::kernel_grids(graph)) found |= d.x == down.x && d.y == down.y && d.z == 1;
     EXPECT_TRUE(found) << what << ": no down-groups grid of " << down.x << " x " << down.y;
     test::expect_replays_match(graph, stream.get(), replayed, expected, 3, what);
+  }
+}
+
+// Who takes the down groups: unset (automatic) from kDecodeDownGroupsMinTokens = 12 tokens, `on` from
+// 2, `off` never; only 4-bit down weights, and only where their shared memory fits.
+TEST(GpuMoeDecode, DownGroupsFromTwelveTokensByDefault) {
+  EXPERTQMM_REQUIRE_GPU();
+  for (RouteSwitch s : {RouteSwitch::automatic, RouteSwitch::on, RouteSwitch::off}) {
+    DownGroupsGuard setting(s);
+    for (int64_t T = 1; T <= 16; ++T) {
+      const bool want = s == RouteSwitch::on ? T >= 2 : s == RouteSwitch::automatic && T >= 12;
+      EXPECT_EQ(cuda::decode_down_groups(T, 4, 0), want) << "T=" << T << " setting " << static_cast<int>(s);
+      EXPECT_FALSE(cuda::decode_down_groups(T, 8, 0)) << "T=" << T << ": 8-bit down has no tensor-core tile";
+      EXPECT_FALSE(cuda::decode_down_groups(T, 4, size_t{1} << 30)) << "T=" << T << ": shared memory past the device's";
+    }
   }
 }
 

@@ -82,7 +82,7 @@ const Variable kVariables[] = {
      [] { return wgmma_width() ? std::to_string(wgmma_width()) : std::string("auto"); },
      &g_wgmma_width, [](const EnvSettings& e) { return e.wgmma_width; }},
     {"EXPERTQMM_DECODE_DOWN_GROUPS", "0|1",
-     "1: the decode layer's 4-bit down product from 2 tokens per (expert group, 128 columns), then a slot-order combine kernel (unset: 0, not yet measured)",
+     "the decode layer's 4-bit down product per (expert group, 128 columns), then a slot-order combine kernel: 1 from 2 tokens, 0 never (unset: from 12 tokens, measured)",
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.decode_down_groups = parse_switch(n, v); },
      [] { return std::string(switch_text(decode_down_groups_setting())); },
      &g_decode_down_groups, [](const EnvSettings& e) { return switch_override(e.decode_down_groups); }},

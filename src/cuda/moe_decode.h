@@ -7,8 +7,9 @@
 //                                   routed to the expert, then the GLU product -> hidden [n, I]
 //   3. decode_down_combine_kernel  per (token, column block): the k slots' down GEMVs, weighted and
 //                                   summed in slot order in fp32, one rounding -> out [T, H]
-//      (or, with EXPERTQMM_DECODE_DOWN_GROUPS, two kernels: decode_down_groups_kernel per (expert
-//      group, 128 columns) -> fp32 partials [n, H], then decode_slot_combine_kernel -> out [T, H])
+//      (or the down groups, by default from 12 tokens (decode_down_groups), two kernels:
+//      decode_down_groups_kernel per (expert group, 128 columns) -> fp32 partials [n, H], then
+//      decode_slot_combine_kernel -> out [T, H]: the same bytes)
 // Kernels 2 and 3 exist twice: on tensor cores for 4-bit experts (the Gemma layer) and scalar for
 // 8-bit experts (8-bit MLX checkpoints, bench preset gemma4-26b-a4b-q8).
 // The tensor-core kernels 2 and 3 are tile functions (moe_decode_tiles.cuh).
@@ -194,8 +195,9 @@ struct DownGroupArgs {
   const uint16_t* hidden;  // (n, I) of D: row t*k + j is slot (t, j)'s GLU product
   device::QuantView down;  // as DownArgs::down
   const DecodePlan* plan;  // the router's: groups, expert, count and flat rows of each group
-  int H, I;
+  int H, I, E;
   float* partials;  // (n, H) fp32 out: row t*k + j = slot (t, j)'s down product, unweighted
+  uint32_t* faults;
 };
 
 // The slot bookkeeping both down kernels end with. Lane 0 of slot warp j records the slot's weight

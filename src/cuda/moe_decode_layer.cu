@@ -232,7 +232,9 @@ int decode_group_rows(int64_t T, int64_t k, int64_t E) {
 }
 
 bool decode_down_groups(int64_t T, int down_bits, size_t smem) {
-  return decode_down_groups_setting() == RouteSwitch::on && T >= 2 && down_bits == 4 && smem <= decode_max_smem();
+  const RouteSwitch s = decode_down_groups_setting();
+  const bool wanted = s == RouteSwitch::on ? T >= 2 : s == RouteSwitch::automatic && T >= kDecodeDownGroupsMinTokens;
+  return wanted && down_bits == 4 && smem <= decode_max_smem();
 }
 
 bool decode_router_fits(int64_t T, int64_t H) { return router_smem(T, H) <= decode_max_smem(); }
@@ -338,6 +340,8 @@ void call_decode_layer(const DecodeScratch& sc, unsigned* counter, Tensor& out, 
     dg.plan = plan;
     dg.H = H;
     dg.I = I;
+    dg.E = E;
+    dg.faults = da.faults;
     dg.partials = static_cast<float*>(arena_at(base, sc.partials));
     launch_down_groups(D, ex.down.group_size, dg, ga.group_rows, down_groups_smem(I, ex.down.group_size, fp_down),
                        stream, fp_down);

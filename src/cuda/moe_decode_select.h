@@ -21,10 +21,13 @@ int decode_group_rows(int64_t T, int64_t k, int64_t E);
 
 // Whether a decode call of T tokens runs its down product as the down groups (per expert group and
 // 128 columns, then a slot-order combine kernel: four kernels) instead of per token:
-// EXPERTQMM_DECODE_DOWN_GROUPS on (automatic: off, not yet measured), T >= 2 (at one token every
-// group is one row, the same work as per token), 4-bit down weights (the tensor-core tile), and its
+// EXPERTQMM_DECODE_DOWN_GROUPS on and T >= 2 (at one token every group is one row, the same work as
+// per token), or automatic and T >= kDecodeDownGroupsMinTokens; 4-bit down weights (the tensor-core tile), and its
 // smem bytes of shared memory within decode_max_smem (about 89 I + 4 KB at group 64, Gemma's 65 KB;
 // the per-token kernel needs about 11 k I).
+// Measured (H100, bench/NOTES.md step 45): against the per-token down, Gemma 4 +0.3 / -2.6 / -5.1% and
+// Qwen3 +1.8 / -0.7 / -3.5% at T = 8 / 12 / 16.
+constexpr int64_t kDecodeDownGroupsMinTokens = 12;
 bool decode_down_groups(int64_t T, int down_bits, size_t smem);
 
 // Whether the decode router's staged rows for T tokens of width H fit this device's shared memory

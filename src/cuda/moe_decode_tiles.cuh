@@ -1,6 +1,6 @@
 // The decode layer's tensor-core tiles (moe_decode.h has the layer's story) as device functions of
-// one CTA: the gate/up + GLU tile and the down + combine tile. Their kernels (moe_decode_gate_up.cu,
-// moe_decode_down.cu) call them with the CTA's grid coordinates.
+// one CTA: the gate/up + GLU tile, the down + combine tile (per token) and the down-groups tile.
+// Their kernels (moe_decode_gate_up.cu, moe_decode_down.cu) call them with the CTA's grid coordinates.
 #pragma once
 #include "cuda/moe_decode.h"
 #include "cuda/device/cp_async.cuh"
@@ -81,6 +81,38 @@ __device__ __forceinline__ RankedGroup rank_group(const GateUpArgs& a, int g, bo
           mine, a.k, [&](int64_t e) { return load_any(a.per_expert_scale, a.pes_dtype, e); }, a.indices, store);
   }
   return r;
+}
+
+// One warp's copy of 16 down weight rows from row `first` (codes, and scales and biases raw; kFp the
+// scale codes) into its staging, by cp.async in one commit group; `ok` false copies zeros. Lane
+// (r = lane / 4, j = lane % 4) copies chunks j, j + 4, ... of rows r and r + 8. The rows' scales and
+// biases are two contiguous spans of 32 * groups bytes, kFp's codes one span of 16 * fp_groups bytes
+// (16-byte aligned: first % 16 == 0, H % 32 == 0).
+template <bool kFp>
+__device__ __forceinline__ void copy_down_rows(const device::QuantView& down, int64_t first, int I, int groups,
+                                               int code_row, int lane, bool ok, unsigned char* codes, uint16_t* sc,
+                                               uint16_t* bi) {
+  const int chunks = I / 32;
+#pragma unroll
+  for (int p = 0; p < 2; ++p) {
+    const int r = lane / 4 + 8 * p;
+    const uint4* src = reinterpret_cast<const uint4*>(down.w) + (first + r) * chunks;
+    unsigned char* dst = codes + r * code_row;
+    for (int c = lane % 4; c < chunks; c += 4) device::cp_async_16(dst + 16 * c, src + c, ok);
+  }
+  if constexpr (kFp) {
+    const int fp_groups = I >> down.group_shift;
+    for (int c = lane; c < fp_groups; c += 32)
+      device::cp_async_16(reinterpret_cast<unsigned char*>(sc) + 16 * c, down.fp_scales + first * fp_groups + 16 * c, ok);
+  } else {
+    const int span_chunks = 2 * groups;
+    for (int i = lane; i < 2 * span_chunks; i += 32) {
+      const bool bias = i >= span_chunks;
+      const int c = i - (bias ? span_chunks : 0);
+      device::cp_async_16((bias ? bi : sc) + 8 * c, (bias ? down.biases : down.scales) + first * groups + 8 * c, ok);
+    }
+  }
+  device::cp_async_commit();
 }
 
 // Shared memory of the tensor-core down kernel per slot warp (bytes), with its region offsets.
@@ -341,31 +373,8 @@ __device__ __forceinline__ void down_combine_mma_tile(const DownArgs& a, int tok
     e = a.indices[b];
     wj = Elem<D>::load(a.weights[b]);
     ok = e >= 0 && e < a.E;
-    const int chunks = a.I / 32;
     const int64_t first = static_cast<int64_t>(ok ? e : 0) * a.H + col0;  // whole blocks: H % 32 == 0
-    // Lane (r = lane / 4, j = lane % 4) copies chunks j, j + 4, ... of rows r and r + 8.
-#pragma unroll
-    for (int p = 0; p < 2; ++p) {
-      const int r = lane / 4 + 8 * p;
-      const uint4* src = reinterpret_cast<const uint4*>(a.down.w) + (first + r) * chunks;
-      unsigned char* dst = codes + r * L.code_row;
-      for (int c = lane % 4; c < chunks; c += 4) device::cp_async_16(dst + 16 * c, src + c, ok);
-    }
-    // The rows' scales and biases: two contiguous spans of 32 * groups bytes (16-byte aligned), raw.
-    // kFp: one span of 16 * fp_groups bytes of scale codes (16-byte aligned: H % 32 == 0).
-    if constexpr (kFp) {
-      const int fp_groups = a.I >> a.down.group_shift;
-      for (int c = lane; c < fp_groups; c += 32)
-        device::cp_async_16(reinterpret_cast<unsigned char*>(sc) + 16 * c, a.down.fp_scales + first * fp_groups + 16 * c, ok);
-    } else {
-      const int span_chunks = 2 * L.groups;
-      for (int i = lane; i < 2 * span_chunks; i += 32) {
-        const bool bias = i >= span_chunks;
-        const int c = i - (bias ? span_chunks : 0);
-        device::cp_async_16((bias ? bi : sc) + 8 * c, (bias ? a.down.biases : a.down.scales) + first * L.groups + 8 * c, ok);
-      }
-    }
-    device::cp_async_commit();
+    copy_down_rows<kFp>(a.down, first, a.I, L.groups, L.code_row, lane, ok, codes, sc, bi);
   }
   if (slot_warp) {
     for (int ubase = 0; ubase < U; ubase += 32 * kUnits) {
@@ -436,14 +445,15 @@ struct DownGroupLayout {
 
 // The down groups (EXPERTQMM_DECODE_DOWN_GROUPS): each expert's down rows are read and dequantized
 // once per plan group (<= 8 rows) instead of once per (token, slot) as down_combine_mma_tile does.
-// Work split: grid (ceil(H / 128), decode_group_rows(T, k, E)), 256 threads, 3 CTAs per SM (Gemma: 65
-// KB of shared memory, 45 KB of it codes, as a gate/up CTA). CTA (x, g) takes plan group g (CTAs past
+// Work split: grid (ceil(H / 128), decode_group_rows(T, k, E)), 256 threads, 3 CTAs per SM where the
+// shared memory allows (Gemma and Qwen3 at group 64: 65 / 71 KB, 45 / 49 KB of it codes, as a gate/up
+// CTA; Qwen3 at group 32 77 KB: 2). CTA (x, g) takes plan group g (CTAs past
 // the plan's group count exit at once) and down rows (output columns) [128x, 128x + 128): warp w
 // the 16-row mma tile 128x + 16w .. + 15 over the whole of K = I, so no sum crosses warps.
 //   1. the plan entry (group count, expert, rows, the lane's two flat rows) in one round trip, then
-//      each warp requests its 16 code rows and their scales and biases by cp.async (lane (r, j):
-//      chunks j, j + 4, ... of rows r and r + 8, as down_combine_mma_tile);
-//   2. the CTA stages the group's hidden rows (their flat rows' GLU products) meanwhile, one barrier;
+//      each warp requests its 16 code rows and their scales and biases (copy_down_rows);
+//   2. the CTA stages the group's hidden rows (their flat rows' GLU products; the flat rows a second
+//      plan read, L1 / L2 hits under the code copies) meanwhile, one barrier;
 //   3. per K group: tc_group_dot with B column n = the group's row n, then acc += s c + (b - M s)
 //      sum(x): per (down row, hidden row) the per-token kernel's arithmetic, operation for operation;
 //   4. lane (g, t) writes its four fp32 sums (down rows g and g + 8 for the group's rows 2t and
@@ -458,6 +468,11 @@ __device__ __forceinline__ void down_groups_mma_tile(const DownGroupArgs& a, int
   const int groups = p.groups, expert = p.expert[g_idx], count = p.count[g_idx];
   const int flat_lo = p.flat[g_idx][2 * t], flat_hi = p.flat[g_idx][2 * t + 1];
   if (g_idx >= groups) return;  // uniform
+  if (expert < 0 || expert >= a.E) {  // never from the router; the combine skips the slots
+    if (tid == 0 && col_block == 0)
+      record_fault(a.faults, kFaultExpertOutOfRange, static_cast<uint32_t>(expert), static_cast<uint32_t>(a.E));
+    return;
+  }
 
   const DownGroupLayout L(a.I, G);
   const int row0 = (col_block * kWarps + warp) * kTcRows;  // the warp's first down row
@@ -469,30 +484,9 @@ __device__ __forceinline__ void down_groups_mma_tile(const DownGroupArgs& a, int
   float* sx = reinterpret_cast<float*>(smem + L.sx);
 
   // 1. The warp's code rows, scales and biases.
-  if (live_warp) {
-    const int chunks = a.I / 32;
-    const int64_t first = static_cast<int64_t>(expert) * a.H + row0;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = lane / 4 + 8 * h;
-      const uint4* src = reinterpret_cast<const uint4*>(a.down.w) + (first + r) * chunks;
-      unsigned char* dst = codes + r * L.code_row;
-      for (int c = lane % 4; c < chunks; c += 4) device::cp_async_16(dst + 16 * c, src + c, true);
-    }
-    if constexpr (kFp) {
-      const int fp_groups = a.I >> a.down.group_shift;
-      for (int c = lane; c < fp_groups; c += 32)
-        device::cp_async_16(reinterpret_cast<unsigned char*>(sc) + 16 * c, a.down.fp_scales + first * fp_groups + 16 * c, true);
-    } else {
-      const int span_chunks = 2 * L.groups;  // 16 rows x groups x 2 bytes, 16-byte aligned (row0 % 16 == 0)
-      for (int i = lane; i < 2 * span_chunks; i += 32) {
-        const bool bias = i >= span_chunks;
-        const int c = i - (bias ? span_chunks : 0);
-        device::cp_async_16((bias ? bi : sc) + 8 * c, (bias ? a.down.biases : a.down.scales) + first * L.groups + 8 * c, true);
-      }
-    }
-    device::cp_async_commit();
-  }
+  if (live_warp)
+    copy_down_rows<kFp>(a.down, static_cast<int64_t>(expert) * a.H + row0, a.I, L.groups, L.code_row, lane, true, codes,
+                        sc, bi);
 
   // 2. The group's hidden rows: unit idx = j * U + u of row j; the G / 8 lanes of a K group are
   //    consecutive and all live or all not (U % (G / 8) == 0), as stage_tc_unit's shuffles need.

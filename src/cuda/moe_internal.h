@@ -96,7 +96,7 @@ void route_into(const Tensor& h, const RouterWeights& router, int32_t* indices, 
 
 // moe_decode_layer.cu: the decode layer, moe_layer_into in three kernels (router with top-k and the
 // expert grouping; gate/up with the GLU product; down with the weighted combine; four with the down
-// groups, EXPERTQMM_DECODE_DOWN_GROUPS) for at most
+// groups, decode_down_groups: by default from 12 tokens) for at most
 // kDecodeMaxRows (token, slot) rows. supports_decode_layer: the first Fallback class that rules a
 // call out (dtype, quantization, topology, shape, alignment); the layer plan (layer_plan.cu) applies
 // the setting and records the choice. call_decode_layer runs it on the current stream with the
