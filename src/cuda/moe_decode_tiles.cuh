@@ -465,7 +465,8 @@ __device__ __forceinline__ void down_groups_mma_tile(const DownGroupArgs& a, int
   constexpr float kBias = device::kCodeBias<MmaType<D>>;
   const DecodePlan& p = *a.plan;
   // g_idx < kDecodeMaxRows (grid rows <= n), so every field is read before the count check.
-  const int groups = p.groups, expert = p.expert[g_idx], count = p.count[g_idx];
+  const int groups = p.groups, expert = p.expert[g_idx];
+  const int count = min(p.count[g_idx], kTcMaxN);  // <= kPlanGroupRows by the router; xs holds 8 rows
   const int flat_lo = p.flat[g_idx][2 * t], flat_hi = p.flat[g_idx][2 * t + 1];
   if (g_idx >= groups) return;  // uniform
   if (expert < 0 || expert >= a.E) {  // never from the router; the combine skips the slots
