@@ -74,7 +74,7 @@ void with_down_instance(DType dtype, int G, bool fp, F&& f) {
 
 
 size_t down_groups_smem(int64_t I, int G, bool fp) {
-  return DownGroupLayout(static_cast<int>(I), fp ? kTcFpLayoutGroup : G).total;
+  return DownStageLayout(static_cast<int>(I), fp ? kTcFpLayoutGroup : G, kWarps * kTcRows, kTcMaxN).total;
 }
 
 void launch_down_groups(DType dtype, int G, const DownGroupArgs& a, int group_rows, size_t smem, cudaStream_t stream,
@@ -96,7 +96,7 @@ void launch_slot_combine(DType dtype, const DownArgs& a, const float* partials, 
 }
 
 size_t down_mma_smem(int64_t k, int64_t I, int G, bool fp) {
-  return static_cast<size_t>(k) * DownTcLayout(static_cast<int>(I), fp ? kTcFpLayoutGroup : G).per_warp;
+  return static_cast<size_t>(k) * DownStageLayout(static_cast<int>(I), fp ? kTcFpLayoutGroup : G, kTcRows, 1).total;
 }
 
 void launch_down_mma(DType dtype, int G, const DownArgs& a, int T, size_t smem, cudaStream_t stream, bool fp) {

@@ -115,19 +115,24 @@ __device__ __forceinline__ void copy_down_rows(const device::QuantView& down, in
   device::cp_async_commit();
 }
 
-// Shared memory of the tensor-core down kernel per slot warp (bytes), with its region offsets.
-struct DownTcLayout {
-  int code_row, groups;
-  size_t codes, scales, biases, xs, sx, per_warp;
-  __host__ __device__ DownTcLayout(int I, int G) {
+// Shared memory of a down tile's staging (bytes, regions 16-byte aligned): `rows` code rows (padded,
+// tc_code_row_bytes), their scales and biases raw (kFp: the scale codes, within the same bytes), then
+// `x_rows` activation rows in the mma k order (stage_tc_unit) and their group sums. The per-token
+// tile stages 16 rows and its one hidden row per slot warp, the down-groups tile 128 rows (one 16-row
+// tile per warp) and the group's <= 8 hidden rows per CTA.
+struct DownStageLayout {
+  int code_row, groups, x_row;
+  size_t codes, scales, biases, xs, sx, total;
+  __host__ __device__ DownStageLayout(int I, int G, int rows, int x_rows) {
     code_row = tc_code_row_bytes(I);
     groups = I / G;
+    x_row = tc_x_row_elems(I);
     codes = 0;
-    scales = static_cast<size_t>(kTcRows) * code_row;
-    biases = scales + static_cast<size_t>(kTcRows) * groups * sizeof(uint16_t);
-    xs = biases + static_cast<size_t>(kTcRows) * groups * sizeof(uint16_t);
-    sx = xs + (static_cast<size_t>(tc_x_row_elems(I)) * sizeof(uint16_t) + 15) / 16 * 16;
-    per_warp = (sx + groups * sizeof(float) + 15) / 16 * 16;
+    scales = static_cast<size_t>(rows) * code_row;
+    biases = scales + static_cast<size_t>(rows) * groups * sizeof(uint16_t);
+    xs = biases + static_cast<size_t>(rows) * groups * sizeof(uint16_t);
+    sx = xs + (static_cast<size_t>(x_rows) * x_row * sizeof(uint16_t) + 15) / 16 * 16;
+    total = (sx + static_cast<size_t>(x_rows) * groups * sizeof(float) + 15) / 16 * 16;
   }
 };
 
@@ -346,8 +351,8 @@ __device__ __forceinline__ void down_combine_mma_tile(const DownArgs& a, int tok
   const int col0 = col_block * kTcRows;
   constexpr float kBias = device::kCodeBias<MmaType<D>>;
   const bool slot_warp = warp < a.k;
-  const DownTcLayout L(a.I, G);
-  unsigned char* base = tc_smem + warp * L.per_warp;
+  const DownStageLayout L(a.I, G, kTcRows, 1);
+  unsigned char* base = tc_smem + warp * L.total;
   unsigned char* codes = base + L.codes;
   uint16_t* sc = reinterpret_cast<uint16_t*>(base + L.scales);  // raw D, (16 rows, groups)
   uint16_t* bi = reinterpret_cast<uint16_t*>(base + L.biases);
@@ -423,26 +428,6 @@ __device__ __forceinline__ void down_combine_mma_tile(const DownArgs& a, int tok
   store_slot_sum<D, kTcRows>(a, tok, col0, tid, partial, slot_weight, slot_ok);
 }
 
-// Shared memory of the down-groups kernel (bytes), with its region offsets: the CTA's 128 code rows
-// (one 16-row mma tile per warp), their scales and biases (kFp: the raw scale codes, within the same
-// bytes), and the group's <= 8 hidden rows in the mma k order (stage_tc_unit) with their group sums.
-struct DownGroupLayout {
-  int code_row, groups, x_row;
-  size_t codes, scales, biases, xs, sx, total;
-  __host__ __device__ DownGroupLayout(int I, int G) {
-    constexpr int kRows = kWarps * kTcRows;
-    code_row = tc_code_row_bytes(I);
-    groups = I / G;
-    x_row = tc_x_row_elems(I);
-    codes = 0;
-    scales = static_cast<size_t>(kRows) * code_row;
-    biases = scales + static_cast<size_t>(kRows) * groups * sizeof(uint16_t);
-    xs = biases + static_cast<size_t>(kRows) * groups * sizeof(uint16_t);
-    sx = xs + static_cast<size_t>(kTcMaxN) * x_row * sizeof(uint16_t);
-    total = sx + static_cast<size_t>(kTcMaxN) * groups * sizeof(float);
-  }
-};
-
 // The down groups (EXPERTQMM_DECODE_DOWN_GROUPS): each expert's down rows are read and dequantized
 // once per plan group (<= 8 rows) instead of once per (token, slot) as down_combine_mma_tile does.
 // Work split: grid (ceil(H / 128), decode_group_rows(T, k, E)), 256 threads, 3 CTAs per SM where the
@@ -475,7 +460,7 @@ __device__ __forceinline__ void down_groups_mma_tile(const DownGroupArgs& a, int
     return;
   }
 
-  const DownGroupLayout L(a.I, G);
+  const DownStageLayout L(a.I, G, kWarps * kTcRows, kTcMaxN);
   const int row0 = (col_block * kWarps + warp) * kTcRows;  // the warp's first down row
   const bool live_warp = row0 < a.H;                       // H % 32 == 0: whole 16-row tiles
   unsigned char* codes = smem + L.codes + static_cast<size_t>(warp) * kTcRows * L.code_row;
@@ -523,11 +508,11 @@ __device__ __forceinline__ void down_groups_mma_tile(const DownGroupArgs& a, int
       xb[w] = live_n ? *reinterpret_cast<const uint4*>(xrow + grp * G + t * (G / 4) + 8 * w) : make_uint4(0u, 0u, 0u, 0u);
     if constexpr (kFp) {
       const int fp_groups = a.I >> a.down.group_shift, si = fp_scale_index(grp, t, a.down.group_shift);
-      const bool e4m3 = a.down.fp_mode == static_cast<int>(QuantMode::nvfp4);
-      const uint8_t* codes8 = reinterpret_cast<const uint8_t*>(sc);
-      const uint32_t s_lo = device::FpDequantBf16::scale_pair(codes8[g * fp_groups + si], e4m3);
-      const uint32_t s_hi = device::FpDequantBf16::scale_pair(codes8[(g + 8) * fp_groups + si], e4m3);
-      tc_fp4_block_dot(codes + g * L.code_row, codes + (g + 8) * L.code_row, grp, t, xb[0], s_lo, s_hi, acc);
+        const bool e4m3 = a.down.fp_mode == static_cast<int>(QuantMode::nvfp4);
+        const uint8_t* codes8 = reinterpret_cast<const uint8_t*>(sc);
+        const uint32_t s_lo = device::FpDequantBf16::scale_pair(codes8[g * fp_groups + si], e4m3);
+        const uint32_t s_hi = device::FpDequantBf16::scale_pair(codes8[(g + 8) * fp_groups + si], e4m3);
+        tc_fp4_block_dot(codes + g * L.code_row, codes + (g + 8) * L.code_row, grp, t, xb[0], s_lo, s_hi, acc);
       continue;
     }
     float c[4] = {0.f, 0.f, 0.f, 0.f};
