@@ -15,6 +15,7 @@
 #include "core/gather_qmm_problem.h"
 #include "cuda/gather_qmm.h"
 #include "cuda/gather_qmm_routes.h"
+#include "cuda/tile_plan.cuh"
 #include "expertqmm/diagnostics.h"
 #include "expertqmm/error.h"
 #include "expertqmm/ops.h"
@@ -82,6 +83,44 @@ TEST(SanitizeGpuExpertTiles, EightBitBuildFromThirtyTwoRowsPerExpert) {
     for (size_t i = 0; i < selected.size(); ++i) differing += selected[i] != pinned[i];
     EXPECT_EQ(differing, 0u) << rows << " rows, the " << (wgmma ? "wgmma" : "mma.sync") << " kernel expected";
     EXPECT_LE(test::rel_error(selected, test::run_route(c, "simt")), 1e-2) << rows << " rows " << test::seed_note();
+  }
+}
+
+// The layer's down GEMM in column windows (launch_expert_tiles_columns, moe_layer_into from
+// kDownWindowBytes of down output): each window's output is the whole GEMM's columns, bit for bit,
+// through the kernel the route picks (4-bit: wgmma on sm_90a; 8-bit at 8 rows per expert: mma.sync),
+// with a last window narrower than the others and a window that is not the first; misaligned
+// windows are refused with the problem in the message.
+TEST(SanitizeGpuExpertTiles, ColumnWindowsHoldTheWholeGemmsColumns) {
+  EXPERTQMM_REQUIRE_GPU();
+  constexpr int64_t kStep = cuda::kTileColumnsAlign;
+  for (int bits : {4, 8}) {
+    const int64_t E = 8, N = 2 * kStep + 64, K = 192;
+    const QuantizedWeight q = test::random_codes(E, N, K, bits, 64, DType::bf16);
+    const test::GatherCall c = test::rows_call(q, DType::bf16, sorted_ids(bits == 4 ? 300 : 64, E), true);
+    detail::GatherQmmProblem p = c.problem();
+    const std::vector<float> whole = test::run_route(c, "expert_tiles");
+    Tensor plan = Tensor::empty({static_cast<int64_t>((cuda::tile_plan_bytes(p.B, static_cast<int>(E)) + 3) / 4)},
+                                DType::i32, Device::cuda);
+    cuda::launch_build_tile_plan_at(p.rhs.data_as<const int32_t>(), p.B, static_cast<int>(E), plan.data(),
+                                    static_cast<cudaStream_t>(cuda_stream()));
+    p.tile_plan = plan.data();
+    for (int64_t begin = 0; begin < N; begin += kStep) {
+      const int64_t count = std::min(kStep, N - begin);
+      Tensor out = Tensor::empty({p.B, count}, DType::bf16, Device::cuda);
+      test::poison(out);
+      cuda::launch_expert_tiles_columns(p, begin, count, out.data(), begin == 0);
+      cuda_check();
+      const std::vector<float> window = test::to_float(out);
+      size_t differing = 0;
+      for (int64_t r = 0; r < p.B; ++r)
+        for (int64_t j = 0; j < count; ++j) differing += !(window[r * count + j] == whole[r * N + begin + j]);
+      EXPECT_EQ(differing, 0u) << bits << "-bit, columns [" << begin << ", " << begin + count << ")";
+    }
+    Tensor out = Tensor::empty({p.B, kStep}, DType::bf16, Device::cuda);
+    EXPECT_THROW(cuda::launch_expert_tiles_columns(p, 64, kStep, out.data(), false), Error);  // not at a step
+    EXPECT_THROW(cuda::launch_expert_tiles_columns(p, 0, 64, out.data(), false), Error);      // ends inside
+    EXPECT_THROW(cuda::launch_expert_tiles_columns(p, kStep, N, out.data(), false), Error);   // past N
   }
 }
 

@@ -70,6 +70,57 @@ TEST(GpuMoe, FusedCombineMatchesTheDeterministicPath) {
   EXPECT_LE(fused_bytes, det_bytes) << "the fused combine should not need more scratch";
 }
 
+// Where the down output would pass the plan's kDownWindowBytes (24 MiB) whole, moe_layer_into in
+// deterministic mode runs down and the combine per window of output columns: here H = 1472 and
+// 8,800 (token, slot) rows give 25.9 MB, so two windows of 768 and 704 columns. The same bits on a
+// repeat, the fused combine's answer within rounding, float64's on a spread of tokens, and scratch
+// below what the whole down output alone would take.
+TEST(GpuMoe, DownWindowsMatchTheFusedCombineAndTheReference) {
+  EXPERTQMM_REQUIRE_GPU();
+  test::MoeGeometry g;
+  g.H = 1472;
+  g.E = 16;
+  g.k = 8;
+  const test::Layer l = test::make_layer(g);
+  const int64_t T = 1100, H = g.H, k = g.k;
+  const Tensor h = test::random_tensor({T, H}, DType::bf16, 1.0f, Device::cuda);
+  auto run_layer = [&](bool deterministic_mode, size_t* scratch) {
+    const test::SettingGuard<bool, deterministic, set_deterministic> mode(deterministic_mode);
+    Workspace ws;
+    Tensor out = Tensor::empty({T, H}, DType::bf16, Device::cuda);
+    test::poison(out);
+    moe_layer_into(out, h, h, l.gpu, ws);
+    cuda_check();
+    if (scratch) *scratch = ws.bytes_held();
+    return test::to_float(out);
+  };
+  size_t windowed_bytes = 0;
+  const std::vector<float> windowed = run_layer(true, &windowed_bytes);
+  const std::vector<float> again = run_layer(true, nullptr);
+  const std::vector<float> fused = run_layer(false, nullptr);
+  EXPECT_EQ(std::memcmp(windowed.data(), again.data(), windowed.size() * sizeof(float)), 0)
+      << "the windowed layer gave different bits";
+  EXPECT_LE(test::rel_error(windowed, fused), 5e-3) << test::seed_note();
+  EXPECT_LT(windowed_bytes, static_cast<size_t>(T * k * H * 2)) << "y should hold one window, not [T*k, H]";
+  // float64 on 16 tokens spread over the call (the routing is the GPU's).
+  const Routing r = route(h, l.gpu.router);
+  const std::vector<float> h_all = test::to_float(h), w_all = test::to_float(r.weights);
+  const std::vector<int32_t> ids_all = test::to_i32(r.indices);
+  std::vector<float> h_some, w_some, got;
+  std::vector<int32_t> ids_some;
+  constexpr int64_t kPicks = 16;
+  for (int64_t i = 0; i < kPicks; ++i) {
+    const int64_t t = i * (T - 1) / (kPicks - 1);
+    h_some.insert(h_some.end(), h_all.begin() + t * H, h_all.begin() + (t + 1) * H);
+    w_some.insert(w_some.end(), w_all.begin() + t * k, w_all.begin() + (t + 1) * k);
+    ids_some.insert(ids_some.end(), ids_all.begin() + t * k, ids_all.begin() + (t + 1) * k);
+    got.insert(got.end(), windowed.begin() + t * H, windowed.begin() + (t + 1) * H);
+  }
+  const std::vector<double> ref =
+      test::reference_switch_glu_combine(h_some, kPicks, H, ids_some, w_some, k, l.cpu.experts);
+  EXPECT_LE(test::rel_error(got, ref), 1e-2) << test::seed_note();
+}
+
 // A warmed-up moe_layer_into, captured in a CUDA graph on a non-default stream and replayed, writes
 // the uncaptured call's output (its bytes where the call is deterministic: test::replay_match_for). Global capture mode rejects any synchronizing or
 // allocating CUDA call made during the capture, so a successful capture proves the path has none;

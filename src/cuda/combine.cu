@@ -10,7 +10,7 @@ namespace expertqmm::cuda {
 
 namespace {
 
-constexpr int kThreads = 64;
+constexpr int kMaxThreads = 256;
 
 template <DType D, int VEC>
 struct alignas(sizeof(typename Elem<D>::storage) * VEC) Pack {
@@ -27,21 +27,22 @@ __device__ __forceinline__ float load_weight(const void* w, DType dtype, int64_t
 
 constexpr int kSlotBatch = 8;  // slots whose row ids, weights and y loads are all issued before any math
 
-// Weighted sum of k rows per token.
-//   y        (y_rows, D) of Y, contiguous; slot (t, j) reads row slot_row[t*k + j] (identity t*k + j
-//            when slot_row is null)
+// Weighted sum of k rows per token over D columns.
+//   y        (y_rows, D) of Y, rows y_ld apart; slot (t, j) reads row slot_row[t*k + j] (identity
+//            t*k + j when slot_row is null)
 //   w        (T, k) of w_dtype (uniform branch on the dtype: one scalar per slot)
-//   out      (T, D) of O, contiguous
-// Work split: blockIdx.x = token t, blockIdx.y * 64 + threadIdx.x = a VEC-wide column chunk
-// (16 bytes of y): 2816 bf16 values make 6 CTAs of 64 threads per token. A thread takes the slots
+//   out      (T, D) of O, rows out_ld apart
+// Work split: blockIdx.x = token t, blockIdx.y * blockDim.x + threadIdx.x = a VEC-wide column chunk
+// (16 bytes of y): 2816 bf16 values make 2 CTAs of 192 threads per token, a 768-column window of
+// them 1 CTA of 96 (launch_weighted_combine sizes the CTAs to the columns). A thread takes the slots
 // 8 at a time: it loads the 8 row ids and weights, then the 8 rows' chunks (8 x 16 bytes in flight,
 // so one token costs two dependent memory latencies, not 2k), then accumulates in slot order and
 // writes its chunk of out[t] once.
 template <DType Y, DType O, int VEC>
 __global__ void weighted_combine_kernel(const typename Elem<Y>::storage* __restrict__ y, int64_t y_rows,
-                                        const int32_t* __restrict__ slot_row, const void* __restrict__ w,
-                                        DType w_dtype, int64_t k, int64_t D, typename Elem<O>::storage* __restrict__ out,
-                                        uint32_t* faults) {
+                                        int64_t y_ld, const int32_t* __restrict__ slot_row,
+                                        const void* __restrict__ w, DType w_dtype, int64_t k, int64_t D,
+                                        typename Elem<O>::storage* __restrict__ out, int64_t out_ld, uint32_t* faults) {
   const int64_t t = blockIdx.x;
   const int64_t c = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * VEC;
   if (c >= D) return;
@@ -61,7 +62,7 @@ __global__ void weighted_combine_kernel(const typename Elem<Y>::storage* __restr
     Pack<Y, VEC> yv[kSlotBatch];
 #pragma unroll
     for (int s = 0; s < kSlotBatch; ++s)
-      if (row[s] >= 0 && row[s] < y_rows) yv[s] = *reinterpret_cast<const Pack<Y, VEC>*>(y + row[s] * D + c);
+      if (row[s] >= 0 && row[s] < y_rows) yv[s] = *reinterpret_cast<const Pack<Y, VEC>*>(y + row[s] * y_ld + c);
 #pragma unroll
     for (int s = 0; s < kSlotBatch; ++s) {
       if (j0 + s >= k) break;
@@ -77,17 +78,21 @@ __global__ void weighted_combine_kernel(const typename Elem<Y>::storage* __restr
   Pack<O, VEC> o;
 #pragma unroll
   for (int i = 0; i < VEC; ++i) o.v[i] = Elem<O>::store(acc[i]);
-  *reinterpret_cast<Pack<O, VEC>*>(out + t * D + c) = o;
+  *reinterpret_cast<Pack<O, VEC>*>(out + t * out_ld + c) = o;
 }
 
 template <DType Y, DType O, int VEC>
-void launch_combine_variant(const void* y, int64_t y_rows, const int32_t* slot_row, DType w_dtype, const void* w,
-                            void* out, int64_t T, int64_t k, int64_t D, cudaStream_t stream) {
+void launch_combine_variant(const void* y, int64_t y_rows, int64_t y_ld, const int32_t* slot_row, DType w_dtype,
+                            const void* w, void* out, int64_t out_ld, int64_t T, int64_t k, int64_t D,
+                            cudaStream_t stream) {
+  // The fewest CTAs of at most 256 threads per token, then the fewest whole warps that cover them.
   const int64_t chunks = (D + VEC - 1) / VEC;
-  const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>((chunks + kThreads - 1) / kThreads));
-  weighted_combine_kernel<Y, O, VEC><<<grid, kThreads, 0, stream>>>(
-      static_cast<const typename Elem<Y>::storage*>(y), y_rows, slot_row, w, w_dtype, k, D,
-      static_cast<typename Elem<O>::storage*>(out), device_faults());
+  const int64_t ctas = (chunks + kMaxThreads - 1) / kMaxThreads;
+  const int64_t threads = ((chunks + ctas - 1) / ctas + 31) / 32 * 32;
+  const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>(ctas));
+  weighted_combine_kernel<Y, O, VEC><<<grid, static_cast<unsigned>(threads), 0, stream>>>(
+      static_cast<const typename Elem<Y>::storage*>(y), y_rows, y_ld, slot_row, w, w_dtype, k, D,
+      static_cast<typename Elem<O>::storage*>(out), out_ld, device_faults());
   EXPERTQMM_CUDA_CHECK_LAUNCH(weighted_combine_kernel);
 }
 
@@ -95,9 +100,9 @@ bool aligned(const void* p, size_t a) { return reinterpret_cast<uintptr_t>(p) % 
 
 }  // namespace
 
-void launch_weighted_combine(DType y_dtype, const void* y, int64_t y_rows, const int32_t* slot_row, DType w_dtype,
-                             const void* w, DType out_dtype, void* out, int64_t T, int64_t k, int64_t D,
-                             cudaStream_t stream) {
+void launch_weighted_combine(DType y_dtype, const void* y, int64_t y_rows, int64_t y_ld, const int32_t* slot_row,
+                             DType w_dtype, const void* w, DType out_dtype, void* out, int64_t out_ld, int64_t T,
+                             int64_t k, int64_t D, cudaStream_t stream) {
   if (T == 0 || D == 0) return;
   EXPERTQMM_CHECK(T <= INT32_MAX, "weighted_combine", "too many tokens: ", T);
   EXPERTQMM_CHECK(is_floating(w_dtype), "weighted_combine", "weights must be a float type, got ", dtype_name(w_dtype));
@@ -106,12 +111,12 @@ void launch_weighted_combine(DType y_dtype, const void* y, int64_t y_rows, const
     dispatch_float(out_dtype, "weighted_combine", [&](auto otag) {
       constexpr DType O = decltype(otag)::value;
       constexpr int V = kVec16<Y>;
-      const bool vectorized = D % V == 0 && aligned(y, 16) &&
+      const bool vectorized = D % V == 0 && y_ld % V == 0 && out_ld % V == 0 && aligned(y, 16) &&
                               aligned(out, sizeof(typename Elem<O>::storage) * V);
       if (vectorized)
-        launch_combine_variant<Y, O, V>(y, y_rows, slot_row, w_dtype, w, out, T, k, D, stream);
+        launch_combine_variant<Y, O, V>(y, y_rows, y_ld, slot_row, w_dtype, w, out, out_ld, T, k, D, stream);
       else
-        launch_combine_variant<Y, O, 1>(y, y_rows, slot_row, w_dtype, w, out, T, k, D, stream);
+        launch_combine_variant<Y, O, 1>(y, y_rows, y_ld, slot_row, w_dtype, w, out, out_ld, T, k, D, stream);
     });
   });
 }
@@ -128,8 +133,8 @@ Tensor weighted_combine(const Tensor& y_in, const Tensor& weights_in) {
   const Tensor weights = weights_in.contiguous();
   const int64_t T = y.size(0), k = y.size(1), D = y.size(2);
   Tensor out = Tensor::empty({T, D}, y.dtype(), Device::cuda);
-  launch_weighted_combine(y.dtype(), y.data(), T * k, nullptr, weights.dtype(), weights.data(), y.dtype(), out.data(),
-                          T, k, D, current_stream());
+  launch_weighted_combine(y.dtype(), y.data(), T * k, D, nullptr, weights.dtype(), weights.data(), y.dtype(),
+                          out.data(), D, T, k, D, current_stream());
   return out;
 }
 

@@ -52,6 +52,7 @@ static_assert(ExpertTiles64::THREADS == ExpertTiles32::THREADS && ExpertTiles32:
               "one launch runs every tile height");
 static_assert(ExpertTiles64::BN == ExpertTiles32::BN && ExpertTiles32::BN == ExpertTiles16::BN,
               "every tile height covers the same column block of the grid");
+static_assert(kTileColumnsAlign % ExpertTiles64::BN == 0, "a column window starts at a column block");
 
 template <int kBits>
 constexpr int expert_tiles_smem() {
@@ -77,7 +78,7 @@ __global__ void __launch_bounds__(ExpertTiles64::THREADS)
                         unsigned long long* retractions) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int sorted = header->sorted;
-  if (!sorted && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) atomicAdd(retractions, 1ull);
+  if (!sorted && retractions && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) atomicAdd(retractions, 1ull);
   if (sorted) {
     const int tile_count = header->tile_count;
     for (int t = blockIdx.y; t < tile_count; t += gridDim.y) {
@@ -108,7 +109,7 @@ __global__ void __launch_bounds__(ExpertTiles64::THREADS)
 
 template <class T, int kBits, bool kFp>
 void launch_expert_tiles(const TileArgs& args, const ExpertTile* tiles, const TilePlanHeader* header,
-                         int64_t tile_slots) {
+                         int64_t tile_slots, unsigned long long* retractions) {
   constexpr int kSmem = expert_tiles_smem<kBits>();
   static const bool smem_configured = [] {
     if (kSmem > 48 * 1024)
@@ -121,7 +122,7 @@ void launch_expert_tiles(const TileArgs& args, const ExpertTile* tiles, const Ti
   const int64_t slots = std::max<int64_t>(tile_slots, (args.rows + 15) / 16);
   const dim3 grid(ceil_div(args.N, ExpertTiles64::BN), static_cast<unsigned>(std::min<int64_t>(slots, 65535)));
   expert_tiles_kernel<T, kBits, kFp>
-      <<<grid, ExpertTiles64::THREADS, kSmem, current_stream()>>>(args, tiles, header, retraction_counter(detail::Primitive::gather_qmm));
+      <<<grid, ExpertTiles64::THREADS, kSmem, current_stream()>>>(args, tiles, header, retractions);
   EXPERTQMM_CUDA_CHECK_LAUNCH("expert_tiles_kernel");
 }
 
@@ -129,7 +130,7 @@ struct ExpertTilesVariant {
   DType dtype;
   int bits;
   bool fp;  // an fp mode's codes (mxfp4 / nvfp4: 4-bit, mxfp8: 8-bit)
-  void (*launch)(const TileArgs&, const ExpertTile*, const TilePlanHeader*, int64_t);
+  void (*launch)(const TileArgs&, const ExpertTile*, const TilePlanHeader*, int64_t, unsigned long long*);
 };
 const ExpertTilesVariant kExpertTilesVariants[] = {
     {DType::bf16, 4, false, launch_expert_tiles<__nv_bfloat16, 4, false>},
@@ -167,11 +168,32 @@ const void* build_plan_into(const detail::GatherQmmProblem& p, void* base) {
   return base;
 }
 
+// Rows [begin, begin + count) of every expert's weight (count < 0: all N): the GEMM's N becomes
+// count and out is (B, count). TileArgs reach the window's first row through q's pointers and the
+// next expert through expert_rows, so neither kernel changes.
+struct RowWindow {
+  int64_t begin = 0, count = -1;
+};
+TileArgs window_tile_args(const detail::GatherQmmProblem& p, void* out, RowWindow window) {
+  TileArgs a = make_tile_args(p, out);
+  if (window.count < 0) return a;
+  a.q.w += window.begin * a.q.words_per_row;
+  a.q.scales += window.begin * a.q.groups_per_row;  // fp modes: make_tile_args' uint16 view of the codes
+  if (a.q.biases) a.q.biases += window.begin * a.q.groups_per_row;
+  if (a.q.fp_scales) a.q.fp_scales += window.begin * (p.K / p.group_size);
+  a.N = static_cast<int>(window.count);
+  a.paired_store = window.count % 2 == 0 && is_aligned(out, 4);
+  return a;
+}
+
 // Runs `kernel` on p's plan (p.tile_plan, or one built here): the wgmma kernel where
-// wgmma_tiles_fit, else the mma.sync one. Retractions are counted by the GEMM kernels, once per call.
-void run_expert_tiles(const detail::GatherQmmProblem& p, void* out, Workspace* ws, TileKernel kernel) {
+// wgmma_tiles_fit, else the mma.sync one. Retractions are counted by the GEMM kernels, once per
+// call (count_retraction: once per call of which this launch is the first).
+void run_expert_tiles(const detail::GatherQmmProblem& p, void* out, Workspace* ws, TileKernel kernel,
+                      RowWindow window = {}, bool count_retraction = true) {
   if (kernel == TileKernel::automatic)
     kernel = wgmma_tiles_fit(p) && is_aligned(out, 16) ? TileKernel::wgmma : TileKernel::mma_sync;
+  unsigned long long* retractions = count_retraction ? retraction_counter(detail::Primitive::gather_qmm) : nullptr;
   const ExpertTilesVariant* variant = nullptr;
   for (const ExpertTilesVariant& v : kExpertTilesVariants)
     if (v.dtype == p.dtype && v.bits == p.bits && v.fp == (p.mode != QuantMode::affine)) variant = &v;
@@ -191,13 +213,13 @@ void run_expert_tiles(const detail::GatherQmmProblem& p, void* out, Workspace* w
   const TilePlanView v = plan_view(p, plan);
   if (kernel == TileKernel::wgmma) {
     WgmmaTileArgs args;
-    args.tile = make_tile_args(p, out);
-    args.retractions = retraction_counter(detail::Primitive::gather_qmm);
+    args.tile = window_tile_args(p, out, window);
+    args.retractions = retractions;
     args.calls = 1;
     launch_expert_tiles_wgmma(args, WgmmaForm::plain, p.dtype, v.tiles, v.header, v.tile_slots,
                               p.mode != QuantMode::affine);
   } else {
-    variant->launch(make_tile_args(p, out), v.tiles, v.header, v.tile_slots);
+    variant->launch(window_tile_args(p, out, window), v.tiles, v.header, v.tile_slots, retractions);
   }
 }
 
@@ -241,6 +263,16 @@ void launch_gate_up_glu(const detail::GatherQmmProblem& gate, const detail::Gath
   const TilePlanView v = plan_view(gate, gate.tile_plan);
   launch_expert_tiles_wgmma(args, act == Activation::geglu ? WgmmaForm::geglu : WgmmaForm::swiglu, gate.dtype, v.tiles,
                             v.header, v.tile_slots);
+}
+
+void launch_expert_tiles_columns(const detail::GatherQmmProblem& p, int64_t begin, int64_t count, void* out,
+                                 bool count_retraction) {
+  EXPERTQMM_CHECK(p.tile_plan != nullptr && begin >= 0 && count > 0 && begin + count <= p.N &&
+                      begin % kTileColumnsAlign == 0 && (count % kTileColumnsAlign == 0 || begin + count == p.N) &&
+                      is_aligned(out, 16),
+                  "gather_qmm", "a column window [", begin, ", ", begin + count, ") of ", p.describe(),
+                  " needs the layer's tile plan, ", kTileColumnsAlign, "-column steps and a 16-byte aligned output");
+  run_expert_tiles(p, out, nullptr, TileKernel::automatic, RowWindow{begin, count}, count_retraction);
 }
 
 bool down_combine_fits(const detail::GatherQmmProblem& down) {

@@ -32,6 +32,14 @@ void call_expert_tiles(const detail::GatherQmmProblem& p, void* out, Workspace* 
 // rows-per-expert rule; gather_qmm_wgmma.h).
 void call_expert_tiles_mma_sync(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
 RouteSupport supports_expert_tiles_wgmma(const detail::GatherQmmProblem& p);
+// The layer plan's down GEMM in column windows (moe.cu): out (B, count) = x rows times rows
+// [begin, begin + count) of every expert's weight, on p.tile_plan, through the kernel
+// call_expert_tiles would pick. begin a multiple of kTileColumnsAlign (every tile kernel's column
+// block divides it, so a window's blocks are the whole GEMM's), count too unless the window ends at
+// N; out 16-byte aligned. count_retraction: this launch counts a retracted plan (the first window).
+constexpr int64_t kTileColumnsAlign = 128;
+void launch_expert_tiles_columns(const detail::GatherQmmProblem& p, int64_t begin, int64_t count, void* out,
+                                 bool count_retraction);
 // True when this build carries sm_90a code and the current device is compute capability 9.0
 // (queried once; EXPERTQMM_WGMMA=0 in the environment turns the kernels off, for comparison).
 bool wgmma_available();

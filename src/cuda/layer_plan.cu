@@ -14,6 +14,23 @@ constexpr int64_t kSortThreshold = 64;  // mlx-lm SwitchGLU sorts when indices.s
 
 size_t bytes_of(int64_t count, DType t) { return static_cast<size_t>(count) * dtype_size(t); }
 
+// The most bytes of down output the layer holds at once before it runs down and the combine per
+// column window: [n, D] would be 92 MB at T = 2048 (Gemma 4), a 768-column window 25 MB, which
+// keeps the layer's scratch under 64 MB and a window's output in the L2 until the combine reads it
+// (bench/NOTES.md step 46).
+constexpr size_t kDownWindowBytes = size_t{24} << 20;
+
+// Output columns per down window for an [n, D] output of `dtype`: 0 when it fits kDownWindowBytes
+// whole, else the fewest windows of it, as multiples of kTileColumnsAlign.
+int64_t down_window_cols(int64_t n, int64_t D, DType dtype) {
+  const size_t whole = bytes_of(n * D, dtype);
+  if (whole <= kDownWindowBytes) return 0;
+  const int64_t windows = static_cast<int64_t>((whole + kDownWindowBytes - 1) / kDownWindowBytes);
+  const int64_t cols = ((D + windows - 1) / windows + kTileColumnsAlign - 1) / kTileColumnsAlign * kTileColumnsAlign;
+  return cols < D ? cols : 0;
+}
+
+
 Tensor view(void* p, const Shape& shape, DType dtype, const Shape& strides = {}) {
   return Tensor::view(p, shape, dtype, Device::cuda, strides);
 }
@@ -153,11 +170,12 @@ void reserve_fixed(LayerPlan& p, const SwitchGLUWeights& w, bool routes, DType r
 }
 
 // Picks every GEMM's route (the selector counts each once), the tile plan and the fusions, then
-// reserves what they need. x: the layer input; ids: see layer_gemms. try_combine: the caller can
-// hand the down GEMM route weights in the output dtype (moe_layer_into). own_y: the down output
-// needs an arena buffer (not when the caller's output takes it as it is).
-void plan_experts(LayerPlan& p, const Tensor& x, const int32_t* ids, const SwitchGLUWeights& w, bool try_combine,
-                  bool own_y, ArenaLayout& layout) {
+// reserves what they need. x: the layer input; ids: see layer_gemms. combines: the caller combines
+// the down output per token (moe_layer_into), so it may run in column windows; try_combine: and it
+// can hand the down GEMM route weights in the output dtype. own_y: the down output needs an arena
+// buffer (not when the caller's output takes it as it is).
+void plan_experts(LayerPlan& p, const Tensor& x, const int32_t* ids, const SwitchGLUWeights& w, bool combines,
+                  bool try_combine, bool own_y, ArenaLayout& layout) {
   const ExpertShape& s = p.shape;
   p.mode = product_mode();  // read once: the plan and the launches agree
   LayerGemms g = layer_gemms(p, x, ids, w, nominal_base());
@@ -190,7 +208,11 @@ void plan_experts(LayerPlan& p, const Tensor& x, const int32_t* ids, const Switc
     sc.up_out = layout.reserve(bytes_of(s.n * s.I, s.hidden_dtype));
   }
   if (p.mode == ProductMode::separate) sc.intermediate = layout.reserve(bytes_of(s.n * s.I, s.hidden_dtype));
-  if (own_y && !p.combine_fused) sc.y = layout.reserve(bytes_of(s.n * s.D, s.out_dtype));
+  // Windows need the expert tile route for down (launch_expert_tiles_columns) and the shared plan.
+  if (combines && !p.combine_fused && s.sorted && !s.down_dense && p.tiles && p.down_route.on_tiles())
+    p.down_window_cols = down_window_cols(s.n, s.D, s.out_dtype);
+  const int64_t y_cols = p.down_window_cols > 0 ? p.down_window_cols : s.D;
+  if (own_y && !p.combine_fused) sc.y = layout.reserve(bytes_of(s.n * y_cols, s.out_dtype));
   // The fused combine's accumulator lives in the router's slot, dead once the routing is written.
   if (p.combine_fused) p.combine_acc_bytes = bytes_of(s.T * s.D, DType::f32);
 }
@@ -298,7 +320,8 @@ LayerPlan plan_moe_layer(const Tensor& out, const Tensor& h, const Tensor& x, co
   }
   ArenaLayout layout;
   reserve_fixed(p, w.experts, /*routes=*/true, h.dtype(), layout);
-  plan_experts(p, x, nullptr, w.experts, /*try_combine=*/h.dtype() == s.out_dtype, /*own_y=*/true, layout);
+  plan_experts(p, x, nullptr, w.experts, /*combines=*/true, /*try_combine=*/h.dtype() == s.out_dtype, /*own_y=*/true,
+               layout);
   p.scratch.bytes = layout.bytes();
   return p;
 }
@@ -310,7 +333,8 @@ LayerPlan plan_switch_glu(const Tensor& x, const Tensor& indices, const SwitchGL
   ArenaLayout layout;
   reserve_fixed(p, w, /*routes=*/false, DType::bf16, layout);
   // Unsorted rows are already in (token, slot) order: the down GEMM then writes straight into out.
-  plan_experts(p, x, indices.data_as<const int32_t>(), w, /*try_combine=*/false, /*own_y=*/p.shape.sorted, layout);
+  plan_experts(p, x, indices.data_as<const int32_t>(), w, /*combines=*/false, /*try_combine=*/false,
+               /*own_y=*/p.shape.sorted, layout);
   p.scratch.bytes = layout.bytes();
   return p;
 }

@@ -78,7 +78,7 @@ struct ExpertScratch {
   size_t hidden = kNotReserved, hidden_cast = kNotReserved;            // [n, I]
   size_t tile_plan = kNotReserved;                                     // header + tiles
   size_t gate_up_out = kNotReserved, gate_out = kNotReserved, up_out = kNotReserved, intermediate = kNotReserved;
-  size_t y = kNotReserved;                                             // [n, D] down output
+  size_t y = kNotReserved;  // [n, D] down output, or [n, down_window_cols] (one window at a time)
   size_t bytes = 0;                                                    // the arena
 };
 
@@ -95,6 +95,9 @@ struct LayerPlan {
   bool glu_fused = false;      // gate, up and the GLU product in one wgmma launch
   bool combine_fused = false;  // the down GEMM adds w * y into an fp32 [T, D] accumulator
   size_t combine_acc_bytes = 0;
+  // > 0: the down GEMM and the slot-order combine run per window of this many output columns (the
+  // last one narrower), so y holds [n, down_window_cols] instead of [n, D] (moe_layer_into only).
+  int64_t down_window_cols = 0;
   // The selector's route of each GEMM that runs on its own (empty for those the plan fused, and for
   // gate_up / up+gate of the other weight layout).
   GemmRoute gate_up_route, up_route, gate_route, down_route;

@@ -4,11 +4,14 @@
 // captured in a CUDA graph:
 //   route(h) -> [T*k >= 64: stable sort of the (token, slot) rows by expert -> tile plan] -> gate/up
 //   (separate, or one fused gate_up; with the GLU product in one launch where planned) -> down (with
-//   the weighted combine where planned) -> combine read through inv_order, or unsort (switch_glu).
+//   the weighted combine where planned) -> combine read through inv_order, or unsort (switch_glu);
+//   down and the combine per window of output columns where the plan made windows.
 // Nothing here decides: every branch reads the plan.
 // x is never copied: the gate/up GEMMs gather their x rows through lhs = token_of_row (order / k
 // when sorted, b / k when not), which saves writing and re-reading a [T*k, D] copy of x (92 MB at
 // T = 2048, k = 8, D = 2816) for the price of an index load per row inside the GEMM.
+#include <algorithm>
+
 #include "cuda/cuda_backend.h"
 #include "cuda/gather_qmm.h"
 #include "cuda/gather_qmm_wgmma.h"
@@ -39,8 +42,9 @@ void cast_params(const QuantizedWeight& q, DType dtype, const Arena& a, size_t s
 
 // The expert half. ids: the flat expert ids of the n rows. The down output goes to the arena's y
 // (sorted: in sorted row order; inv_order maps flat slot -> y row), to y_out (unsorted switch_glu:
-// already in flat slot order), or into the fp32 accumulator acc (combine fused).
-void run_experts(const LayerPlan& p, const Tensor& x, const int32_t* ids, const int32_t* user_ids,
+// already in flat slot order), or into the fp32 accumulator acc (combine fused); with down windows
+// down is left to the caller, which runs it per window. Returns the GEMMs it built.
+LayerGemms run_experts(const LayerPlan& p, const Tensor& x, const int32_t* ids, const int32_t* user_ids,
                  const SwitchGLUWeights& w, const Arena& a, void* y_out, const void* route_weights, float* acc,
                  Workspace& ws) {
   cudaStream_t stream = current_stream();
@@ -99,9 +103,10 @@ void run_experts(const LayerPlan& p, const Tensor& x, const int32_t* ids, const 
     // acc[t] = sum over the token's slots of w * y, added inside the down GEMM.
     EXPERTQMM_CUDA_CHECK(cudaMemsetAsync(acc, 0, p.combine_acc_bytes, stream));
     launch_down_combine(g.down.q, a.i32(sc.order), route_weights, static_cast<int>(s.k), acc);
-    return;
+    return g;
   }
-  run_layer_gemm(p.down_route, g.down, sc.y != kNotReserved ? a.at(sc.y) : y_out, &ws);
+  if (p.down_window_cols == 0) run_layer_gemm(p.down_route, g.down, sc.y != kNotReserved ? a.at(sc.y) : y_out, &ws);
+  return g;
 }
 
 // Flat int32 view of [T, k] ids (uint32 ids keep their bits: >= 2^31 reads as negative, out of range).
@@ -178,15 +183,24 @@ void moe_layer_into_chained(Tensor& out, const Tensor& h, const Tensor& x, const
   auto* acc = p.combine_fused ? static_cast<float*>(ws.get(detail::kSlotRouterArena, p.combine_acc_bytes)) : nullptr;
 
   route_into(h, weights.router, route_indices, route_weights, ws);
-  run_experts(p, x, route_indices, nullptr, weights.experts, a, nullptr, route_weights, acc, ws);
+  const LayerGemms g = run_experts(p, x, route_indices, nullptr, weights.experts, a, nullptr, route_weights, acc, ws);
   const ExpertShape& s = p.shape;
+  cudaStream_t stream = current_stream();
   if (p.combine_fused) {  // the down GEMM summed into the fp32 accumulator: one rounding to out
-    launch_cast(DType::f32, acc, out.dtype(), out.data(), s.T * s.D, current_stream());
+    launch_cast(DType::f32, acc, out.dtype(), out.data(), s.T * s.D, stream);
     return;
   }
-  // Combine in token order, reading the down output in sorted order through inv_order.
-  launch_weighted_combine(s.out_dtype, a.at(p.scratch.y), s.n, s.sorted ? a.i32(p.scratch.inv_order) : nullptr,
-                          h.dtype(), route_weights, out.dtype(), out.data(), s.T, s.k, s.D, current_stream());
+  // Combine in token order, reading the down output in sorted order through inv_order; with down
+  // windows, down then the combine per window of columns, y holding one window.
+  void* y = a.at(p.scratch.y);
+  const int32_t* slot_row = s.sorted ? a.i32(p.scratch.inv_order) : nullptr;
+  const int64_t window = p.down_window_cols > 0 ? p.down_window_cols : s.D;
+  for (int64_t c0 = 0; c0 < s.D; c0 += window) {
+    const int64_t cols = std::min(window, s.D - c0);
+    if (p.down_window_cols > 0) launch_expert_tiles_columns(g.down.q, c0, cols, y, /*count_retraction=*/c0 == 0);
+    launch_weighted_combine(s.out_dtype, y, s.n, cols, slot_row, h.dtype(), route_weights, out.dtype(),
+                            static_cast<char*>(out.data()) + bytes_of(c0, out.dtype()), s.D, s.T, s.k, cols, stream);
+  }
 }
 
 }  // namespace expertqmm::cuda

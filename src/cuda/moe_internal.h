@@ -83,11 +83,11 @@ int id_bits(int64_t E);
 
 // combine.cu: out[t, :] = sum_j w[t, j] * y[row(t, j), :], fp32 products and sums in slot order,
 // one rounding to out's dtype. row(t, j) = slot_row ? slot_row[t*k + j] : t*k + j; a row outside
-// [0, y_rows) is recorded as a fault and skipped. y: [y_rows, D], out: [T, D], w: [T, k], all
-// contiguous.
-void launch_weighted_combine(DType y_dtype, const void* y, int64_t y_rows, const int32_t* slot_row,
-                             DType w_dtype, const void* w, DType out_dtype, void* out, int64_t T, int64_t k,
-                             int64_t D, cudaStream_t stream);
+// [0, y_rows) is recorded as a fault and skipped. y: [y_rows, D] with rows y_ld apart, out: [T, D]
+// with rows out_ld apart (a column window of wider matrices), w: [T, k] contiguous.
+void launch_weighted_combine(DType y_dtype, const void* y, int64_t y_rows, int64_t y_ld, const int32_t* slot_row,
+                             DType w_dtype, const void* w, DType out_dtype, void* out, int64_t out_ld, int64_t T,
+                             int64_t k, int64_t D, cudaStream_t stream);
 
 // router.cu: the Gemma 4 router on the device. Writes indices [T, k] int32 and weights [T, k] in
 // h's dtype (both contiguous device memory owned by the caller); scratch from `ws` (slot
