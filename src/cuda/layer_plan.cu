@@ -211,9 +211,11 @@ void plan_experts(LayerPlan& p, const Tensor& x, const int32_t* ids, const Switc
   // Windows need the expert tile route for down (launch_expert_tiles_columns) and the shared plan.
   if (combines && !p.combine_fused && s.sorted && !s.down_dense && p.tiles && p.down_route.on_tiles())
     p.down_window_cols = down_window_cols(s.n, s.D, s.out_dtype);
-  const int64_t y_cols = p.down_window_cols > 0 ? p.down_window_cols : s.D;
-  if (own_y && !p.combine_fused) sc.y = layout.reserve(bytes_of(s.n * y_cols, s.out_dtype));
-  // The fused combine's accumulator lives in the router's slot, dead once the routing is written.
+  // A window, or the fused combine's accumulator, goes into the router's slot, dead once the routing
+  // is written: the layer then holds its hidden rows and one window (61 MB at T = 2048 with the
+  // workspace's growth margin).
+  if (p.down_window_cols > 0) p.down_window_bytes = bytes_of(s.n * p.down_window_cols, s.out_dtype);
+  else if (own_y && !p.combine_fused) sc.y = layout.reserve(bytes_of(s.n * s.D, s.out_dtype));
   if (p.combine_fused) p.combine_acc_bytes = bytes_of(s.T * s.D, DType::f32);
 }
 

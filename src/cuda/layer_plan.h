@@ -5,9 +5,12 @@
 //   - on the experts path, the route of each GEMM (picked and counted by the route selector of its
 //     kind, once per GEMM whether or not it is then fused: gather_qmm.cu for a quantized projection,
 //     gather_mm.cu for a 16-bit one), the casts, and the fusions, only between quantized GEMMs:
-//     gate/up with the GLU product in one wgmma launch, the weighted combine in the down GEMM;
+//     gate/up with the GLU product in one wgmma launch, the weighted combine in the down GEMM (or,
+//     in deterministic mode, down and the slot-order combine per window of output columns where
+//     the whole down output would be large);
 //   - every scratch buffer, as an offset into the layer arena (workspace slot kSlotLayerArena), and
-//     the fp32 combine accumulator's size (slot kSlotRouterArena, free once the routing is written).
+//     the fp32 combine accumulator's or the down window's size (slot kSlotRouterArena, free once the
+//     routing is written).
 // moe.cu runs the plan and decides nothing. docs/design.md ("The layer") shows the data flow.
 #pragma once
 #include <cstddef>
@@ -78,7 +81,7 @@ struct ExpertScratch {
   size_t hidden = kNotReserved, hidden_cast = kNotReserved;            // [n, I]
   size_t tile_plan = kNotReserved;                                     // header + tiles
   size_t gate_up_out = kNotReserved, gate_out = kNotReserved, up_out = kNotReserved, intermediate = kNotReserved;
-  size_t y = kNotReserved;  // [n, D] down output, or [n, down_window_cols] (one window at a time)
+  size_t y = kNotReserved;  // [n, D] down output (not with down windows: LayerPlan::down_window_bytes)
   size_t bytes = 0;                                                    // the arena
 };
 
@@ -96,8 +99,10 @@ struct LayerPlan {
   bool combine_fused = false;  // the down GEMM adds w * y into an fp32 [T, D] accumulator
   size_t combine_acc_bytes = 0;
   // > 0: the down GEMM and the slot-order combine run per window of this many output columns (the
-  // last one narrower), so y holds [n, down_window_cols] instead of [n, D] (moe_layer_into only).
+  // last one narrower), so y holds [n, down_window_cols] instead of [n, D] (moe_layer_into only),
+  // down_window_bytes of workspace slot kSlotRouterArena, whose routing scratch is dead by then.
   int64_t down_window_cols = 0;
+  size_t down_window_bytes = 0;
   // The selector's route of each GEMM that runs on its own (empty for those the plan fused, and for
   // gate_up / up+gate of the other weight layout).
   GemmRoute gate_up_route, up_route, gate_route, down_route;

@@ -191,13 +191,15 @@ void moe_layer_into_chained(Tensor& out, const Tensor& h, const Tensor& x, const
     return;
   }
   // Combine in token order, reading the down output in sorted order through inv_order; with down
-  // windows, down then the combine per window of columns, y holding one window.
-  void* y = a.at(p.scratch.y);
+  // windows, down then the combine per window of columns, y holding one window in the router's slot
+  // (fetched after route_into, so that a larger routing scratch cannot move it).
+  const bool windows = p.down_window_cols > 0;
+  void* y = windows ? ws.get(detail::kSlotRouterArena, p.down_window_bytes) : a.at(p.scratch.y);
   const int32_t* slot_row = s.sorted ? a.i32(p.scratch.inv_order) : nullptr;
   const int64_t window = p.down_window_cols > 0 ? p.down_window_cols : s.D;
   for (int64_t c0 = 0; c0 < s.D; c0 += window) {
     const int64_t cols = std::min(window, s.D - c0);
-    if (p.down_window_cols > 0) launch_expert_tiles_columns(g.down.q, c0, cols, y, /*count_retraction=*/c0 == 0);
+    if (windows) launch_expert_tiles_columns(g.down.q, c0, cols, y, /*count_retraction=*/c0 == 0);
     launch_weighted_combine(s.out_dtype, y, s.n, cols, slot_row, h.dtype(), route_weights, out.dtype(),
                             static_cast<char*>(out.data()) + bytes_of(c0, out.dtype()), s.D, s.T, s.k, cols, stream);
   }
