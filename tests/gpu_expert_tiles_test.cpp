@@ -88,39 +88,60 @@ TEST(SanitizeGpuExpertTiles, EightBitBuildFromThirtyTwoRowsPerExpert) {
 
 // The layer's down GEMM in column windows (launch_expert_tiles_columns, moe_layer_into from
 // kDownWindowBytes of down output): each window's output is the whole GEMM's columns, bit for bit,
-// through the kernel the route picks (4-bit: wgmma on sm_90a; 8-bit at 8 rows per expert: mma.sync),
-// with a last window narrower than the others and a window that is not the first; misaligned
-// windows are refused with the problem in the message.
+// through the kernel the route picks, in every form a window offsets differently: 4-bit bf16 group
+// 64 and f16 group 128 (wgmma on sm_90a), 8-bit at 8 rows per expert (mma.sync), mxfp4 and mxfp8
+// (uint8 scale codes, viewed as uint16 pairs by make_tile_args); with a last window narrower than the
+// others and windows that are not the first. A mis-sorted plan (the generic algorithm) gives the same
+// columns, and only the window told to count it adds a retraction. Misaligned windows are refused.
 TEST(SanitizeGpuExpertTiles, ColumnWindowsHoldTheWholeGemmsColumns) {
   EXPERTQMM_REQUIRE_GPU();
+  CountersGuard guard;
   constexpr int64_t kStep = cuda::kTileColumnsAlign;
-  for (int bits : {4, 8}) {
-    const int64_t E = 8, N = 2 * kStep + 64, K = 192;
-    const QuantizedWeight q = test::random_codes(E, N, K, bits, 64, DType::bf16);
-    const test::GatherCall c = test::rows_call(q, DType::bf16, sorted_ids(bits == 4 ? 300 : 64, E), true);
-    detail::GatherQmmProblem p = c.problem();
-    const std::vector<float> whole = test::run_route(c, "expert_tiles");
-    Tensor plan = Tensor::empty({static_cast<int64_t>((cuda::tile_plan_bytes(p.B, static_cast<int>(E)) + 3) / 4)},
-                                DType::i32, Device::cuda);
-    cuda::launch_build_tile_plan_at(p.rhs.data_as<const int32_t>(), p.B, static_cast<int>(E), plan.data(),
-                                    static_cast<cudaStream_t>(cuda_stream()));
-    p.tile_plan = plan.data();
-    for (int64_t begin = 0; begin < N; begin += kStep) {
-      const int64_t count = std::min(kStep, N - begin);
-      Tensor out = Tensor::empty({p.B, count}, DType::bf16, Device::cuda);
-      test::poison(out);
-      cuda::launch_expert_tiles_columns(p, begin, count, out.data(), begin == 0);
-      cuda_check();
-      const std::vector<float> window = test::to_float(out);
-      size_t differing = 0;
-      for (int64_t r = 0; r < p.B; ++r)
-        for (int64_t j = 0; j < count; ++j) differing += !(window[r * count + j] == whole[r * N + begin + j]);
-      EXPECT_EQ(differing, 0u) << bits << "-bit, columns [" << begin << ", " << begin + count << ")";
+  struct Form {
+    int bits, group;
+    DType dtype;
+    QuantMode mode;
+    int64_t rows;
+  };
+  const Form forms[] = {{4, 64, DType::bf16, QuantMode::affine, 300},   {4, 128, DType::f16, QuantMode::affine, 300},
+                        {8, 64, DType::bf16, QuantMode::affine, 64},    {4, 32, DType::bf16, QuantMode::mxfp4, 300},
+                        {8, 32, DType::bf16, QuantMode::mxfp8, 300}};
+  for (const Form& f : forms) {
+    for (bool mis_sorted : {false, true}) {
+      const int64_t E = 8, N = 2 * kStep + 64, K = 256;
+      const QuantizedWeight q = test::random_codes(E, N, K, f.bits, f.group, f.dtype, f.mode);
+      std::vector<int32_t> ids = sorted_ids(f.rows, E);
+      if (mis_sorted) std::swap(ids.front(), ids.back());
+      const test::GatherCall c = test::rows_call(q, f.dtype, ids, true);
+      const std::string what = detail::cat(quant_mode_name(f.mode), " ", f.bits, "-bit g", f.group, " ",
+                                           dtype_name(f.dtype), mis_sorted ? " mis-sorted" : "");
+      detail::GatherQmmProblem p = c.problem();
+      const std::vector<float> whole = test::run_route(c, "expert_tiles");
+      Tensor plan = Tensor::empty({static_cast<int64_t>((cuda::tile_plan_bytes(p.B, static_cast<int>(E)) + 3) / 4)},
+                                  DType::i32, Device::cuda);
+      cuda::launch_build_tile_plan_at(p.rhs.data_as<const int32_t>(), p.B, static_cast<int>(E), plan.data(),
+                                      static_cast<cudaStream_t>(cuda_stream()));
+      p.tile_plan = plan.data();
+      auto retracted = [] { return test::gather_counters().fallbacks[static_cast<int>(Fallback::sortedness_retracted)]; };
+      const uint64_t retracted_before = retracted();
+      for (int64_t begin = 0; begin < N; begin += kStep) {
+        const int64_t count = std::min(kStep, N - begin);
+        Tensor out = Tensor::empty({p.B, count}, f.dtype, Device::cuda);
+        test::poison(out);
+        cuda::launch_expert_tiles_columns(p, begin, count, out.data(), begin == 0);
+        cuda_check();
+        const std::vector<float> window = test::to_float(out);
+        size_t differing = 0;
+        for (int64_t r = 0; r < p.B; ++r)
+          for (int64_t j = 0; j < count; ++j) differing += !(window[r * count + j] == whole[r * N + begin + j]);
+        EXPECT_EQ(differing, 0u) << what << ", columns [" << begin << ", " << begin + count << ")";
+      }
+      EXPECT_EQ(retracted() - retracted_before, mis_sorted ? 1u : 0u) << what;
+      Tensor out = Tensor::empty({p.B, kStep}, f.dtype, Device::cuda);
+      EXPECT_THROW(cuda::launch_expert_tiles_columns(p, 64, kStep, out.data(), false), Error) << what;  // off a step
+      EXPECT_THROW(cuda::launch_expert_tiles_columns(p, 0, 64, out.data(), false), Error) << what;      // ends inside
+      EXPECT_THROW(cuda::launch_expert_tiles_columns(p, kStep, N, out.data(), false), Error) << what;   // past N
     }
-    Tensor out = Tensor::empty({p.B, kStep}, DType::bf16, Device::cuda);
-    EXPECT_THROW(cuda::launch_expert_tiles_columns(p, 64, kStep, out.data(), false), Error);  // not at a step
-    EXPECT_THROW(cuda::launch_expert_tiles_columns(p, 0, 64, out.data(), false), Error);      // ends inside
-    EXPECT_THROW(cuda::launch_expert_tiles_columns(p, kStep, N, out.data(), false), Error);   // past N
   }
 }
 

@@ -12,6 +12,8 @@
 
 #ifdef EXPERTQMM_HAVE_CUDA
 #include <cuda_runtime.h>
+
+#include "cuda/layer_plan_hooks.h"
 #endif
 
 #include "expertqmm/backend.h"
@@ -72,9 +74,8 @@ TEST(GpuMoe, FusedCombineMatchesTheDeterministicPath) {
 
 // Where the down output would pass the plan's kDownWindowBytes (24 MiB) whole, moe_layer_into in
 // deterministic mode runs down and the combine per window of output columns: here H = 1472 and
-// 8,800 (token, slot) rows give 25.9 MB, so two windows of 768 and 704 columns. The same bits on a
-// repeat, the fused combine's answer within rounding, float64's on a spread of tokens, and scratch
-// below what the whole down output alone would take.
+// 8,800 (token, slot) rows give 25.9 MB, so windows of 1408 and 64 columns. The same bits on
+// a repeat, the fused combine's answer within rounding, float64's on a spread of tokens.
 TEST(GpuMoe, DownWindowsMatchTheFusedCombineAndTheReference) {
   EXPERTQMM_REQUIRE_GPU();
   test::MoeGeometry g;
@@ -84,24 +85,28 @@ TEST(GpuMoe, DownWindowsMatchTheFusedCombineAndTheReference) {
   const test::Layer l = test::make_layer(g);
   const int64_t T = 1100, H = g.H, k = g.k;
   const Tensor h = test::random_tensor({T, H}, DType::bf16, 1.0f, Device::cuda);
-  auto run_layer = [&](bool deterministic_mode, size_t* scratch) {
+  auto run_layer = [&](bool deterministic_mode) {
     const test::SettingGuard<bool, deterministic, set_deterministic> mode(deterministic_mode);
     Workspace ws;
     Tensor out = Tensor::empty({T, H}, DType::bf16, Device::cuda);
     test::poison(out);
     moe_layer_into(out, h, h, l.gpu, ws);
     cuda_check();
-    if (scratch) *scratch = ws.bytes_held();
     return test::to_float(out);
   };
-  size_t windowed_bytes = 0;
-  const std::vector<float> windowed = run_layer(true, &windowed_bytes);
-  const std::vector<float> again = run_layer(true, nullptr);
-  const std::vector<float> fused = run_layer(false, nullptr);
+  const std::vector<float> windowed = run_layer(true);
+  const std::vector<float> again = run_layer(true);
+  const std::vector<float> fused = run_layer(false);
   EXPECT_EQ(std::memcmp(windowed.data(), again.data(), windowed.size() * sizeof(float)), 0)
       << "the windowed layer gave different bits";
   EXPECT_LE(test::rel_error(windowed, fused), 5e-3) << test::seed_note();
-  EXPECT_LT(windowed_bytes, static_cast<size_t>(T * k * H * 2)) << "y should hold one window, not [T*k, H]";
+#ifdef EXPERTQMM_HAVE_CUDA
+  {
+    const test::SettingGuard<bool, deterministic, set_deterministic> mode(true);
+    Tensor out = Tensor::empty({T, H}, DType::bf16, Device::cuda);
+    EXPECT_EQ(cuda::planned_down_window_cols(out, h, h, l.gpu), 1408) << "the plan should make windows";
+  }
+#endif
   // float64 on 16 tokens spread over the call (the routing is the GPU's).
   const Routing r = route(h, l.gpu.router);
   const std::vector<float> h_all = test::to_float(h), w_all = test::to_float(r.weights);
@@ -119,6 +124,56 @@ TEST(GpuMoe, DownWindowsMatchTheFusedCombineAndTheReference) {
   const std::vector<double> ref =
       test::reference_switch_glu_combine(h_some, kPicks, H, ids_some, w_some, k, l.cpu.experts);
   EXPECT_LE(test::rel_error(got, ref), 1e-2) << test::seed_note();
+}
+
+// The windows at small shapes (the plan's cap shrunk through its test hook): H = 320 and 1,200
+// (token, slot) rows under a 300 KB cap make windows of 128, 128 and 64 columns, whose output is the
+// unwindowed layer's, byte for byte (the same arithmetic per element). A workspace warmed at that
+// size serves a smaller call below the cap (whole y, the same slot) without growing, inside a CUDA
+// graph capture whose replays give the call's bytes.
+TEST(GpuMoe, DownWindowsGiveTheUnwindowedBytesAndCaptureBelowThem) {
+  EXPERTQMM_REQUIRE_GPU();
+#ifdef EXPERTQMM_HAVE_CUDA
+  test::MoeGeometry g;
+  g.H = 320;
+  g.E = 16;
+  g.k = 4;
+  const test::Layer l = test::make_layer(g);
+  const test::SettingGuard<bool, deterministic, set_deterministic> mode(true);
+  struct WindowCap {
+    explicit WindowCap(size_t bytes) { cuda::set_down_window_bytes(bytes); }
+    ~WindowCap() { cuda::set_down_window_bytes(0); }
+  };
+  const int64_t T = 300, H = g.H;
+  const Tensor h = test::random_tensor({T, H}, DType::bf16, 1.0f, Device::cuda);
+  auto run_layer = [&](const Tensor& hh, Workspace& ws) {
+    Tensor out = Tensor::empty({hh.size(0), H}, DType::bf16, Device::cuda);
+    test::poison(out);
+    moe_layer_into(out, hh, hh, l.gpu, ws);
+    cuda_check();
+    return out;
+  };
+  Workspace plain_ws;
+  const std::vector<uint8_t> unwindowed = run_layer(h, plain_ws).to_host_bytes();
+  const WindowCap cap(300000);
+  Tensor probe = Tensor::empty({T, H}, DType::bf16, Device::cuda);
+  ASSERT_EQ(cuda::planned_down_window_cols(probe, h, h, l.gpu), 128);
+  Workspace ws;
+  EXPECT_EQ(run_layer(h, ws).to_host_bytes(), unwindowed) << "the windows changed the output";
+
+  const int64_t small = 100;  // 400 rows: 256 KB of y, under the cap
+  const Tensor hs = test::random_tensor({small, H}, DType::bf16, 1.0f, Device::cuda);
+  Tensor small_probe = Tensor::empty({small, H}, DType::bf16, Device::cuda);
+  ASSERT_EQ(cuda::planned_down_window_cols(small_probe, hs, hs, l.gpu), 0);
+  const Tensor expected = run_layer(hs, ws);
+  const size_t held = ws.bytes_held();
+  const test::CaptureStream stream;
+  Tensor replayed = Tensor::empty({small, H}, DType::bf16, Device::cuda);
+  cudaGraph_t graph = test::capture_graph(stream.get(), [&] { moe_layer_into(replayed, hs, hs, l.gpu, ws); }, "T=100");
+  ASSERT_NE(graph, nullptr);
+  EXPECT_EQ(ws.bytes_held(), held) << "the workspace grew below the windowed size";
+  test::expect_replays_match(graph, stream.get(), replayed, expected, 2, "T=100 after windows");
+#endif
 }
 
 // A warmed-up moe_layer_into, captured in a CUDA graph on a non-default stream and replayed, writes

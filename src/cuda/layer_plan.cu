@@ -1,6 +1,9 @@
 // The layer plan (layer_plan.h): every decision of an MoE layer call on CUDA, made here once.
 #include "cuda/layer_plan.h"
 
+#include <algorithm>
+#include <atomic>
+
 #include "core/route_counters.h"
 #include "cuda/gather_qmm.h"
 #include "cuda/gather_qmm_wgmma.h"
@@ -19,15 +22,29 @@ size_t bytes_of(int64_t count, DType t) { return static_cast<size_t>(count) * dt
 // keeps the layer's scratch under 64 MB and a window's output in the L2 until the combine reads it
 // (bench/NOTES.md step 46).
 constexpr size_t kDownWindowBytes = size_t{24} << 20;
+std::atomic<size_t> g_down_window_bytes{0};  // set_down_window_bytes (tests); 0: kDownWindowBytes
+size_t down_window_cap() {
+  const size_t v = g_down_window_bytes.load(std::memory_order_relaxed);
+  return v ? v : kDownWindowBytes;
+}
 
-// Output columns per down window for an [n, D] output of `dtype`: 0 when it fits kDownWindowBytes
-// whole, else the fewest windows of it, as multiples of kTileColumnsAlign.
+// Output columns per down window for an [n, D] output of `dtype`: 0 when it fits the cap
+// (kDownWindowBytes) whole, else the widest multiple of kTileColumnsAlign (at least one) whose window fits it.
 int64_t down_window_cols(int64_t n, int64_t D, DType dtype) {
-  const size_t whole = bytes_of(n * D, dtype);
-  if (whole <= kDownWindowBytes) return 0;
-  const int64_t windows = static_cast<int64_t>((whole + kDownWindowBytes - 1) / kDownWindowBytes);
-  const int64_t cols = ((D + windows - 1) / windows + kTileColumnsAlign - 1) / kTileColumnsAlign * kTileColumnsAlign;
+  const size_t cap = down_window_cap();
+  if (bytes_of(n * D, dtype) <= cap) return 0;
+  const int64_t fit = static_cast<int64_t>(cap / bytes_of(n, dtype));
+  const int64_t cols = std::max<int64_t>(kTileColumnsAlign, fit / kTileColumnsAlign * kTileColumnsAlign);
   return cols < D ? cols : 0;
+}
+
+// The bytes of y that moe_layer_into asks of the router's slot: the whole [n, D] up to
+// the cap (kDownWindowBytes), past it the cap (or one narrowest window, if larger). Non-decreasing in n,
+// whatever the window's own size, so the slot never grows at a smaller call.
+size_t y_request_bytes(int64_t n, int64_t D, DType dtype, int64_t window_cols) {
+  const size_t whole = bytes_of(n * D, dtype);
+  if (window_cols == 0) return whole;
+  return std::max(down_window_cap(), bytes_of(n * kTileColumnsAlign, dtype));
 }
 
 
@@ -43,8 +60,8 @@ int32_t* i32_at(void* base, size_t offset) { return static_cast<int32_t*>(at(bas
 void* nominal_base() { return reinterpret_cast<void*>(uintptr_t{ArenaLayout::kAlign}); }
 
 // An fp-mode weight (mxfp4, mxfp8, nvfp4): uint8 scale codes, no biases, computed in x's dtype; the
-// plan never casts its parameters, and only qmv and simt take its GEMMs (the fusions need the tile
-// routes, which refuse it).
+// plan never casts its parameters, and the fusions stay affine (the tile routes take its plain GEMMs,
+// down windows included).
 bool fp_mode(const QuantizedWeight& q) { return q.defined() && q.mode != QuantMode::affine; }
 
 // The dtype a quantized projection promotes its input with: its scales' (affine), the input's (fp).
@@ -211,12 +228,11 @@ void plan_experts(LayerPlan& p, const Tensor& x, const int32_t* ids, const Switc
   // Windows need the expert tile route for down (launch_expert_tiles_columns) and the shared plan.
   if (combines && !p.combine_fused && s.sorted && !s.down_dense && p.tiles && p.down_route.on_tiles())
     p.down_window_cols = down_window_cols(s.n, s.D, s.out_dtype);
-  // A window, or the fused combine's accumulator, goes into the router's slot, dead once the routing
-  // is written: the layer then holds its hidden rows and one window (61 MB at T = 2048 with the
-  // workspace's growth margin).
-  if (p.down_window_cols > 0) p.down_window_bytes = bytes_of(s.n * p.down_window_cols, s.out_dtype);
-  else if (own_y && !p.combine_fused) sc.y = layout.reserve(bytes_of(s.n * s.D, s.out_dtype));
-  if (p.combine_fused) p.combine_acc_bytes = bytes_of(s.T * s.D, DType::f32);
+  // moe_layer_into's down output (one window or whole) or the fused combine's accumulator goes into
+  // the router's slot, dead once the routing is written: the layer then holds its hidden rows and
+  // one window (~61 MB at T = 2048 with the workspace's growth margin). plan_moe_layer sizes the slot.
+  p.y_in_router_slot = combines && !p.combine_fused;
+  if (own_y && !p.combine_fused && !p.y_in_router_slot) sc.y = layout.reserve(bytes_of(s.n * s.D, s.out_dtype));
 }
 
 }  // namespace
@@ -305,6 +321,12 @@ LayerGemms layer_gemms(const LayerPlan& p, const Tensor& x, const int32_t* ids, 
   return g;
 }
 
+void set_down_window_bytes(size_t bytes) { g_down_window_bytes.store(bytes, std::memory_order_relaxed); }
+
+int64_t planned_down_window_cols(const Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& w) {
+  return plan_moe_layer(out, h, x, w).down_window_cols;
+}
+
 LayerPlan plan_moe_layer(const Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& w) {
   LayerPlan p;
   p.shape = expert_shape(x, w.router.top_k, w.experts);
@@ -325,6 +347,9 @@ LayerPlan plan_moe_layer(const Tensor& out, const Tensor& h, const Tensor& x, co
   plan_experts(p, x, nullptr, w.experts, /*combines=*/true, /*try_combine=*/h.dtype() == s.out_dtype, /*own_y=*/true,
                layout);
   p.scratch.bytes = layout.bytes();
+  const size_t after_routing = p.combine_fused ? bytes_of(s.T * s.D, DType::f32)
+                                               : y_request_bytes(s.n, s.D, s.out_dtype, p.down_window_cols);
+  p.router_slot_bytes = std::max(route_scratch_bytes(h, w.router), after_routing);
   return p;
 }
 

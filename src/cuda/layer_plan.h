@@ -20,6 +20,7 @@
 #include "core/gather_qmm_problem.h"
 #include "cuda/gather_mm.h"
 #include "cuda/gather_qmm.h"
+#include "cuda/layer_plan_hooks.h"
 #include "cuda/moe_internal.h"
 
 namespace expertqmm::cuda {
@@ -81,7 +82,7 @@ struct ExpertScratch {
   size_t hidden = kNotReserved, hidden_cast = kNotReserved;            // [n, I]
   size_t tile_plan = kNotReserved;                                     // header + tiles
   size_t gate_up_out = kNotReserved, gate_out = kNotReserved, up_out = kNotReserved, intermediate = kNotReserved;
-  size_t y = kNotReserved;  // [n, D] down output (not with down windows: LayerPlan::down_window_bytes)
+  size_t y = kNotReserved;  // [n, D] down output of switch_glu (moe_layer_into's: LayerPlan::y_in_router_slot)
   size_t bytes = 0;                                                    // the arena
 };
 
@@ -97,12 +98,15 @@ struct LayerPlan {
   bool tiles = false;          // a tile plan is built once and shared by the GEMMs on the tile route
   bool glu_fused = false;      // gate, up and the GLU product in one wgmma launch
   bool combine_fused = false;  // the down GEMM adds w * y into an fp32 [T, D] accumulator
-  size_t combine_acc_bytes = 0;
   // > 0: the down GEMM and the slot-order combine run per window of this many output columns (the
-  // last one narrower), so y holds [n, down_window_cols] instead of [n, D] (moe_layer_into only),
-  // down_window_bytes of workspace slot kSlotRouterArena, whose routing scratch is dead by then.
+  // last one narrower), so y holds [n, down_window_cols] instead of [n, D] (moe_layer_into only).
   int64_t down_window_cols = 0;
-  size_t down_window_bytes = 0;
+  // moe_layer_into: workspace slot kSlotRouterArena holds route_into's scratch, then (dead once the
+  // routing is written) the fp32 accumulator [T, D] of the fused combine or the down output y (one
+  // window, or [n, D]): router_slot_bytes is the largest, fetched once before routing. It grows with
+  // T, so a workspace warmed at the largest call serves every smaller one without allocating.
+  bool y_in_router_slot = false;
+  size_t router_slot_bytes = 0;
   // The selector's route of each GEMM that runs on its own (empty for those the plan fused, and for
   // gate_up / up+gate of the other weight layout).
   GemmRoute gate_up_route, up_route, gate_route, down_route;

@@ -41,9 +41,10 @@ void cast_params(const QuantizedWeight& q, DType dtype, const Arena& a, size_t s
 }
 
 // The expert half. ids: the flat expert ids of the n rows. The down output goes to the arena's y
-// (sorted: in sorted row order; inv_order maps flat slot -> y row), to y_out (unsorted switch_glu:
-// already in flat slot order), or into the fp32 accumulator acc (combine fused); with down windows
-// down is left to the caller, which runs it per window. Returns the GEMMs it built.
+// (sorted switch_glu: in sorted row order; inv_order maps flat slot -> y row), to y_out (unsorted
+// switch_glu: already in flat slot order; moe_layer_into: the router's slot, rows in sorted order
+// when sorted), or into the fp32 accumulator acc (combine fused); with down windows down is left to
+// the caller, which runs it per window. Returns the GEMMs it built.
 LayerGemms run_experts(const LayerPlan& p, const Tensor& x, const int32_t* ids, const int32_t* user_ids,
                  const SwitchGLUWeights& w, const Arena& a, void* y_out, const void* route_weights, float* acc,
                  Workspace& ws) {
@@ -101,7 +102,7 @@ LayerGemms run_experts(const LayerPlan& p, const Tensor& x, const int32_t* ids, 
   if (p.cast_hidden) launch_cast(s.hidden_dtype, hidden, s.out_dtype, a.at(sc.hidden_cast), s.n * s.I, stream);
   if (p.combine_fused) {
     // acc[t] = sum over the token's slots of w * y, added inside the down GEMM.
-    EXPERTQMM_CUDA_CHECK(cudaMemsetAsync(acc, 0, p.combine_acc_bytes, stream));
+    EXPERTQMM_CUDA_CHECK(cudaMemsetAsync(acc, 0, bytes_of(s.T * s.D, DType::f32), stream));
     launch_down_combine(g.down.q, a.i32(sc.order), route_weights, static_cast<int>(s.k), acc);
     return g;
   }
@@ -179,11 +180,14 @@ void moe_layer_into_chained(Tensor& out, const Tensor& h, const Tensor& x, const
   const Arena a{ws.get(detail::kSlotLayerArena, p.scratch.bytes)};
   int32_t* route_indices = a.i32(p.scratch.route_indices);
   void* route_weights = a.at(p.scratch.route_weights);
-  // Fetched before route_into, which then reuses the (larger) slot for its own scratch.
-  auto* acc = p.combine_fused ? static_cast<float*>(ws.get(detail::kSlotRouterArena, p.combine_acc_bytes)) : nullptr;
+  // The router's slot at its largest use, fetched before route_into, which then finds it large
+  // enough: nothing reallocates it while the router's kernels may still read it.
+  void* router_slot = ws.get(detail::kSlotRouterArena, p.router_slot_bytes);
+  auto* acc = p.combine_fused ? static_cast<float*>(router_slot) : nullptr;
+  void* y = p.y_in_router_slot ? router_slot : nullptr;
 
   route_into(h, weights.router, route_indices, route_weights, ws);
-  const LayerGemms g = run_experts(p, x, route_indices, nullptr, weights.experts, a, nullptr, route_weights, acc, ws);
+  const LayerGemms g = run_experts(p, x, route_indices, nullptr, weights.experts, a, y, route_weights, acc, ws);
   const ExpertShape& s = p.shape;
   cudaStream_t stream = current_stream();
   if (p.combine_fused) {  // the down GEMM summed into the fp32 accumulator: one rounding to out
@@ -191,10 +195,8 @@ void moe_layer_into_chained(Tensor& out, const Tensor& h, const Tensor& x, const
     return;
   }
   // Combine in token order, reading the down output in sorted order through inv_order; with down
-  // windows, down then the combine per window of columns, y holding one window in the router's slot
-  // (fetched after route_into, so that a larger routing scratch cannot move it).
+  // windows, down then the combine per window of columns, y holding one window.
   const bool windows = p.down_window_cols > 0;
-  void* y = windows ? ws.get(detail::kSlotRouterArena, p.down_window_bytes) : a.at(p.scratch.y);
   const int32_t* slot_row = s.sorted ? a.i32(p.scratch.inv_order) : nullptr;
   const int64_t window = p.down_window_cols > 0 ? p.down_window_cols : s.D;
   for (int64_t c0 = 0; c0 < s.D; c0 += window) {

@@ -93,6 +93,10 @@ void launch_weighted_combine(DType y_dtype, const void* y, int64_t y_rows, int64
 // h's dtype (both contiguous device memory owned by the caller); scratch from `ws` (slot
 // detail::kSlotRouterArena and whatever gather_qmm_into takes). h: [T, H] on the device, rows contiguous.
 void route_into(const Tensor& h, const RouterWeights& router, int32_t* indices, void* weights, Workspace& ws);
+// The bytes of workspace slot kSlotRouterArena that route_into(h, router, ...) asks for (0 when h has
+// no rows); the MoE layer fetches the slot at least this large before routing, so that it can hand the
+// slot on once routed without route_into growing it.
+size_t route_scratch_bytes(const Tensor& h, const RouterWeights& router);
 
 // moe_decode_layer.cu: the decode layer, moe_layer_into in three kernels (router with top-k and the
 // expert grouping; gate/up with the GLU product; down with the weighted combine; four with the down

@@ -114,43 +114,81 @@ __global__ void router_softmax_topk_kernel(const typename Elem<L>::storage* __re
 
 unsigned ctas_for(int64_t items, int per_cta) { return static_cast<unsigned>((items + per_cta - 1) / per_cta); }
 
-}  // namespace
 
-void route_into(const Tensor& h, const RouterWeights& router, int32_t* indices, void* weights, Workspace& ws) {
+// What route_into computes from its problem before it launches anything: the dtypes, the forms and
+// the scratch layout (offsets into workspace slot kSlotRouterArena). Throws on a bad problem.
+struct RouterScratch {
+  int64_t T = 0, H = 0, E = 0;
+  int k = 0;
+  bool quantized = false, fp_proj = false, gemma4 = false, cast_r = false, cast_scales = false;
+  DType h_dtype = DType::bf16, proj_dtype = DType::bf16, logit_dtype = DType::bf16;
+  int64_t proj_groups = 0;
+  size_t r_off = 0, r_cast_off = 0, scales_off = 0, biases_off = 0, logits_off = 0, split_off = 0, split_bytes = 0;
+  size_t bytes = 0;
+};
+
+RouterScratch router_scratch(const Tensor& h, const RouterWeights& router) {
   const char* op = "route";
   EXPERTQMM_CHECK(h.device() == Device::cuda && h.ndim() == 2 && (h.size(1) <= 1 || h.stride(1) == 1), op,
                   "h must be a [T, H] device tensor with contiguous rows, got ", h.describe());
-  const int64_t T = h.size(0), H = h.size(1);
-  const bool quantized = router.proj.defined();
-  const int64_t E = quantized ? router.proj.w.size(0) : router.proj_dense.size(0);
-  const int k = router.top_k;
-  EXPERTQMM_CHECK(k >= 1 && k <= E && T <= INT32_MAX, op, "top_k=", k, " must be in [1, E=", E, "] (T=", T, ")");
-  if (T == 0) return;
-  const DType h_dtype = h.dtype();
+  RouterScratch r;
+  r.T = h.size(0);
+  r.H = h.size(1);
+  const int64_t T = r.T, H = r.H;
+  r.quantized = router.proj.defined();
+  r.E = r.quantized ? router.proj.w.size(0) : router.proj_dense.size(0);
+  r.k = router.top_k;
+  EXPERTQMM_CHECK(r.k >= 1 && r.k <= r.E && T <= INT32_MAX, op, "top_k=", r.k, " must be in [1, E=", r.E, "] (T=", T,
+                  ")");
+  r.h_dtype = h.dtype();
   // The projection runs in promote(r, proj) (r is rounded to h's dtype first, as on the CPU).
   // (An fp-mode proj has uint8 scales and computes in r's dtype, as MLX's gather_qmm.)
-  const bool fp_proj = quantized && router.proj.mode != QuantMode::affine;
-  const DType proj_dtype = fp_proj ? h_dtype : quantized ? router.proj.scales.dtype() : router.proj_dense.dtype();
-  const DType logit_dtype = promote_floating(h_dtype, proj_dtype);
-  const bool gemma4 = router.kind == RouterKind::gemma4;
+  r.fp_proj = r.quantized && router.proj.mode != QuantMode::affine;
+  r.proj_dtype = r.fp_proj ? r.h_dtype : r.quantized ? router.proj.scales.dtype() : router.proj_dense.dtype();
+  r.logit_dtype = promote_floating(r.h_dtype, r.proj_dtype);
+  r.gemma4 = router.kind == RouterKind::gemma4;
   // softmax_topk projects h itself, which must then be a dense [T, H] block.
-  EXPERTQMM_CHECK(gemma4 || T <= 1 || h.stride(0) == H, op, "a softmax_topk router needs contiguous h, got ",
+  EXPERTQMM_CHECK(r.gemma4 || T <= 1 || h.stride(0) == H, op, "a softmax_topk router needs contiguous h, got ",
                   h.describe());
 
   ArenaLayout layout;
-  const size_t r_off = gemma4 ? layout.reserve(static_cast<size_t>(T * H) * dtype_size(h_dtype)) : 0;
-  const bool cast_r = quantized && logit_dtype != h_dtype;  // gather_qmm wants x in its dtype
-  const size_t r_cast_off = cast_r ? layout.reserve(static_cast<size_t>(T * H) * dtype_size(logit_dtype)) : 0;
-  const bool cast_scales = quantized && !fp_proj && proj_dtype != logit_dtype;
-  const int64_t proj_groups = quantized ? router.proj.scales.numel() : 0;
-  const size_t scales_off = cast_scales ? layout.reserve(static_cast<size_t>(proj_groups) * dtype_size(logit_dtype)) : 0;
-  const size_t biases_off = cast_scales ? layout.reserve(static_cast<size_t>(proj_groups) * dtype_size(logit_dtype)) : 0;
-  const size_t logits_off = layout.reserve(static_cast<size_t>(T * E) * dtype_size(logit_dtype));
-  // The projection's split-K slices (rhs_tiles at many tokens) live here too: the router's arena
-  // is reused later by the MoE layer's larger combine accumulator, so they cost no peak memory.
-  const size_t split_bytes = quantized ? gather_qmm_split_k_bytes(T, E, H) : 0;
-  const size_t split_off = split_bytes ? layout.reserve(split_bytes) : 0;
-  void* base = ws.get(detail::kSlotRouterArena, layout.bytes());
+  if (r.gemma4) r.r_off = layout.reserve(static_cast<size_t>(T * H) * dtype_size(r.h_dtype));
+  r.cast_r = r.quantized && r.logit_dtype != r.h_dtype;  // gather_qmm wants x in its dtype
+  if (r.cast_r) r.r_cast_off = layout.reserve(static_cast<size_t>(T * H) * dtype_size(r.logit_dtype));
+  r.cast_scales = r.quantized && !r.fp_proj && r.proj_dtype != r.logit_dtype;
+  r.proj_groups = r.quantized ? router.proj.scales.numel() : 0;
+  if (r.cast_scales) {
+    r.scales_off = layout.reserve(static_cast<size_t>(r.proj_groups) * dtype_size(r.logit_dtype));
+    r.biases_off = layout.reserve(static_cast<size_t>(r.proj_groups) * dtype_size(r.logit_dtype));
+  }
+  r.logits_off = layout.reserve(static_cast<size_t>(T * r.E) * dtype_size(r.logit_dtype));
+  // The projection's split-K slices (rhs_tiles at many tokens) live here too: the MoE layer reuses
+  // the slot once routed (its down output, or the fused combine's accumulator), so they cost no peak
+  // memory.
+  r.split_bytes = r.quantized ? gather_qmm_split_k_bytes(T, r.E, H) : 0;
+  if (r.split_bytes) r.split_off = layout.reserve(r.split_bytes);
+  r.bytes = layout.bytes();
+  return r;
+}
+
+}  // namespace
+
+size_t route_scratch_bytes(const Tensor& h, const RouterWeights& router) {
+  return h.size(0) == 0 ? 0 : router_scratch(h, router).bytes;
+}
+
+void route_into(const Tensor& h, const RouterWeights& router, int32_t* indices, void* weights, Workspace& ws) {
+  const char* op = "route";
+  const RouterScratch rs = router_scratch(h, router);
+  const int64_t T = rs.T, H = rs.H, E = rs.E;
+  const int k = rs.k;
+  if (T == 0) return;
+  const DType h_dtype = rs.h_dtype, proj_dtype = rs.proj_dtype, logit_dtype = rs.logit_dtype;
+  const bool quantized = rs.quantized, gemma4 = rs.gemma4, cast_r = rs.cast_r, cast_scales = rs.cast_scales;
+  const int64_t proj_groups = rs.proj_groups;
+  const size_t r_off = rs.r_off, r_cast_off = rs.r_cast_off, scales_off = rs.scales_off, biases_off = rs.biases_off;
+  const size_t logits_off = rs.logits_off, split_bytes = rs.split_bytes, split_off = rs.split_off;
+  void* base = ws.get(detail::kSlotRouterArena, rs.bytes);
   void* r = gemma4 ? arena_at(base, r_off) : const_cast<void*>(h.data());
   void* logits = arena_at(base, logits_off);
   cudaStream_t stream = current_stream();

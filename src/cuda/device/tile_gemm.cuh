@@ -81,8 +81,9 @@ struct TileArgs {
   int64_t x_batch;         // number of x matrices (lhs range)
   int64_t x_batch_stride;  // elements
   int M, N, K, E;
-  int64_t expert_rows;  // weight rows from one expert to the next in q: N, or more when the GEMM
-                        // reads a window of rows (q's pointers at its first row; launch_down_columns)
+  // Weight rows from one expert to the next in q: N, or more when the GEMM reads a window of rows
+  // (q's pointers at its first row; launch_expert_tiles_columns).
+  int64_t expert_rows;
   bool paired_store;   // N even and out 4-byte aligned: store two outputs per 32-bit write
 };
 
