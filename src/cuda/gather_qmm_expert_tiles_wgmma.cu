@@ -180,8 +180,8 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
   // Smem weight row r (0..127): weight set r / 64 and row n0 + r % 64 (glu), or row n0 + r.
   auto weight_row = [&](int r) { return kGlu ? col_block * 64 + (r & 63) : col_block * kCtaRows + r; };
   auto weight_set = [&](int r) { return kGlu && r >= 64 ? 1 : 0; };
-  const int64_t w_expert = expert * a.expert_rows * a.q.words_per_row;
-  const int64_t param_expert = expert * a.expert_rows * a.q.groups_per_row;
+  const int64_t w_expert = static_cast<int64_t>(expert) * a.expert_rows * a.q.words_per_row;
+  const int64_t param_expert = static_cast<int64_t>(expert) * a.expert_rows * a.q.groups_per_row;
   constexpr int kWordsPerRow = L::kWordsPerRow;
   constexpr int kWCopies = L::kWChunks / 2;  // weight chunks per thread per stage: 1 or 2
   const unsigned w_row = tid >> 1, w_chunk0 = (tid & 1) * kWCopies;

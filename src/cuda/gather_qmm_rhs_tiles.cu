@@ -249,7 +249,7 @@ TileArgs make_tile_args(const detail::GatherQmmProblem& p, void* out) {
   a.N = static_cast<int>(p.N);
   a.K = static_cast<int>(p.K);
   a.E = static_cast<int>(p.w_batch);
-  a.expert_rows = p.N;
+  a.expert_rows = static_cast<int>(p.N);
   a.paired_store = p.N % 2 == 0 && is_aligned(out, 4);
   return a;
 }

@@ -82,8 +82,9 @@ struct TileArgs {
   int64_t x_batch_stride;  // elements
   int M, N, K, E;
   // Weight rows from one expert to the next in q: N, or more when the GEMM reads a window of rows
-  // (q's pointers at its first row; launch_expert_tiles_columns).
-  int64_t expert_rows;
+  // (q's pointers at its first row; launch_expert_tiles_columns). An int like N (every route's
+  // supports_* keeps row geometry in int32): as N did, it costs the kernels one parameter register.
+  int expert_rows;
   bool paired_store;   // N even and out 4-byte aligned: store two outputs per 32-bit write
 };
 
@@ -152,8 +153,8 @@ __device__ __forceinline__ void tile_gemm(const TileArgs& a, int expert, int64_t
 
   const T* x = static_cast<const T*>(a.x);
   const int n0 = n_block * Cfg::BN;
-  const uint32_t* w_expert = a.q.w + expert * a.expert_rows * a.q.words_per_row;
-  const int64_t param_expert = expert * a.expert_rows * a.q.groups_per_row;
+  const uint32_t* w_expert = a.q.w + static_cast<int64_t>(expert) * a.expert_rows * a.q.words_per_row;
+  const int64_t param_expert = static_cast<int64_t>(expert) * a.expert_rows * a.q.groups_per_row;
   const bool two_groups_per_tile = a.q.group_shift == 5;  // group_size 32 inside a 64-wide k tile
   int kt_begin = 0, k_tiles = a.K / Cfg::BK;  // this CTA's k tiles: [kt_begin, kt_begin + k_tiles)
   if constexpr (kSplitK) {
