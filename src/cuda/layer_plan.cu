@@ -47,7 +47,6 @@ size_t y_request_bytes(int64_t n, int64_t D, DType dtype, int64_t window_cols) {
   return std::max(down_window_cap(), bytes_of(n * kTileColumnsAlign, dtype));
 }
 
-
 Tensor view(void* p, const Shape& shape, DType dtype, const Shape& strides = {}) {
   return Tensor::view(p, shape, dtype, Device::cuda, strides);
 }
@@ -231,8 +230,7 @@ void plan_experts(LayerPlan& p, const Tensor& x, const int32_t* ids, const Switc
   // moe_layer_into's down output (one window or whole) or the fused combine's accumulator goes into
   // the router's slot, dead once the routing is written: the layer then holds its hidden rows and
   // one window (~61 MB at T = 2048 with the workspace's growth margin). plan_moe_layer sizes the slot.
-  p.y_in_router_slot = combines && !p.combine_fused;
-  if (own_y && !p.combine_fused && !p.y_in_router_slot) sc.y = layout.reserve(bytes_of(s.n * s.D, s.out_dtype));
+  if (own_y && !combines) sc.y = layout.reserve(bytes_of(s.n * s.D, s.out_dtype));
 }
 
 }  // namespace

@@ -82,7 +82,7 @@ struct ExpertScratch {
   size_t hidden = kNotReserved, hidden_cast = kNotReserved;            // [n, I]
   size_t tile_plan = kNotReserved;                                     // header + tiles
   size_t gate_up_out = kNotReserved, gate_out = kNotReserved, up_out = kNotReserved, intermediate = kNotReserved;
-  size_t y = kNotReserved;  // [n, D] down output of switch_glu (moe_layer_into's: LayerPlan::y_in_router_slot)
+  size_t y = kNotReserved;  // [n, D] down output of switch_glu (moe_layer_into's: LayerPlan::router_slot_bytes)
   size_t bytes = 0;                                                    // the arena
 };
 
@@ -105,7 +105,6 @@ struct LayerPlan {
   // routing is written) the fp32 accumulator [T, D] of the fused combine or the down output y (one
   // window, or [n, D]): router_slot_bytes is the largest, fetched once before routing. It grows with
   // T, so a workspace warmed at the largest call serves every smaller one without allocating.
-  bool y_in_router_slot = false;
   size_t router_slot_bytes = 0;
   // The selector's route of each GEMM that runs on its own (empty for those the plan fused, and for
   // gate_up / up+gate of the other weight layout).

@@ -184,7 +184,7 @@ void moe_layer_into_chained(Tensor& out, const Tensor& h, const Tensor& x, const
   // enough: nothing reallocates it while the router's kernels may still read it.
   void* router_slot = ws.get(detail::kSlotRouterArena, p.router_slot_bytes);
   auto* acc = p.combine_fused ? static_cast<float*>(router_slot) : nullptr;
-  void* y = p.y_in_router_slot ? router_slot : nullptr;
+  void* y = router_slot;  // the down output when the combine is not fused
 
   route_into(h, weights.router, route_indices, route_weights, ws);
   const LayerGemms g = run_experts(p, x, route_indices, nullptr, weights.experts, a, y, route_weights, acc, ws);
@@ -198,7 +198,7 @@ void moe_layer_into_chained(Tensor& out, const Tensor& h, const Tensor& x, const
   // windows, down then the combine per window of columns, y holding one window.
   const bool windows = p.down_window_cols > 0;
   const int32_t* slot_row = s.sorted ? a.i32(p.scratch.inv_order) : nullptr;
-  const int64_t window = p.down_window_cols > 0 ? p.down_window_cols : s.D;
+  const int64_t window = windows ? p.down_window_cols : s.D;
   for (int64_t c0 = 0; c0 < s.D; c0 += window) {
     const int64_t cols = std::min(window, s.D - c0);
     if (windows) launch_expert_tiles_columns(g.down.q, c0, cols, y, /*count_retraction=*/c0 == 0);

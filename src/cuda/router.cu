@@ -183,18 +183,13 @@ void route_into(const Tensor& h, const RouterWeights& router, int32_t* indices, 
   const int64_t T = rs.T, H = rs.H, E = rs.E;
   const int k = rs.k;
   if (T == 0) return;
-  const DType h_dtype = rs.h_dtype, proj_dtype = rs.proj_dtype, logit_dtype = rs.logit_dtype;
-  const bool quantized = rs.quantized, gemma4 = rs.gemma4, cast_r = rs.cast_r, cast_scales = rs.cast_scales;
-  const int64_t proj_groups = rs.proj_groups;
-  const size_t r_off = rs.r_off, r_cast_off = rs.r_cast_off, scales_off = rs.scales_off, biases_off = rs.biases_off;
-  const size_t logits_off = rs.logits_off, split_bytes = rs.split_bytes, split_off = rs.split_off;
   void* base = ws.get(detail::kSlotRouterArena, rs.bytes);
-  void* r = gemma4 ? arena_at(base, r_off) : const_cast<void*>(h.data());
-  void* logits = arena_at(base, logits_off);
+  void* r = rs.gemma4 ? arena_at(base, rs.r_off) : const_cast<void*>(h.data());
+  void* logits = arena_at(base, rs.logits_off);
   cudaStream_t stream = current_stream();
   const float root_size = 1.0f / std::sqrt(static_cast<float>(H));
 
-  if (gemma4) dispatch_float(h_dtype, op, [&](auto tag) {
+  if (rs.gemma4) dispatch_float(rs.h_dtype, op, [&](auto tag) {
     const Tensor scale = router.scale.contiguous();
     constexpr DType D = decltype(tag)::value;
     dispatch_float(scale.dtype(), op, [&](auto stag) {
@@ -207,38 +202,38 @@ void route_into(const Tensor& h, const RouterWeights& router, int32_t* indices, 
     });
   });
   void* r_in_logit_dtype = r;
-  if (cast_r) {
-    r_in_logit_dtype = arena_at(base, r_cast_off);
-    launch_cast(h_dtype, r, logit_dtype, r_in_logit_dtype, T * H, stream);
+  if (rs.cast_r) {
+    r_in_logit_dtype = arena_at(base, rs.r_cast_off);
+    launch_cast(rs.h_dtype, r, rs.logit_dtype, r_in_logit_dtype, T * H, stream);
   }
 
-  if (quantized) {
+  if (rs.quantized) {
     // One weight matrix, no indices: x [T, H] is a single batch of M = T rows (B = 1).
     const QuantizedWeight& q = router.proj;
     Tensor scales, biases;  // q's own unless they must be cast to the logit dtype
-    if (cast_scales) {
-      void* s = arena_at(base, scales_off);
-      void* b = arena_at(base, biases_off);
+    if (rs.cast_scales) {
+      void* s = arena_at(base, rs.scales_off);
+      void* b = arena_at(base, rs.biases_off);
       const Tensor qs = q.scales.contiguous(), qb = q.biases.contiguous();
-      launch_cast(proj_dtype, qs.data(), logit_dtype, s, proj_groups, stream);
-      launch_cast(proj_dtype, qb.data(), logit_dtype, b, proj_groups, stream);
-      scales = Tensor::view(s, q.scales.shape(), logit_dtype, Device::cuda);
-      biases = Tensor::view(b, q.biases.shape(), logit_dtype, Device::cuda);
+      launch_cast(rs.proj_dtype, qs.data(), rs.logit_dtype, s, rs.proj_groups, stream);
+      launch_cast(rs.proj_dtype, qb.data(), rs.logit_dtype, b, rs.proj_groups, stream);
+      scales = Tensor::view(s, q.scales.shape(), rs.logit_dtype, Device::cuda);
+      biases = Tensor::view(b, q.biases.shape(), rs.logit_dtype, Device::cuda);
     }
-    detail::GatherQmmProblem p = single_matrix_problem(r_in_logit_dtype, T, H, logit_dtype, q, scales, biases);
-    if (split_bytes) p.split_k_scratch = arena_at(base, split_off);
+    detail::GatherQmmProblem p = single_matrix_problem(r_in_logit_dtype, T, H, rs.logit_dtype, q, scales, biases);
+    if (rs.split_bytes) p.split_k_scratch = arena_at(base, rs.split_off);
     gather_qmm_into(p, logits, &ws);
   } else {
     // A 16-bit (or f32) projection: the dense linear's gather_mm routes (tiles at prefill, gemv at
     // decode sizes), r widened to the logit dtype there when they differ.
-    dense_linear_into(r, h_dtype, T, router.proj_dense, logit_dtype, logits, ws);
+    dense_linear_into(r, rs.h_dtype, T, router.proj_dense, rs.logit_dtype, logits, ws);
   }
 
-  dispatch_float(logit_dtype, op, [&](auto ltag) {
+  dispatch_float(rs.logit_dtype, op, [&](auto ltag) {
     constexpr DType L = decltype(ltag)::value;
-    dispatch_float(h_dtype, op, [&](auto wtag) {
+    dispatch_float(rs.h_dtype, op, [&](auto wtag) {
       constexpr DType W = decltype(wtag)::value;
-      if (!gemma4) {
+      if (!rs.gemma4) {
         router_softmax_topk_kernel<L, W><<<ctas_for(T, kWarpsPerCta), kWarpsPerCta * 32, 0, stream>>>(
             static_cast<const typename Elem<L>::storage*>(logits), T, E, k, router.norm_topk_prob, indices,
             static_cast<typename Elem<W>::storage*>(weights));
