@@ -66,20 +66,23 @@ constexpr int kBK = 64;        // k per stage: one quantization group
 //   xs  (kN, 64) bf16, 128-byte rows, chunk c of row r at c ^ (r % 8)   (wgmma B, K-major, swizzled)
 //   ws  (128, 8) uint32 codes, two 16-byte chunks per row, chunk c of row r at c ^ ((r / 4) % 2)
 //   ss, bs (128,) uint32: the aligned word holding the row's group scale / bias
-// then full[kStages], empty[kStages] mbarriers and the tile's x row offsets (kN int32, -1: no row).
-template <int kN>
+// then, persistent only, the epilogue staging (kN, 136) T (one-shot CTAs stage in the ring, which
+// is idle by then), the full[kStages] and empty[kStages] mbarriers and the tile's x row offsets (kN
+// int32, -1: no row; the producer's alone).
+template <int kN, bool kPersistent>
 struct WsLayout {
-  static constexpr int kStages = kN == 256 ? 5 : 9;
+  static constexpr int kStages = kN == 256 ? (kPersistent ? 4 : 5) : (kPersistent ? 7 : 9);
   static constexpr int kXBytes = kN * 128;
   static constexpr int kWBytes = kCtaRows * 32;
   static constexpr int kStageBytes = kXBytes + kWBytes + 2 * kCtaRows * 4;
-  static constexpr int kBarOffset = kStages * kStageBytes;
+  static constexpr int kOutStride = kCtaRows + 8;  // epilogue staging row, elements
+  static constexpr int kStagingOffset = kPersistent ? kStages * kStageBytes : 0;
+  static constexpr int kBarOffset = kStages * kStageBytes + (kPersistent ? kN * kOutStride * 2 : 0);
   static constexpr int kRowsOffset = kBarOffset + 2 * kStages * 8;
   static constexpr int kBytes = kRowsOffset + kN * 4;
   static constexpr int kAllocBytes = kBytes + 1024;
-  static constexpr int kOutStride = kCtaRows + 8;  // epilogue staging row, elements
   static_assert(kStageBytes % 1024 == 0, "stages stay 1024-byte aligned for the swizzle");
-  static_assert(kN * kOutStride * 2 <= kBarOffset, "the epilogue staging fits in the stages");
+  static_assert(kPersistent || kN * kOutStride * 2 <= kBarOffset, "the epilogue staging fits in the stages");
   static_assert(kAllocBytes <= 227 * 1024, "one CTA per SM");
 };
 
@@ -123,6 +126,7 @@ __device__ __forceinline__ void setmaxnreg_inc() {
 #endif
 }
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumerThreads) : "memory"); }
+__device__ __forceinline__ void producers_sync() { asm volatile("bar.sync 2, %0;\n" ::"n"(kProducerThreads) : "memory"); }
 
 struct WsArgs {
   const bf16* x;          // [x_rows, K]
@@ -132,22 +136,28 @@ struct WsArgs {
   const uint16_t* biases;
   bf16* out;              // [rows, N]
   const int4* tiles;      // {expert, first sorted row, rows, 0}
+  int tile_count;
   int N, K;
 };
 
-template <int kN>
+// Work item i: plan tile i / col_blocks against weight rows 128 (i % col_blocks) .. + 127, so the
+// CTAs of one tile's column blocks run together and share its x rows in the L2. One-shot: one item
+// per CTA. Persistent: a grid of at most one CTA per SM strides over the items; the producer fills
+// the ring for the next item while the consumers store this one, and a global k-tile counter keeps
+// the ring's slots and phases running across items.
+template <int kN, bool kPersistent>
 __global__ void __launch_bounds__(kThreads, 1) ws_tiles_kernel(WsArgs a) {
 #if EXPERTQMM_WGMMA_ENABLED
-  using L = WsLayout<kN>;
+  using L = WsLayout<kN, kPersistent>;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = smem_addr(smem_raw);
   unsigned char* smem = smem_raw + ((1024u - (raw & 1023u)) & 1023u);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBarOffset);
   uint64_t* empty = full + L::kStages;
   int32_t* row_offset = reinterpret_cast<int32_t*>(smem + L::kRowsOffset);
-  const int4 tile = a.tiles[blockIdx.y];
-  const int expert = tile.x, row0 = tile.y, rows = tile.z;
-  const int col0 = blockIdx.x * kCtaRows;
+  const int col_blocks = a.N / kCtaRows;
+  const int items = a.tile_count * col_blocks;
+  const int item_stride = kPersistent ? static_cast<int>(gridDim.x) : items;
   const int k_tiles = a.K / kBK;
   const int groups = a.K / kBK;
   const int tid = threadIdx.x;
@@ -159,43 +169,47 @@ __global__ void __launch_bounds__(kThreads, 1) ws_tiles_kernel(WsArgs a) {
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  for (int r = tid; r < kN; r += kThreads) {
-    int32_t off = -1;
-    if (r < rows) off = (a.lhs ? a.lhs[row0 + r] : row0 + r) * a.K;
-    row_offset[r] = off;
-  }
   __syncthreads();
 
   if (tid < kProducerThreads) {
     setmaxnreg_dec<40>();
     // Weight row p (both 16-byte chunks) and its scale and bias words; x: rows p / 8 + 16 i, chunk p % 8.
     const int p = tid;
-    const int64_t w_row = (static_cast<int64_t>(expert) * a.N + col0 + p);
-    const uint32_t* w_src = a.w + w_row * (a.K / 8);
-    const uint16_t* s_src = a.scales + w_row * groups;
-    const uint16_t* b_src = a.biases + w_row * groups;
     const int xr = p >> 3, xc = p & 7;
-    for (int kt = 0; kt < k_tiles; ++kt) {
-      const int s = kt % L::kStages;
-      if (kt >= L::kStages) mbar_wait(&empty[s], ((kt / L::kStages) - 1) & 1);
-      const uint32_t stage = smem_addr(smem + s * L::kStageBytes);
+    int ring = 0;  // k tiles issued so far: slot ring % kStages, round ring / kStages
+    for (int item = blockIdx.x; item < items; item += item_stride) {
+      const int4 tile = a.tiles[item / col_blocks];
+      const int col0 = (item % col_blocks) * kCtaRows;
+      producers_sync();  // the previous item's copies were issued: its offsets may be replaced
+      for (int r = p; r < kN; r += kProducerThreads)
+        row_offset[r] = r < tile.z ? (a.lhs ? a.lhs[tile.y + r] : tile.y + r) * a.K : -1;
+      producers_sync();
+      const int64_t w_row = static_cast<int64_t>(tile.x) * a.N + col0 + p;
+      const uint32_t* w_src = a.w + w_row * (a.K / 8);
+      const uint16_t* s_src = a.scales + w_row * groups;
+      const uint16_t* b_src = a.biases + w_row * groups;
+      for (int kt = 0; kt < k_tiles; ++kt, ++ring) {
+        const int s = ring % L::kStages;
+        if (ring >= L::kStages) mbar_wait(&empty[s], ((ring / L::kStages) - 1) & 1);
+        const uint32_t stage = smem_addr(smem + s * L::kStageBytes);
 #pragma unroll 4
-      for (int r = xr; r < kN; r += 16) {
-        const int32_t off = row_offset[r];
-        cp_async_16(stage + r * 128 + ((xc ^ (r & 7)) << 4), a.x + (off >= 0 ? off + kt * kBK + xc * 8 : 0),
-                    off >= 0 ? 16 : 0);
-      }
-      const uint32_t ws = stage + L::kXBytes;
+        for (int r = xr; r < kN; r += 16) {
+          const int32_t off = row_offset[r];
+          cp_async_16(stage + r * 128 + ((xc ^ (r & 7)) << 4), a.x + (off >= 0 ? off + kt * kBK + xc * 8 : 0),
+                      off >= 0 ? 16 : 0);
+        }
+        const uint32_t ws = stage + L::kXBytes;
 #pragma unroll
-      for (int c = 0; c < 2; ++c)
-        cp_async_16(ws + p * 32 + ((c ^ ((p >> 2) & 1)) << 4), w_src + kt * 8 + 4 * c, 16);
-      // The group's 2-byte element sits in the aligned word at el & ~1 (odd: the high half).
-      const uint16_t* se = s_src + kt;
-      const uint16_t* be = b_src + kt;
-      const int odd = static_cast<int>((reinterpret_cast<uintptr_t>(se) >> 1) & 1);
-      cp_async_4(ws + L::kWBytes + p * 4, se - odd, odd ? 4 : 2);
-      cp_async_4(ws + L::kWBytes + kCtaRows * 4 + p * 4, be - odd, odd ? 4 : 2);
-      cp_async_arrive_noinc(&full[s]);
+        for (int c = 0; c < 2; ++c)
+          cp_async_16(ws + p * 32 + ((c ^ ((p >> 2) & 1)) << 4), w_src + kt * 8 + 4 * c, 16);
+        // The group's 2-byte element sits in the aligned word at el & ~1 (odd: the high half).
+        const uint16_t* se = s_src + kt;
+        const uint16_t* be = b_src + kt;
+        const int odd = static_cast<int>((reinterpret_cast<uintptr_t>(se) >> 1) & 1);
+        cp_async_4(ws + L::kWBytes + p * 4, se - odd, odd ? 4 : 2);
+        cp_async_4(ws + L::kWBytes + kCtaRows * 4 + p * 4, be - odd, odd ? 4 : 2);
+        cp_async_arrive_noinc(&full[s]);
+      }
     }
     return;
   }
@@ -207,79 +221,88 @@ __global__ void __launch_bounds__(kThreads, 1) ws_tiles_kernel(WsArgs a) {
   const int m_lo = (warp >> 2) * 64 + (warp & 3) * 16 + g, m_hi = m_lo + 8;
   using Dequant = device::PackedDequant<bf16>;
   const uint32_t selector = Dequant::nibble_selector(t);
-  // Half of the staged word holding this row's group kt: the parity of the element's index.
-  const int64_t first_lo = (static_cast<int64_t>(expert) * a.N + col0 + m_lo) * groups;
-  const int64_t first_hi = (static_cast<int64_t>(expert) * a.N + col0 + m_hi) * groups;
-
-  float acc[kN / 2];
-#pragma unroll
-  for (int i = 0; i < kN / 2; ++i) acc[i] = 0.f;
-  uint32_t afrag[2][4][4];
   const uint64_t desc0 = device::wgmma_desc_k128(smem);
+  bf16* out_s = reinterpret_cast<bf16*>(smem + L::kStagingOffset);
+  int ring0 = 0;  // the ring position of this item's first k tile
+  for (int item = blockIdx.x; item < items; item += item_stride, ring0 += k_tiles) {
+    const int4 tile = a.tiles[item / col_blocks];
+    const int col0 = (item % col_blocks) * kCtaRows;
+    // Half of the staged word holding this row's group kt: the parity of the element's index.
+    const int64_t first_lo = (static_cast<int64_t>(tile.x) * a.N + col0 + m_lo) * groups;
+    const int64_t first_hi = (static_cast<int64_t>(tile.x) * a.N + col0 + m_hi) * groups;
 
-  auto k_tile = [&](int kt, uint32_t(&af)[4][4]) {
-    const int s = kt % L::kStages;
-    mbar_wait(&full[s], (kt / L::kStages) & 1);
-    const unsigned char* base = smem + s * L::kStageBytes;
-    const uint32_t* ws = reinterpret_cast<const uint32_t*>(base + L::kXBytes);
-    const uint32_t* ss = ws + kCtaRows * 8;
-    const uint32_t* bs = ss + kCtaRows;
-    const bool high_lo = ((first_lo + kt) & 1) != 0, high_hi = ((first_hi + kt) & 1) != 0;
-    const uint32_t s_lo = device::broadcast_half(ss[m_lo], high_lo), b_lo = device::broadcast_half(bs[m_lo], high_lo);
-    const uint32_t s_hi = device::broadcast_half(ss[m_hi], high_hi), b_hi = device::broadcast_half(bs[m_hi], high_hi);
-    auto chunk_of = [&](int m, int c) { return *reinterpret_cast<const uint4*>(ws + m * 8 + ((c ^ ((m >> 2) & 1)) << 2)); };
-    const uint4 lo0 = chunk_of(m_lo, 0), lo1 = chunk_of(m_lo, 1), hi0 = chunk_of(m_hi, 0), hi1 = chunk_of(m_hi, 1);
-    const uint32_t lo[8] = {lo0.x, lo0.y, lo0.z, lo0.w, lo1.x, lo1.y, lo1.z, lo1.w};
-    const uint32_t hi[8] = {hi0.x, hi0.y, hi0.z, hi0.w, hi1.x, hi1.y, hi1.z, hi1.w};
+    float acc[kN / 2];
 #pragma unroll
-    for (int k16 = 0; k16 < 4; ++k16) {
-      af[k16][0] = Dequant::nibbles(lo[2 * k16], selector, s_lo, b_lo);
-      af[k16][1] = Dequant::nibbles(hi[2 * k16], selector, s_hi, b_hi);
-      af[k16][2] = Dequant::nibbles(lo[2 * k16 + 1], selector, s_lo, b_lo);
-      af[k16][3] = Dequant::nibbles(hi[2 * k16 + 1], selector, s_hi, b_hi);
+    for (int i = 0; i < kN / 2; ++i) acc[i] = 0.f;
+    uint32_t afrag[2][4][4];
+
+    auto k_tile = [&](int kt, uint32_t(&af)[4][4]) {
+      const int ring = ring0 + kt;
+      const int s = ring % L::kStages;
+      mbar_wait(&full[s], (ring / L::kStages) & 1);
+      const unsigned char* base = smem + s * L::kStageBytes;
+      const uint32_t* ws = reinterpret_cast<const uint32_t*>(base + L::kXBytes);
+      const uint32_t* ss = ws + kCtaRows * 8;
+      const uint32_t* bs = ss + kCtaRows;
+      const bool high_lo = ((first_lo + kt) & 1) != 0, high_hi = ((first_hi + kt) & 1) != 0;
+      const uint32_t s_lo = device::broadcast_half(ss[m_lo], high_lo), b_lo = device::broadcast_half(bs[m_lo], high_lo);
+      const uint32_t s_hi = device::broadcast_half(ss[m_hi], high_hi), b_hi = device::broadcast_half(bs[m_hi], high_hi);
+      auto chunk_of = [&](int m, int c) { return *reinterpret_cast<const uint4*>(ws + m * 8 + ((c ^ ((m >> 2) & 1)) << 2)); };
+      const uint4 lo0 = chunk_of(m_lo, 0), lo1 = chunk_of(m_lo, 1), hi0 = chunk_of(m_hi, 0), hi1 = chunk_of(m_hi, 1);
+      const uint32_t lo[8] = {lo0.x, lo0.y, lo0.z, lo0.w, lo1.x, lo1.y, lo1.z, lo1.w};
+      const uint32_t hi[8] = {hi0.x, hi0.y, hi0.z, hi0.w, hi1.x, hi1.y, hi1.z, hi1.w};
+#pragma unroll
+      for (int k16 = 0; k16 < 4; ++k16) {
+        af[k16][0] = Dequant::nibbles(lo[2 * k16], selector, s_lo, b_lo);
+        af[k16][1] = Dequant::nibbles(hi[2 * k16], selector, s_hi, b_hi);
+        af[k16][2] = Dequant::nibbles(lo[2 * k16 + 1], selector, s_lo, b_lo);
+        af[k16][3] = Dequant::nibbles(hi[2 * k16 + 1], selector, s_hi, b_hi);
+      }
+      // x written by cp.async (generic proxy), read by wgmma (async proxy).
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      device::wgmma_fence();
+      const uint64_t desc = desc0 + ((s * L::kStageBytes) >> 4);
+#pragma unroll
+      for (int k16 = 0; k16 < 4; ++k16) device::WgmmaRS<bf16, kN>::run(acc, af[k16], desc + 2 * k16);
+      device::wgmma_commit();
+      device::wgmma_wait<1>();  // tile kt - 1's group retired: its stage and A buffer are free
+      if (kt > 0) mbar_arrive(&empty[(ring - 1) % L::kStages]);
+    };
+#pragma unroll
+    for (int i = 0; i < kN / 2; ++i) device::fence_operand(acc[i]);
+    // Pairs of k tiles, so that each buffer is a fixed set of registers; an odd count's first tile
+    // alone before them (a conditional second tile inside the loop made ptxas serialize the wgmmas, C7513).
+    int kt0 = 0;
+    if (k_tiles & 1) {
+      k_tile(0, afrag[1]);
+      kt0 = 1;
     }
-    // x written by cp.async (generic proxy), read by wgmma (async proxy).
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    device::wgmma_fence();
-    const uint64_t desc = desc0 + ((s * L::kStageBytes) >> 4);
+    for (int kt = kt0; kt < k_tiles; kt += 2) {
+      k_tile(kt, afrag[0]);
+      k_tile(kt + 1, afrag[1]);
+    }
+    device::wgmma_wait<0>();
 #pragma unroll
-    for (int k16 = 0; k16 < 4; ++k16) device::WgmmaRS<bf16, kN>::run(acc, af[k16], desc + 2 * k16);
-    device::wgmma_commit();
-    device::wgmma_wait<1>();  // tile kt - 1's group retired: its stage and A buffer are free
-    if (kt > 0) mbar_arrive(&empty[(kt - 1) % L::kStages]);
-  };
-#pragma unroll
-  for (int i = 0; i < kN / 2; ++i) device::fence_operand(acc[i]);
-  // Pairs of k tiles, so that each buffer is a fixed set of registers; an odd count's first tile
-  // alone before them (a conditional second tile inside the loop made ptxas serialize the wgmmas, C7513).
-  int kt0 = 0;
-  if (k_tiles & 1) {
-    k_tile(0, afrag[1]);
-    kt0 = 1;
-  }
-  for (int kt = kt0; kt < k_tiles; kt += 2) {
-    k_tile(kt, afrag[0]);
-    k_tile(kt + 1, afrag[1]);
-  }
-  device::wgmma_wait<0>();
-#pragma unroll
-  for (int i = 0; i < kN / 2; ++i) device::fence_operand(acc[i]);
+    for (int i = 0; i < kN / 2; ++i) device::fence_operand(acc[i]);
+    mbar_arrive(&empty[(ring0 + k_tiles - 1) % L::kStages]);  // the item's last stage
 
-  consumers_sync();  // every consumer is past its last stage read: the stages become the staging
-  bf16* out_s = reinterpret_cast<bf16*>(smem);
+    // One-shot: every consumer is past its last stage read, so the ring becomes the staging.
+    // Persistent: the previous item's stores have read the staging.
+    consumers_sync();
 #pragma unroll
-  for (int j = 0; j < kN / 8; ++j) {
-    const int tok = 8 * j + 2 * t;
-    out_s[tok * L::kOutStride + m_lo] = __float2bfloat16_rn(acc[4 * j + 0]);
-    out_s[(tok + 1) * L::kOutStride + m_lo] = __float2bfloat16_rn(acc[4 * j + 1]);
-    out_s[tok * L::kOutStride + m_hi] = __float2bfloat16_rn(acc[4 * j + 2]);
-    out_s[(tok + 1) * L::kOutStride + m_hi] = __float2bfloat16_rn(acc[4 * j + 3]);
-  }
-  consumers_sync();
-  for (int i = ct; i < rows * 16; i += kConsumerThreads) {
-    const int tok = i >> 4, chunk = i & 15;
-    *reinterpret_cast<uint4*>(a.out + static_cast<int64_t>(row0 + tok) * a.N + col0 + chunk * 8) =
-        *reinterpret_cast<const uint4*>(out_s + tok * L::kOutStride + chunk * 8);
+    for (int j = 0; j < kN / 8; ++j) {
+      const int tok = 8 * j + 2 * t;
+      out_s[tok * L::kOutStride + m_lo] = __float2bfloat16_rn(acc[4 * j + 0]);
+      out_s[(tok + 1) * L::kOutStride + m_lo] = __float2bfloat16_rn(acc[4 * j + 1]);
+      out_s[tok * L::kOutStride + m_hi] = __float2bfloat16_rn(acc[4 * j + 2]);
+      out_s[(tok + 1) * L::kOutStride + m_hi] = __float2bfloat16_rn(acc[4 * j + 3]);
+    }
+    consumers_sync();
+    for (int i = ct; i < tile.z * 16; i += kConsumerThreads) {
+      const int tok = i >> 4, chunk = i & 15;
+      *reinterpret_cast<uint4*>(a.out + static_cast<int64_t>(tile.y + tok) * a.N + col0 + chunk * 8) =
+          *reinterpret_cast<const uint4*>(out_s + tok * L::kOutStride + chunk * 8);
+    }
   }
 #endif
 }
@@ -363,8 +386,8 @@ int main() {
   cudaStream_t stream;
   CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   CudaStreamScope scope(0, stream);
-  CHECK(cudaFuncSetAttribute(ws_tiles_kernel<128>, cudaFuncAttributeMaxDynamicSharedMemorySize, WsLayout<128>::kAllocBytes));
-  CHECK(cudaFuncSetAttribute(ws_tiles_kernel<256>, cudaFuncAttributeMaxDynamicSharedMemorySize, WsLayout<256>::kAllocBytes));
+  int sms = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   std::printf("{\"probe\": \"ws_tiles\", \"rows\": [\n");
   bool first_row = true;
   for (const Gemm& gm : gemms) {
@@ -402,7 +425,7 @@ int main() {
       Tensor out = Tensor::empty({rows, gm.N}, DType::bf16, Device::cuda);
       const Tensor ref = Tensor::empty({rows, gm.N}, DType::f32, Device::cuda);
       WsArgs a{x.data_as<bf16>(), gm.gathered ? lhs.data_as<int32_t>() : nullptr, w.data_as<uint32_t>(),
-               scales.data_as<uint16_t>(), biases.data_as<uint16_t>(), out.data_as<bf16>(), nullptr, gm.N, gm.K};
+               scales.data_as<uint16_t>(), biases.data_as<uint16_t>(), out.data_as<bf16>(), nullptr, 0, gm.N, gm.K};
       const int64_t outputs = int64_t(rows) * gm.N;
       reference_kernel<<<static_cast<unsigned>((outputs + 255) / 256), 256, 0, stream>>>(a, rhs.data_as<int32_t>(), rows,
                                                                                        ref.data_as<float>());
@@ -429,9 +452,13 @@ int main() {
         const double us = median_us(flush, stream, [&] { cuda::gather_qmm_into(p, out.data(), &ws); });
         report(cuda::gather_qmm_selected_route(p).c_str(), us, err, 0);
       }
-      // The warp-specialized kernel at token widths 128 and 256.
-      auto run_ws = [&](auto width) {
+      // The warp-specialized kernel: token widths 128 and 256, one-shot and persistent CTAs.
+      auto run_ws = [&](auto width, auto persistent) {
         constexpr int kN = decltype(width)::value;
+        constexpr bool kPersistent = decltype(persistent)::value;
+        using L = WsLayout<kN, kPersistent>;
+        CHECK(cudaFuncSetAttribute(ws_tiles_kernel<kN, kPersistent>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   L::kAllocBytes));
         std::vector<int4> tiles_h;
         for (int r = 0; r < rows;) {
           int end = r;
@@ -442,9 +469,11 @@ int main() {
         const Tensor tiles = Tensor::from_host(tiles_h.data(), {int64_t(tiles_h.size()) * 4}, DType::i32, Device::cuda);
         WsArgs wa = a;
         wa.tiles = reinterpret_cast<const int4*>(tiles.data());
-        const dim3 grid(gm.N / kCtaRows, static_cast<unsigned>(tiles_h.size()));
+        wa.tile_count = static_cast<int>(tiles_h.size());
+        const int items = wa.tile_count * (gm.N / kCtaRows);
+        const unsigned grid = kPersistent ? std::min(items, sms) : items;
         auto launch = [&] {
-          ws_tiles_kernel<kN><<<grid, kThreads, WsLayout<kN>::kAllocBytes, stream>>>(wa);
+          ws_tiles_kernel<kN, kPersistent><<<grid, kThreads, L::kAllocBytes, stream>>>(wa);
           CHECK(cudaGetLastError());
         };
         CHECK(cudaMemsetAsync(out.data(), 0xff, outputs * 2, stream));
@@ -452,10 +481,15 @@ int main() {
         CHECK(cudaStreamSynchronize(stream));
         const double err = rel_error(out.data_as<bf16>(), ref.data_as<float>(), outputs);
         const double us = err < 1e-2 ? median_us(flush, stream, launch) : -1.0;
-        report(kN == 128 ? "ws_n128" : "ws_n256", us, err, static_cast<int>(tiles_h.size()));
+        char name[32];
+        std::snprintf(name, sizeof name, "ws_n%d%s", kN, kPersistent ? "_persistent" : "");
+        report(name, us, err, wa.tile_count);
       };
-      run_ws(std::integral_constant<int, 128>());
-      run_ws(std::integral_constant<int, 256>());
+      using std::integral_constant;
+      run_ws(integral_constant<int, 128>(), integral_constant<bool, false>());
+      run_ws(integral_constant<int, 128>(), integral_constant<bool, true>());
+      run_ws(integral_constant<int, 256>(), integral_constant<bool, false>());
+      run_ws(integral_constant<int, 256>(), integral_constant<bool, true>());
     }
   }
   std::printf("\n]}\n");
