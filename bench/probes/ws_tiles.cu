@@ -40,6 +40,7 @@
 #include <cstdio>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "core/gather_qmm_problem.h"
@@ -373,7 +374,11 @@ double rel_error(const bf16* out_d, const float* ref_d, int64_t n) {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  // argv[1]: one variant only (route, ws_n128, ws_n128_persistent, ws_n256, ws_n256_persistent), so
+  // that a script can give each its own time limit; none: all.
+  const std::string only = argc > 1 ? argv[1] : "";
+  auto wanted = [&](const std::string& v) { return only.empty() || only == v; };
   constexpr int E = 128, top_k = 8;
   struct Gemm {
     const char* name;
@@ -440,7 +445,7 @@ int main() {
         std::fflush(stdout);
       };
       // Today's route: gather_qmm with sorted ids (tile plan + the wgmma expert tile kernel).
-      {
+      if (wanted("route")) {
         const detail::GatherQmmProblem p =
             detail::make_gather_qmm_problem(x, w, scales, biases,
                                             gm.gathered ? lhs : Tensor(), rhs, true, 64, 4, true);
@@ -457,6 +462,9 @@ int main() {
         constexpr int kN = decltype(width)::value;
         constexpr bool kPersistent = decltype(persistent)::value;
         using L = WsLayout<kN, kPersistent>;
+        char name[32];
+        std::snprintf(name, sizeof name, "ws_n%d%s", kN, kPersistent ? "_persistent" : "");
+        if (!wanted(name)) return;
         CHECK(cudaFuncSetAttribute(ws_tiles_kernel<kN, kPersistent>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    L::kAllocBytes));
         std::vector<int4> tiles_h;
@@ -481,8 +489,6 @@ int main() {
         CHECK(cudaStreamSynchronize(stream));
         const double err = rel_error(out.data_as<bf16>(), ref.data_as<float>(), outputs);
         const double us = err < 1e-2 ? median_us(flush, stream, launch) : -1.0;
-        char name[32];
-        std::snprintf(name, sizeof name, "ws_n%d%s", kN, kPersistent ? "_persistent" : "");
         report(name, us, err, wa.tile_count);
       };
       using std::integral_constant;
