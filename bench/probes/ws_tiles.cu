@@ -46,6 +46,7 @@
 #include "core/gather_qmm_problem.h"
 #include "cuda/device/dequant.cuh"
 #include "cuda/device/elem.cuh"
+#include "cuda/device/mbarrier.cuh"
 #include "cuda/device/wgmma.cuh"
 #include "cuda/gather_qmm.h"
 #include "expertqmm/backend.h"
@@ -87,47 +88,15 @@ struct WsLayout {
   static_assert(kAllocBytes <= 227 * 1024, "one CTA per SM");
 };
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(smem_addr(bar)) : "memory");
-}
-// Waits until the phase of parity `parity` has completed.
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nWAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n}\n" ::"r"(smem_addr(bar)),
-      "r"(parity)
-      : "memory");
-}
-// One arrival on `bar` once every cp.async this thread issued so far has landed.
-__device__ __forceinline__ void cp_async_arrive_noinc(uint64_t* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
-}
+using device::shared_address;
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
-template <int kRegs>
-__device__ __forceinline__ void setmaxnreg_dec() {
-#if EXPERTQMM_WGMMA_ENABLED
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
-#endif
-}
-template <int kRegs>
-__device__ __forceinline__ void setmaxnreg_inc() {
-#if EXPERTQMM_WGMMA_ENABLED
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
-#endif
-}
-__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumerThreads) : "memory"); }
-__device__ __forceinline__ void producers_sync() { asm volatile("bar.sync 2, %0;\n" ::"n"(kProducerThreads) : "memory"); }
+__device__ __forceinline__ void consumers_sync() { device::named_barrier_sync<1, kConsumerThreads>(); }
+__device__ __forceinline__ void producers_sync() { device::named_barrier_sync<2, kProducerThreads>(); }
 
 struct WsArgs {
   const bf16* x;          // [x_rows, K]
@@ -151,7 +120,7 @@ __global__ void __launch_bounds__(kThreads, 1) ws_tiles_kernel(WsArgs a) {
 #if EXPERTQMM_WGMMA_ENABLED
   using L = WsLayout<kN, kPersistent>;
   extern __shared__ unsigned char smem_raw[];
-  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t raw = shared_address(smem_raw);
   unsigned char* smem = smem_raw + ((1024u - (raw & 1023u)) & 1023u);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBarOffset);
   uint64_t* empty = full + L::kStages;
@@ -165,15 +134,15 @@ __global__ void __launch_bounds__(kThreads, 1) ws_tiles_kernel(WsArgs a) {
 
   if (tid == 0) {
     for (int s = 0; s < L::kStages; ++s) {
-      mbar_init(&full[s], kProducerThreads);
-      mbar_init(&empty[s], kConsumerThreads);
+      device::mbarrier_init(&full[s], kProducerThreads);
+      device::mbarrier_init(&empty[s], kConsumerThreads);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    device::mbarrier_init_fence();
   }
   __syncthreads();
 
   if (tid < kProducerThreads) {
-    setmaxnreg_dec<40>();
+    device::setmaxnreg_dec<40>();
     // Weight row p (both 16-byte chunks) and its scale and bias words; x: rows p / 8 + 16 i, chunk p % 8.
     const int p = tid;
     const int xr = p >> 3, xc = p & 7;
@@ -191,8 +160,8 @@ __global__ void __launch_bounds__(kThreads, 1) ws_tiles_kernel(WsArgs a) {
       const uint16_t* b_src = a.biases + w_row * groups;
       for (int kt = 0; kt < k_tiles; ++kt, ++ring) {
         const int s = ring % L::kStages;
-        if (ring >= L::kStages) mbar_wait(&empty[s], ((ring / L::kStages) - 1) & 1);
-        const uint32_t stage = smem_addr(smem + s * L::kStageBytes);
+        if (ring >= L::kStages) device::mbarrier_wait(&empty[s], ((ring / L::kStages) - 1) & 1);
+        const uint32_t stage = shared_address(smem + s * L::kStageBytes);
 #pragma unroll 4
         for (int r = xr; r < kN; r += 16) {
           const int32_t off = row_offset[r];
@@ -209,13 +178,13 @@ __global__ void __launch_bounds__(kThreads, 1) ws_tiles_kernel(WsArgs a) {
         const int odd = static_cast<int>((reinterpret_cast<uintptr_t>(se) >> 1) & 1);
         cp_async_4(ws + L::kWBytes + p * 4, se - odd, odd ? 4 : 2);
         cp_async_4(ws + L::kWBytes + kCtaRows * 4 + p * 4, be - odd, odd ? 4 : 2);
-        cp_async_arrive_noinc(&full[s]);
+        device::cp_async_mbarrier_arrive(&full[s]);
       }
     }
     return;
   }
 
-  setmaxnreg_inc<232>();
+  device::setmaxnreg_inc<232>();
   const int ct = tid - kProducerThreads;
   const int warp = ct >> 5, lane = ct & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -240,7 +209,7 @@ __global__ void __launch_bounds__(kThreads, 1) ws_tiles_kernel(WsArgs a) {
     auto k_tile = [&](int kt, uint32_t(&af)[4][4]) {
       const int ring = ring0 + kt;
       const int s = ring % L::kStages;
-      mbar_wait(&full[s], (ring / L::kStages) & 1);
+      device::mbarrier_wait(&full[s], (ring / L::kStages) & 1);
       const unsigned char* base = smem + s * L::kStageBytes;
       const uint32_t* ws = reinterpret_cast<const uint32_t*>(base + L::kXBytes);
       const uint32_t* ss = ws + kCtaRows * 8;
@@ -260,14 +229,14 @@ __global__ void __launch_bounds__(kThreads, 1) ws_tiles_kernel(WsArgs a) {
         af[k16][3] = Dequant::nibbles(hi[2 * k16 + 1], selector, s_hi, b_hi);
       }
       // x written by cp.async (generic proxy), read by wgmma (async proxy).
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      device::fence_proxy_async_shared();
       device::wgmma_fence();
       const uint64_t desc = desc0 + ((s * L::kStageBytes) >> 4);
 #pragma unroll
       for (int k16 = 0; k16 < 4; ++k16) device::WgmmaRS<bf16, kN>::run(acc, af[k16], desc + 2 * k16);
       device::wgmma_commit();
       device::wgmma_wait<1>();  // tile kt - 1's group retired: its stage and A buffer are free
-      if (kt > 0) mbar_arrive(&empty[(ring - 1) % L::kStages]);
+      if (kt > 0) device::mbarrier_arrive(&empty[(ring - 1) % L::kStages]);
     };
 #pragma unroll
     for (int i = 0; i < kN / 2; ++i) device::fence_operand(acc[i]);
@@ -285,7 +254,7 @@ __global__ void __launch_bounds__(kThreads, 1) ws_tiles_kernel(WsArgs a) {
     device::wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < kN / 2; ++i) device::fence_operand(acc[i]);
-    mbar_arrive(&empty[(ring0 + k_tiles - 1) % L::kStages]);  // the item's last stage
+    device::mbarrier_arrive(&empty[(ring0 + k_tiles - 1) % L::kStages]);  // the item's last stage
 
     // One-shot: every consumer is past its last stage read, so the ring becomes the staging.
     // Persistent: the previous item's stores have read the staging.
