@@ -62,6 +62,13 @@ TEST(Settings, DecodeLayerVariable) {
   for (const char* bad : kSwitchBad) expect_rejected("EXPERTQMM_DECODE_LAYER", bad);
 }
 
+TEST(Settings, WgmmaWsVariable) {
+  EXPECT_EQ(parse({}).wgmma_ws, RouteSwitch::automatic);
+  EXPECT_EQ(parse({{"EXPERTQMM_WGMMA_WS", "0"}}).wgmma_ws, RouteSwitch::off);
+  EXPECT_EQ(parse({{"EXPERTQMM_WGMMA_WS", "1"}}).wgmma_ws, RouteSwitch::on);
+  for (const char* bad : kSwitchBad) expect_rejected("EXPERTQMM_WGMMA_WS", bad);
+}
+
 TEST(Settings, DecodeRouteInGateUpVariable) {
   EXPECT_EQ(parse({}).decode_route_in_gate_up, RouteSwitch::automatic);
   EXPECT_EQ(parse({}).decode_down_groups, RouteSwitch::automatic);
@@ -122,7 +129,7 @@ TEST(Settings, ChainedLaunchScopeIsPerThreadAndRestores) {
 // Every variable of the table is parsed (a bad value of each is caught), and nothing else is.
 TEST(Settings, TableListsEveryVariableAndEachIsValidated) {
   const std::vector<SettingInfo> table = settings_table();
-  ASSERT_EQ(table.size(), 8u);
+  ASSERT_EQ(table.size(), 9u);
   for (const SettingInfo& row : table) {
     EXPECT_EQ(row.variable.rfind("EXPERTQMM_", 0), 0u) << row.variable;
     EXPECT_FALSE(row.values.empty() || row.current.empty() || row.what.empty()) << row.variable;

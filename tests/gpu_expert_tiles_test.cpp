@@ -145,6 +145,50 @@ TEST(SanitizeGpuExpertTiles, ColumnWindowsHoldTheWholeGemmsColumns) {
   }
 }
 
+// The warp-specialized build (EXPERTQMM_WGMMA_WS=1, gather_qmm_expert_tiles_ws.cu) against the
+// two-CTA kernel and the float64 reference, through the selector's wgmma route at > 32 rows per
+// expert (its 128-token build): gathered token rows; full tiles, 65-96 rows, a tail of 2 rows (its n32
+// path) and an expert without rows; a partial column block (N = 320); odd and even k-tile counts (K =
+// 320 at group 64, 384 at group 128); bf16 and f16; more items than CTAs on small devices is not
+// needed: the ring's phases wrap within one item (5-6 k tiles, 7 stages) and across the CTA's items.
+// A mis-sorted plan (the two-CTA kernel's walk, one retraction) gives the same answers. The GLU form:
+// GpuMoe.WarpSpecializedBuildGivesTheLayersAnswer.
+TEST(SanitizeGpuExpertTiles, WarpSpecializedBuildMatchesTheTwoCtaBuild) {
+  EXPERTQMM_REQUIRE_GPU();
+  CountersGuard guard;
+  struct Form {
+    DType dtype;
+    int group;
+    int64_t K;
+  };
+  for (const Form f : {Form{DType::bf16, 64, 320}, Form{DType::f16, 128, 384}}) {
+    const int64_t E = 8, N = 320, tokens = 96;
+    std::vector<int32_t> rhs;
+    for (auto [expert, rows] : {std::pair<int, int>{0, 128}, {1, 96}, {2, 128}, {2, 2}, {4, 70}, {6, 128}, {7, 33}})
+      rhs.insert(rhs.end(), rows, expert);  // the plan splits expert 2 into a full tile and a 2-row tail
+    std::vector<int32_t> lhs(rhs.size());
+    for (size_t r = 0; r < lhs.size(); ++r) lhs[r] = static_cast<int32_t>((r * 37 + 11) % tokens);
+    const std::string what = detail::cat(dtype_name(f.dtype), " g", f.group, " K ", f.K);
+    const QuantizedWeight q = test::random_codes(E, N, f.K, 4, f.group, f.dtype);
+    for (bool mis_sorted : {false, true}) {
+      std::vector<int32_t> ids = rhs;
+      if (mis_sorted) std::swap(ids.front(), ids.back());
+      const test::GatherCall c = test::batched_call(q, f.dtype, tokens, 1, lhs, ids);
+      if (!cuda::supports_expert_tiles_wgmma(c.problem()).ok) return;  // no sm_90a kernels on this device
+      set_wgmma_ws(RouteSwitch::off);
+      const std::vector<float> two_cta = test::run_route(c, "expert_tiles_wgmma");
+      set_wgmma_ws(RouteSwitch::on);
+      const auto retracted = [] { return test::gather_counters().fallbacks[static_cast<int>(Fallback::sortedness_retracted)]; };
+      const uint64_t retracted_before = retracted();
+      const std::vector<float> ws = test::run_route(c, "expert_tiles_wgmma");
+      set_wgmma_ws(RouteSwitch::automatic);
+      EXPECT_EQ(retracted() - retracted_before, mis_sorted ? 1u : 0u) << what;
+      EXPECT_LE(test::rel_error(ws, two_cta), 1e-3) << what << (mis_sorted ? " mis-sorted" : "") << " " << test::seed_note();
+      EXPECT_LE(test::reference_error(c, ws), 1e-2) << what << (mis_sorted ? " mis-sorted" : "");
+    }
+  }
+}
+
 // Every field changed alone sends the call to the generic routes with the named fallback class,
 // and the answer stays right.
 TEST(SanitizeGpuExpertTiles, OneFieldSelectorMisses) {

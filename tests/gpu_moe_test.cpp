@@ -72,6 +72,38 @@ TEST(GpuMoe, FusedCombineMatchesTheDeterministicPath) {
   EXPECT_LE(fused_bytes, det_bytes) << "the fused combine should not need more scratch";
 }
 
+// The warp-specialized wgmma build (EXPERTQMM_WGMMA_WS=1) in the layer: at 75 rows per expert the
+// gate/up GEMM with its GLU epilogue (both activations) and, in deterministic mode, the plain down
+// GEMM run on it; the answer is the two-CTA build's within rounding and float64's.
+TEST(GpuMoe, WarpSpecializedBuildGivesTheLayersAnswer) {
+  EXPERTQMM_REQUIRE_GPU();
+  for (Activation act : {Activation::geglu, Activation::swiglu})
+    for (bool deterministic_mode : {false, true}) {
+      const test::Layer l = layer(16, 4, false, act);
+      const int64_t T = 300, D = l.cpu.experts.down.w.size(1);
+      const Tensor h = test::random_tensor({T, D}, DType::bf16, 1.0f, Device::cuda);
+      auto run_layer = [&](RouteSwitch ws_build) {
+        const bool before = deterministic();
+        set_deterministic(deterministic_mode);
+        set_wgmma_ws(ws_build);
+        Workspace ws;
+        Tensor out = Tensor::empty({T, D}, DType::bf16, Device::cuda);
+        moe_layer_into(out, h, h, l.gpu, ws);
+        cuda_check();
+        set_wgmma_ws(RouteSwitch::automatic);
+        set_deterministic(before);
+        return test::to_float(out);
+      };
+      const std::string what = detail::cat(activation_name(act), deterministic_mode ? " deterministic" : "");
+      const std::vector<float> two_cta = run_layer(RouteSwitch::off), ws = run_layer(RouteSwitch::on);
+      EXPECT_LE(test::rel_error(ws, two_cta), deterministic_mode ? 1e-3 : 5e-3) << what << " " << test::seed_note();
+      const Routing r = route(h, l.gpu.router);
+      const std::vector<double> ref = test::reference_switch_glu_combine(
+          test::to_float(h), T, D, test::to_i32(r.indices), test::to_float(r.weights), 4, l.cpu.experts);
+      EXPECT_LE(test::rel_error(ws, ref), 1e-2) << what << " " << test::seed_note();
+    }
+}
+
 // Where the down output would pass the plan's kDownWindowBytes (24 MiB) whole, moe_layer_into in
 // deterministic mode runs down and the combine per window of output columns: here H = 1472 and
 // 8,800 (token, slot) rows give 25.9 MB, so windows of 1408 and 64 columns. The same bits on

@@ -87,6 +87,12 @@ ProductMode product_mode();
 void set_wgmma(RouteSwitch s);
 RouteSwitch wgmma_setting();
 
+// EXPERTQMM_WGMMA_WS=0|1: 1 runs the 4-bit affine wgmma expert GEMM's wide build (128 tokens) as the
+// warp-specialized kernel (gather_qmm_expert_tiles_ws.cu: a producer warpgroup feeding an mbarrier
+// ring, persistent CTAs); unset / 0: the two-CTA kernel (bench/NOTES.md step 47: until measured).
+void set_wgmma_ws(RouteSwitch s);
+RouteSwitch wgmma_ws_setting();
+
 // EXPERTQMM_WGMMA_WIDTH=32|64|128 pins one build of the wgmma expert-tile GEMM (its token width);
 // 0 / unset: the measured table picks per call.
 void set_wgmma_width(int width);

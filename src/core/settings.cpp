@@ -35,7 +35,7 @@ int parse_wgmma_width(const char* variable, const std::optional<std::string>& va
 // API overrides: -1 = none (the environment decides), else the value.
 constexpr int kNone = -1;
 std::atomic<int> g_expert_tiles{kNone}, g_decode_layer{kNone}, g_decode_route_in_gate_up{kNone}, g_chained_launch{kNone}, g_deterministic{kNone}, g_wgmma{kNone},
-    g_wgmma_width{kNone}, g_decode_down_groups{kNone};
+    g_wgmma_width{kNone}, g_decode_down_groups{kNone}, g_wgmma_ws{kNone};
 std::atomic<ProductMode> g_product_mode{ProductMode::fused};
 thread_local int t_chained_launch = kNone;  // ChainedLaunchScope's value on this thread
 
@@ -81,6 +81,11 @@ const Variable kVariables[] = {
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.wgmma_width = parse_wgmma_width(n, v); },
      [] { return wgmma_width() ? std::to_string(wgmma_width()) : std::string("auto"); },
      &g_wgmma_width, [](const EnvSettings& e) { return e.wgmma_width; }},
+    {"EXPERTQMM_WGMMA_WS", "0|1",
+     "1: the 4-bit wgmma expert GEMM's 128-token build as the warp-specialized persistent kernel (unset: 0, until measured)",
+     [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.wgmma_ws = parse_switch(n, v); },
+     [] { return std::string(switch_text(wgmma_ws_setting())); },
+     &g_wgmma_ws, [](const EnvSettings& e) { return switch_override(e.wgmma_ws); }},
     {"EXPERTQMM_DECODE_DOWN_GROUPS", "0|1",
      "the decode layer's 4-bit down product per (expert group, 128 columns), then a slot-order combine kernel: 1 from 2 tokens, 0 never (unset: from 12 tokens, measured)",
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.decode_down_groups = parse_switch(n, v); },
@@ -176,6 +181,9 @@ ProductMode product_mode() { return g_product_mode.load(); }
 
 void set_wgmma(RouteSwitch s) { set_switch(g_wgmma, s, "set_wgmma"); }
 RouteSwitch wgmma_setting() { return read_switch(g_wgmma, env().wgmma); }
+
+void set_wgmma_ws(RouteSwitch s) { set_switch(g_wgmma_ws, s, "set_wgmma_ws"); }
+RouteSwitch wgmma_ws_setting() { return read_switch(g_wgmma_ws, env().wgmma_ws); }
 
 void set_wgmma_width(int width) {
   EXPERTQMM_CHECK(width == 0 || width == 32 || width == 64 || width == 128, "set_wgmma_width", "width ", width,

@@ -19,6 +19,7 @@ struct EnvSettings {
   RouteSwitch deterministic = RouteSwitch::automatic;  // automatic = off
   RouteSwitch wgmma = RouteSwitch::automatic;          // automatic = on where available
   int wgmma_width = 0;                                 // 0: the measured table
+  RouteSwitch wgmma_ws = RouteSwitch::automatic;       // automatic = off (step 47, not yet measured)
 };
 
 // Looks a variable up: the value, or nullopt when unset.

@@ -416,6 +416,7 @@ __global__ void __launch_bounds__(kThreads, PipelineDepth<kMaxTokens, kBits>::kC
   if (!sorted && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && p.retractions)
     atomicAdd(p.retractions, static_cast<unsigned long long>(p.calls));
   if (sorted) {
+    if (p.retracted_only) return;  // the warp-specialized kernel ran the plan
     const int tile_count = header->tile_count;
     for (int i = blockIdx.y; i < tile_count; i += gridDim.y) {
       const ExpertTile tile = tiles[i];
@@ -481,8 +482,9 @@ void launch_variant(const WgmmaTileArgs& p, const ExpertTile* tiles, const TileP
   const int64_t slots = std::max<int64_t>(tile_slots, (p.tile.rows + 15) / 16);
   constexpr bool kGlu = is_glu(kForm);
   const int cols_per_cta = kGlu ? 64 : kCtaRows;
+  // retracted_only: CTAs that exit at once under a valid plan; a retracted one strides over its rows.
   const dim3 grid(static_cast<unsigned>(ceil_div(p.tile.N, cols_per_cta)),
-                  static_cast<unsigned>(std::min<int64_t>(slots, 65535)));
+                  static_cast<unsigned>(std::min<int64_t>(slots, p.retracted_only ? 16 : 65535)));
   expert_tiles_wgmma_kernel<T, kForm, kMaxTokens, kFp, kBits><<<grid, kThreads, kSmem, current_stream()>>>(p, tiles, header);
   EXPERTQMM_CUDA_CHECK_LAUNCH("expert_tiles_wgmma_kernel");
 }
@@ -580,6 +582,17 @@ void launch_expert_tiles_wgmma(const WgmmaTileArgs& p, WgmmaForm form, DType dty
   for (const WidthChoice& w : kWidths)
     if (max_tokens == 0 && p.tile.rows <= w.max_rows_per_expert * p.tile.E) max_tokens = w.max_tokens;
   if (bits == 8) max_tokens = kWide8BitTokens;
+  if (wgmma_ws_takes(form, dtype, bits, fp, max_tokens)) {
+    launch_expert_tiles_ws(p, form, dtype, tiles, header);
+    // A retracted plan: the narrowest two-CTA build walks its rows (nothing else runs).
+    WgmmaTileArgs fallback = p;
+    fallback.retracted_only = true;
+    for (const WgmmaVariant& v : kVariants)
+      if (v.dtype == dtype && v.form == form && v.max_tokens == 32 && !v.fp && v.bits == 4) {
+        v.launch(fallback, tiles, header, tile_slots);
+        return;
+      }
+  }
   for (const WgmmaVariant& v : kVariants)
     if (v.dtype == dtype && v.form == form && v.max_tokens == max_tokens && v.fp == fp && v.bits == bits) {
       v.launch(p, tiles, header, tile_slots);

@@ -28,6 +28,9 @@ struct WgmmaTileArgs {
   int top_k = 1;
   unsigned long long* retractions = nullptr;  // += calls when the plan turns out retracted
   int calls = 1;                              // gather_qmm calls this launch serves (glu: 2)
+  // The two-CTA kernel does nothing with a valid plan (the warp-specialized kernel ran it) and
+  // walks a retracted one as always.
+  bool retracted_only = false;
 };
 
 // Whether a wgmma build can run p: wgmma_available(), bf16/f16 4-bit affine with group size 64 or
@@ -44,6 +47,13 @@ bool wgmma_tiles_fit(const detail::GatherQmmProblem& p);
 // fp4 mode's codes (plain form, p.tile from make_tile_args).
 void launch_expert_tiles_wgmma(const WgmmaTileArgs& p, WgmmaForm form, DType dtype, const detail::ExpertTile* tiles,
                                const detail::TilePlanHeader* header, int64_t tile_slots, bool fp = false);
+
+// The warp-specialized build (gather_qmm_expert_tiles_ws.cu; EXPERTQMM_WGMMA_WS=1): whether it takes
+// the launch that launch_expert_tiles_wgmma would give the build of `max_tokens` (plain and glu forms,
+// 4-bit affine bf16 / f16, the 128-token build), and its launch, which leaves a retracted plan alone.
+bool wgmma_ws_takes(WgmmaForm form, DType dtype, int bits, bool fp, int max_tokens);
+void launch_expert_tiles_ws(const WgmmaTileArgs& p, WgmmaForm form, DType dtype, const detail::ExpertTile* tiles,
+                            const detail::TilePlanHeader* header);
 
 // The layer plan (layer_plan.cu) decides the fusions below, once, and counts their GEMMs through
 // the route selector; these launch what it decided.
