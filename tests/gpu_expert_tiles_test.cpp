@@ -147,10 +147,11 @@ TEST(SanitizeGpuExpertTiles, ColumnWindowsHoldTheWholeGemmsColumns) {
 
 // The warp-specialized build (EXPERTQMM_WGMMA_WS=1, gather_qmm_expert_tiles_ws.cu) against the
 // two-CTA kernel and the float64 reference, through the selector's wgmma route at > 32 rows per
-// expert (its 128-token build): gathered token rows; full tiles, 65-96 rows, a tail of 2 rows (its n32
-// path) and an expert without rows; a partial column block (N = 320); odd and even k-tile counts (K =
-// 320 at group 64, 384 at group 128); bf16 and f16; more items than CTAs on small devices is not
-// needed: the ring's phases wrap within one item (5-6 k tiles, 7 stages) and across the CTA's items.
+// expert (its 128-token build): gathered token rows; full tiles, 65-96 and 33 rows (n128), tails of
+// 2 and 32 rows run with their full tile (n128 + n32) and one of 33 rows alone, an expert without
+// rows; a partial column block (N = 320); odd and even k-tile counts (K = 320 at group 64, 384 at
+// group 128); bf16 and f16. The ring's phases wrap within an item (5-6 k tiles, 7 stages) and across
+// a CTA's items.
 // A mis-sorted plan (the two-CTA kernel's walk, one retraction) gives the same answers. The GLU form:
 // GpuMoe.WarpSpecializedBuildGivesTheLayersAnswer.
 TEST(SanitizeGpuExpertTiles, WarpSpecializedBuildMatchesTheTwoCtaBuild) {
@@ -164,8 +165,10 @@ TEST(SanitizeGpuExpertTiles, WarpSpecializedBuildMatchesTheTwoCtaBuild) {
   for (const Form f : {Form{DType::bf16, 64, 320}, Form{DType::f16, 128, 384}}) {
     const int64_t E = 8, N = 320, tokens = 96;
     std::vector<int32_t> rhs;
-    for (auto [expert, rows] : {std::pair<int, int>{0, 128}, {1, 96}, {2, 128}, {2, 2}, {4, 70}, {6, 128}, {7, 33}})
-      rhs.insert(rhs.end(), rows, expert);  // the plan splits expert 2 into a full tile and a 2-row tail
+    // Experts 2, 3 and 6 end in tails that run in their full tile's item (2, 32 and 2 rows after 128,
+    // the last after two full tiles); expert 5's 33-row tail is an item of its own; expert 4 none.
+    for (auto [expert, rows] : {std::pair<int, int>{0, 128}, {1, 96}, {2, 130}, {3, 160}, {5, 161}, {6, 258}, {7, 33}})
+      rhs.insert(rhs.end(), rows, expert);
     std::vector<int32_t> lhs(rhs.size());
     for (size_t r = 0; r < lhs.size(); ++r) lhs[r] = static_cast<int32_t>((r * 37 + 11) % tokens);
     const std::string what = detail::cat(dtype_name(f.dtype), " g", f.group, " K ", f.K);

@@ -50,33 +50,38 @@ using detail::TilePlanHeader;
 using device::TileArgs;
 
 constexpr int kProducerThreads = 128, kConsumerThreads = 256, kThreads = 384;
-// 128 x 56 + 256 x 224 <= 64K registers; at 40 the producer spilled (its 64-bit row offsets and pointers).
-constexpr int kProducerRegs = 56, kConsumerRegs = 224;
+// 128 x 40 + 256 x 232 <= 64K registers (ptxas -v: no spill; the consumers at 224 spilled in the plain
+// form, and at 216 ptxas serialized the wgmmas, C7512).
+constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 constexpr int kCtaRows = 128;     // weight rows per item, 64 per consumer warpgroup
 constexpr int kBK = 64;           // k per stage
 constexpr int kTokens = 128;      // the wide wgmma's N: a full plan tile
-constexpr int kNarrowTokens = 32; // tiles of at most 32 rows (an expert's tail) run n32
+constexpr int kNarrowTokens = 32; // tiles of at most 32 rows run n32; an expert's tail of at most
+                                  // 32 rows after a full tile runs in that tile's item, n128 + n32
+constexpr int kStageRows = kTokens + kNarrowTokens;  // x rows a stage holds (a full tile and a tail)
 constexpr int kStages = 7;
-static_assert(detail::kTileRowsFull == kTokens, "a plan tile is one item's rows (a loop over pieces made ptxas serialize the wgmmas, C7514)");
+static_assert(detail::kTileRowsFull == kTokens, "a plan tile is at most one wgmma's rows (a loop over pieces made ptxas serialize the wgmmas, C7514)");
 
 // Shared memory (bytes from a 1024-byte aligned base):
-//   stages   kStages x { xs (128, 64) T, 128-byte rows, chunk c of row r at c ^ (r % 8);
+//   stages   kStages x { xs (160, 64) T, 128-byte rows, chunk c of row r at c ^ (r % 8) (a tail's
+//                        rows 128-159 start 16 KB in, 1024-byte aligned like the first);
 //                        ws (128, 8) uint32 codes, chunk c of row r at c ^ ((r / 4) % 2);
 //                        ss, bs (128,) uint32: the aligned word holding the row's group scale / bias }
-//   staging  (128, 136) T: a token's 128 outputs padded by 8 (the 4 token rows a warp writes at
+//   staging  (160, 136) T: a token's 128 outputs padded by 8 (the 4 token rows a warp writes at
 //            once fall in different banks)
-//   full[kStages], empty[kStages] mbarriers; rows (128,) int64 x offsets, -1: no row (producer's)
+//   full[kStages], empty[kStages] mbarriers; rows (160,) int64 x offsets, -1: no row (producer's)
 struct Layout {
-  static constexpr int kXBytes = kTokens * kBK * 2;
+  static constexpr int kXBytes = kStageRows * kBK * 2;
+  static constexpr int kTailXOffset = kTokens * kBK * 2;
   static constexpr int kWBytes = kCtaRows * kBK / 2;
   static constexpr int kStageBytes = kXBytes + kWBytes + 2 * kCtaRows * 4;
   static constexpr int kOutStride = kCtaRows + 8;
   static constexpr int kStagingOffset = kStages * kStageBytes;
-  static constexpr int kBarOffset = kStagingOffset + kTokens * kOutStride * 2;
+  static constexpr int kBarOffset = kStagingOffset + kStageRows * kOutStride * 2;
   static constexpr int kRowsOffset = kBarOffset + 2 * kStages * 8;
-  static constexpr int kBytes = kRowsOffset + kTokens * 8;
+  static constexpr int kBytes = kRowsOffset + kStageRows * 8;
   static constexpr int kAllocBytes = kBytes + 1024;
-  static_assert(kStageBytes % 1024 == 0, "every stage's x tile stays 1024-byte aligned for the swizzle");
+  static_assert(kStageBytes % 1024 == 0 && kTailXOffset % 1024 == 0, "x tiles stay 1024-byte aligned for the swizzle");
   static_assert(kAllocBytes <= 227 * 1024, "one CTA per SM");
 };
 
@@ -87,9 +92,37 @@ __device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, int sr
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
-// The k loop of one item on one consumer warpgroup with wgmma width kN, accumulating into acc.
-template <class T, int kN>
-__device__ __forceinline__ void consume_item(float (&acc)[kN / 2], unsigned char* smem, uint64_t* full,
+// The rows of work item tile t: a tile, or a full tile and the expert's tail of at most 32 rows
+// after it (ordered by expert, then row: the plan's order), which then is no item of its own.
+struct ItemRows {
+  int expert = 0;
+  int64_t row0 = 0;
+  int rows = 0, tail_rows = 0;  // rows includes the tail's
+  bool absorbed = false;        // a tail that the full tile before it runs
+};
+__device__ __forceinline__ bool is_tail_of(const ExpertTile& full, const ExpertTile& tail) {
+  return full.rows == kTokens && tail.expert == full.expert && tail.rows <= kNarrowTokens &&
+         tail.row_begin == full.row_begin + full.rows;
+}
+__device__ __forceinline__ ItemRows item_rows(const ExpertTile* tiles, int tile_count, int t) {
+  const ExpertTile tile = tiles[t];
+  ItemRows r;
+  if (t > 0 && is_tail_of(tiles[t - 1], tile)) {
+    r.absorbed = true;
+    return r;
+  }
+  r.expert = tile.expert;
+  r.row0 = tile.row_begin;
+  r.tail_rows = t + 1 < tile_count && is_tail_of(tile, tiles[t + 1]) ? tiles[t + 1].rows : 0;
+  r.rows = tile.rows + r.tail_rows;
+  return r;
+}
+
+// The k loop of one item on one consumer warpgroup with wgmma width kN into acc and, kTailN = 32,
+// the tail's rows 128-159 into acc_tail with the same A fragments (one dequantization for both).
+template <class T, int kN, int kTailN>
+__device__ __forceinline__ void consume_item(float (&acc)[kN / 2], float (&acc_tail)[kTailN ? kTailN / 2 : 1],
+                                              unsigned char* smem, uint64_t* full,
                                               uint64_t* empty, int ring0, int k_tiles, int group_shift,
                                               int m_lo, int parity_lo, int parity_hi, uint32_t selector) {
   using Dequant = device::PackedDequant<T>;
@@ -125,6 +158,11 @@ __device__ __forceinline__ void consume_item(float (&acc)[kN / 2], unsigned char
     const uint64_t desc = desc0 + ((s * Layout::kStageBytes) >> 4);  // the address field counts 16 bytes
 #pragma unroll
     for (int k16 = 0; k16 < 4; ++k16) device::WgmmaRS<T, kN>::run(acc, af[k16], desc + 2 * k16);
+    if constexpr (kTailN > 0) {
+#pragma unroll
+      for (int k16 = 0; k16 < 4; ++k16)
+        device::WgmmaRS<T, kTailN>::run(acc_tail, af[k16], desc + (Layout::kTailXOffset >> 4) + 2 * k16);
+    }
     device::wgmma_commit();
     device::wgmma_wait<1>();  // tile kt - 1's group retired: its stage and A buffer are free
     if (kt > 0) device::mbarrier_arrive(&empty[(ring - 1) % kStages]);
@@ -133,6 +171,12 @@ __device__ __forceinline__ void consume_item(float (&acc)[kN / 2], unsigned char
   for (int i = 0; i < kN / 2; ++i) acc[i] = 0.f;
 #pragma unroll
   for (int i = 0; i < kN / 2; ++i) device::fence_operand(acc[i]);
+  if constexpr (kTailN > 0) {
+#pragma unroll
+    for (int i = 0; i < kTailN / 2; ++i) acc_tail[i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < kTailN / 2; ++i) device::fence_operand(acc_tail[i]);
+  }
   // Pairs of k tiles, so that each A buffer is a fixed set of registers; an odd count's first tile
   // alone before them (a conditional second tile inside the loop makes ptxas serialize every
   // wgmma: C7513).
@@ -148,15 +192,19 @@ __device__ __forceinline__ void consume_item(float (&acc)[kN / 2], unsigned char
   device::wgmma_wait<0>();
 #pragma unroll
   for (int i = 0; i < kN / 2; ++i) device::fence_operand(acc[i]);
+  if constexpr (kTailN > 0) {
+#pragma unroll
+    for (int i = 0; i < kTailN / 2; ++i) device::fence_operand(acc_tail[i]);
+  }
   device::mbarrier_arrive(&empty[(ring0 + k_tiles - 1) % kStages]);  // the item's last stage
 }
 
-// Accumulators (kN wide) as T into the staging: staging[token][m], m the smem weight row.
+// Accumulators (kN wide) as T into the staging from token tok0: staging[token][m], m the smem weight row.
 template <class T, int kN>
-__device__ __forceinline__ void stage_outputs(const float (&acc)[kN / 2], T* staging, int m_lo, int t) {
+__device__ __forceinline__ void stage_outputs(const float (&acc)[kN / 2], T* staging, int tok0, int m_lo, int t) {
 #pragma unroll
   for (int j = 0; j < kN / 8; ++j) {
-    const int tok = 8 * j + 2 * t;
+    const int tok = tok0 + 8 * j + 2 * t;
     staging[tok * Layout::kOutStride + m_lo] = device::Elem<T>::from_float(acc[4 * j + 0]);
     staging[(tok + 1) * Layout::kOutStride + m_lo] = device::Elem<T>::from_float(acc[4 * j + 1]);
     staging[tok * Layout::kOutStride + m_lo + 8] = device::Elem<T>::from_float(acc[4 * j + 2]);
@@ -184,7 +232,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const int cols_per_item = kGlu ? 64 : kCtaRows;
   const int col_blocks = (a.N + cols_per_item - 1) / cols_per_item;
-  const int items = header->tile_count * col_blocks;
+  const int tile_count = header->tile_count;
+  const int items = tile_count * col_blocks;
   const int k_tiles = a.K / kBK;
   const int tid = threadIdx.x;
   // Smem weight row r (0..127) of column block cb: weight set r / 64 and row 64 cb + r % 64 (glu),
@@ -211,8 +260,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint16_t* b_base = kGlu && pr >= 64 ? p.up.biases : a.q.biases;
     int ring = 0;  // k tiles issued: stage ring % kStages, use ring / kStages
     for (int item = blockIdx.x; item < items; item += gridDim.x) {
-      const ExpertTile tile = tiles[item / col_blocks];
-      if (!expert_ok(tile.expert)) continue;  // the consumers skip it too (and record the fault)
+      const ItemRows tile = item_rows(tiles, tile_count, item / col_blocks);
+      if (tile.absorbed || !expert_ok(tile.expert)) continue;  // the consumers skip it too
       const int n = weight_row(item % col_blocks, pr);
       const bool w_valid = n < a.N;
       const int64_t w_row = static_cast<int64_t>(tile.expert) * a.expert_rows + (w_valid ? n : 0);
@@ -220,8 +269,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint16_t* s_src = s_base + w_row * a.q.groups_per_row;
       const uint16_t* b_src = b_base + w_row * a.q.groups_per_row;
       {
-        const int rows = tile.rows;  // <= kTokens (kTileRowsFull)
-        const int64_t row0 = tile.row_begin;
+        const int rows = tile.rows;  // <= kStageRows
+        const int64_t row0 = tile.row0;
         device::named_barrier_sync<2, kProducerThreads>();  // the previous item's offsets were read
         for (int r = pr; r < rows; r += kProducerThreads) {
           const int64_t xb = a.lhs ? static_cast<int64_t>(a.lhs[row0 + r]) : row0 + r;  // M == 1
@@ -270,7 +319,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   T* out = static_cast<T*>(a.out);
   int ring0 = 0;  // the ring position of the current item's first k tile
   for (int item = blockIdx.x; item < items; item += gridDim.x) {
-    const ExpertTile tile = tiles[item / col_blocks];
+    const ItemRows tile = item_rows(tiles, tile_count, item / col_blocks);
+    if (tile.absorbed) continue;
     if (!expert_ok(tile.expert)) {
       if (ct == 0 && item % col_blocks == 0)
         record_fault(a.faults, kFaultExpertOutOfRange, static_cast<uint32_t>(tile.expert), static_cast<uint32_t>(a.E));
@@ -286,19 +336,25 @@ __global__ void __launch_bounds__(kThreads, 1)
     };
     const int parity_lo = row_parity(m_lo), parity_hi = row_parity(m_lo + 8);
     {
-      const int rows = tile.rows;  // <= kTokens (kTileRowsFull)
-      const int64_t row0 = tile.row_begin;
+      const int rows = tile.rows;  // <= kStageRows
+      const int64_t row0 = tile.row0;
       device::named_barrier_sync<1, kConsumerThreads>();  // the previous item's stores read the staging
-      if (rows <= kNarrowTokens) {
-        float acc[kNarrowTokens / 2];
-        consume_item<T, kNarrowTokens>(acc, smem, full, empty, ring0, k_tiles, a.q.group_shift, m_lo, parity_lo,
-                                        parity_hi, selector);
-        stage_outputs<T, kNarrowTokens>(acc, staging, m_lo, t);
+      if (tile.tail_rows > 0) {
+        float acc[kTokens / 2], acc_tail[kNarrowTokens / 2];
+        consume_item<T, kTokens, kNarrowTokens>(acc, acc_tail, smem, full, empty, ring0, k_tiles, a.q.group_shift,
+                                                m_lo, parity_lo, parity_hi, selector);
+        stage_outputs<T, kTokens>(acc, staging, 0, m_lo, t);
+        stage_outputs<T, kNarrowTokens>(acc_tail, staging, kTokens, m_lo, t);
+      } else if (rows <= kNarrowTokens) {
+        float acc[kNarrowTokens / 2], none[1];
+        consume_item<T, kNarrowTokens, 0>(acc, none, smem, full, empty, ring0, k_tiles, a.q.group_shift, m_lo,
+                                          parity_lo, parity_hi, selector);
+        stage_outputs<T, kNarrowTokens>(acc, staging, 0, m_lo, t);
       } else {
-        float acc[kTokens / 2];
-        consume_item<T, kTokens>(acc, smem, full, empty, ring0, k_tiles, a.q.group_shift, m_lo, parity_lo,
-                                  parity_hi, selector);
-        stage_outputs<T, kTokens>(acc, staging, m_lo, t);
+        float acc[kTokens / 2], none[1];
+        consume_item<T, kTokens, 0>(acc, none, smem, full, empty, ring0, k_tiles, a.q.group_shift, m_lo, parity_lo,
+                                    parity_hi, selector);
+        stage_outputs<T, kTokens>(acc, staging, 0, m_lo, t);
       }
       device::named_barrier_sync<1, kConsumerThreads>();
       // 16-byte stores of 8 outputs: plain 16 chunks per token (128 columns), glu 8 (64 columns).
