@@ -13,6 +13,8 @@
 #ifdef EXPERTQMM_HAVE_CUDA
 #include <cuda_runtime.h>
 
+#include "cuda/gather_qmm_routes.h"
+#include "cuda/gather_qmm_ws_hooks.h"
 #include "cuda/layer_plan_hooks.h"
 #endif
 
@@ -74,34 +76,46 @@ TEST(GpuMoe, FusedCombineMatchesTheDeterministicPath) {
 
 // The warp-specialized wgmma build (EXPERTQMM_WGMMA_WS=1) in the layer: at 75 rows per expert the
 // gate/up GEMM with its GLU epilogue (both activations) and, in deterministic mode, the plain down
-// GEMM run on it; the answer is the two-CTA build's within rounding and float64's.
+// GEMM run on it, also with one CTA for all items; the answer is the two-CTA build's within rounding
+// and float64's. The warp-specialized runs go first, on a fresh workspace, so that rows they failed
+// to write cannot hold the two-CTA run's values.
 TEST(GpuMoe, WarpSpecializedBuildGivesTheLayersAnswer) {
   EXPERTQMM_REQUIRE_GPU();
+#ifdef EXPERTQMM_HAVE_CUDA
+  if (!cuda::wgmma_available()) GTEST_SKIP() << "no sm_90a kernels on this device";
   for (Activation act : {Activation::geglu, Activation::swiglu})
     for (bool deterministic_mode : {false, true}) {
       const test::Layer l = layer(16, 4, false, act);
       const int64_t T = 300, D = l.cpu.experts.down.w.size(1);
       const Tensor h = test::random_tensor({T, D}, DType::bf16, 1.0f, Device::cuda);
-      auto run_layer = [&](RouteSwitch ws_build) {
+      auto run_layer = [&](RouteSwitch ws_build, int max_ctas) {
         const bool before = deterministic();
         set_deterministic(deterministic_mode);
         set_wgmma_ws(ws_build);
+        cuda::set_wgmma_ws_max_ctas(max_ctas);
         Workspace ws;
         Tensor out = Tensor::empty({T, D}, DType::bf16, Device::cuda);
         moe_layer_into(out, h, h, l.gpu, ws);
         cuda_check();
+        cuda::set_wgmma_ws_max_ctas(0);
         set_wgmma_ws(RouteSwitch::automatic);
         set_deterministic(before);
         return test::to_float(out);
       };
       const std::string what = detail::cat(activation_name(act), deterministic_mode ? " deterministic" : "");
-      const std::vector<float> two_cta = run_layer(RouteSwitch::off), ws = run_layer(RouteSwitch::on);
+      const uint64_t launches_before = cuda::wgmma_ws_launches();
+      const std::vector<float> one_cta = run_layer(RouteSwitch::on, 1), ws = run_layer(RouteSwitch::on, 0);
+      EXPECT_GE(cuda::wgmma_ws_launches() - launches_before, deterministic_mode ? 4u : 2u)
+          << what << ": gate/up (and down) should have run on the warp-specialized kernel";
+      const std::vector<float> two_cta = run_layer(RouteSwitch::off, 0);
       EXPECT_LE(test::rel_error(ws, two_cta), deterministic_mode ? 1e-3 : 5e-3) << what << " " << test::seed_note();
+      EXPECT_LE(test::rel_error(one_cta, ws), 5e-3) << what << " one CTA";
       const Routing r = route(h, l.gpu.router);
       const std::vector<double> ref = test::reference_switch_glu_combine(
           test::to_float(h), T, D, test::to_i32(r.indices), test::to_float(r.weights), 4, l.cpu.experts);
       EXPECT_LE(test::rel_error(ws, ref), 1e-2) << what << " " << test::seed_note();
     }
+#endif
 }
 
 // Where the down output would pass the plan's kDownWindowBytes (24 MiB) whole, moe_layer_into in

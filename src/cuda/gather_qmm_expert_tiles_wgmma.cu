@@ -482,9 +482,12 @@ void launch_variant(const WgmmaTileArgs& p, const ExpertTile* tiles, const TileP
   const int64_t slots = std::max<int64_t>(tile_slots, (p.tile.rows + 15) / 16);
   constexpr bool kGlu = is_glu(kForm);
   const int cols_per_cta = kGlu ? 64 : kCtaRows;
-  // retracted_only: CTAs that exit at once under a valid plan; a retracted one strides over its rows.
-  const dim3 grid(static_cast<unsigned>(ceil_div(p.tile.N, cols_per_cta)),
-                  static_cast<unsigned>(std::min<int64_t>(slots, p.retracted_only ? 16 : 65535)));
+  // retracted_only: CTAs that exit at once under a valid plan (few: this launch follows every
+  // warp-specialized one), enough for a retracted plan's walk over its rows to fill the device.
+  const int64_t col_blocks = ceil_div(p.tile.N, cols_per_cta);
+  const int64_t walk_rows = std::max<int64_t>(1, ceil_div(3 * device_sm_count(), col_blocks));
+  const dim3 grid(static_cast<unsigned>(col_blocks),
+                  static_cast<unsigned>(std::min<int64_t>(slots, p.retracted_only ? walk_rows : 65535)));
   expert_tiles_wgmma_kernel<T, kForm, kMaxTokens, kFp, kBits><<<grid, kThreads, kSmem, current_stream()>>>(p, tiles, header);
   EXPERTQMM_CUDA_CHECK_LAUNCH("expert_tiles_wgmma_kernel");
 }

@@ -29,6 +29,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <string>
 
 #include "core/tile_plan.h"
@@ -38,6 +39,7 @@
 #include "cuda/device/mbarrier.cuh"
 #include "cuda/device/wgmma.cuh"
 #include "cuda/gather_qmm_wgmma.h"
+#include "cuda/gather_qmm_ws_hooks.h"
 #include "cuda/runtime.cuh"
 #include "expertqmm/settings.h"
 
@@ -363,7 +365,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int i = ct; i < rows * kChunks; i += kConsumerThreads) {
         const int tok = i / kChunks, chunk = i % kChunks;
         const int col = col0 + chunk * 8;
-        if (col >= a.N) continue;
+        // A row whose x index is out of range (recorded by the producer) keeps its output, as in
+        // the two-CTA kernel; the producer's offsets are the next item's by now, so read lhs again.
+        const int64_t xb = a.lhs ? static_cast<int64_t>(a.lhs[row0 + tok]) : row0 + tok;
+        if (col >= a.N || xb < 0 || xb >= a.x_batch) continue;
         const T* src = staging + tok * Layout::kOutStride + chunk * 8;
         uint4 v = *reinterpret_cast<const uint4*>(src);
         if constexpr (kGlu) {
@@ -390,21 +395,28 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
+std::atomic<int> g_max_ctas{0};
+std::atomic<uint64_t> g_launches{0};
+
 template <class T, WgmmaForm kForm>
 void launch_ws(const WgmmaTileArgs& p, const ExpertTile* tiles, const TilePlanHeader* header) {
-  static const int grid = [] {
+  static const bool smem_configured = [] {
     EXPERTQMM_CUDA_CHECK(cudaFuncSetAttribute(expert_tiles_ws_kernel<T, kForm>,
                                               cudaFuncAttributeMaxDynamicSharedMemorySize, Layout::kAllocBytes));
-    int device = 0, sms = 0;
-    EXPERTQMM_CUDA_CHECK(cudaGetDevice(&device));
-    EXPERTQMM_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    return sms;
+    return true;
   }();
+  (void)smem_configured;
+  const int cap = g_max_ctas.load();
+  const int grid = cap > 0 ? std::min(cap, device_sm_count()) : device_sm_count();
   expert_tiles_ws_kernel<T, kForm><<<grid, kThreads, Layout::kAllocBytes, current_stream()>>>(p, tiles, header);
   EXPERTQMM_CUDA_CHECK_LAUNCH("expert_tiles_ws_kernel");
+  g_launches.fetch_add(1);
 }
 
 }  // namespace
+
+void set_wgmma_ws_max_ctas(int ctas) { g_max_ctas.store(ctas > 0 ? ctas : 0); }
+uint64_t wgmma_ws_launches() { return g_launches.load(); }
 
 bool wgmma_ws_takes(WgmmaForm form, DType dtype, int bits, bool fp, int max_tokens) {
   return wgmma_ws_setting() == RouteSwitch::on && form != WgmmaForm::combine && bits == 4 && !fp &&

@@ -1,0 +1,14 @@
+// Host-only handles on the warp-specialized wgmma build (gather_qmm_expert_tiles_ws.cu) for tests:
+// its own header pulls in device code, which a host compiler cannot read.
+#pragma once
+#include <cstdint>
+
+namespace expertqmm::cuda {
+
+// The most CTAs the persistent kernel launches (0: one per SM). Tests cap it so that one CTA runs
+// many work items: the stage ring wraps and the items hand the staging over. Process-wide.
+void set_wgmma_ws_max_ctas(int ctas);
+// Launches of the warp-specialized kernel so far in this process (a test's proof that it ran).
+uint64_t wgmma_ws_launches();
+
+}  // namespace expertqmm::cuda
