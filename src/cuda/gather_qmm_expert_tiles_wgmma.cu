@@ -380,16 +380,7 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
       device::atomic_add_f32x4(dst + 4, prod + 4);
       continue;
     }
-    if constexpr (kGlu) {
-      const uint4 u = *reinterpret_cast<const uint4*>(src + 64);
-      const T* gv = reinterpret_cast<const T*>(&v);
-      const T* uv = reinterpret_cast<const T*>(&u);
-      T o[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e)
-        o[e] = device::Elem<T>::from_float(device::glu<kAct>(device::Elem<T>::to_float(gv[e]), device::Elem<T>::to_float(uv[e])));
-      v = *reinterpret_cast<const uint4*>(o);
-    }
+    if constexpr (kGlu) v = device::glu8<kAct, T>(v, *reinterpret_cast<const uint4*>(src + 64));
     *reinterpret_cast<uint4*>(out + (row0 + tok) * a.N + col) = v;
   }
   __syncthreads();  // row offsets and the staging are rewritten by the next tile

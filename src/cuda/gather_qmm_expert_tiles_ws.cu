@@ -371,17 +371,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (col >= a.N || xb < 0 || xb >= a.x_batch) continue;
         const T* src = staging + tok * Layout::kOutStride + chunk * 8;
         uint4 v = *reinterpret_cast<const uint4*>(src);
-        if constexpr (kGlu) {
-          const uint4 u = *reinterpret_cast<const uint4*>(src + 64);
-          const T* gv = reinterpret_cast<const T*>(&v);
-          const T* uv = reinterpret_cast<const T*>(&u);
-          T o[8];
-#pragma unroll
-          for (int e = 0; e < 8; ++e)
-            o[e] = device::Elem<T>::from_float(
-                device::glu<kAct>(device::Elem<T>::to_float(gv[e]), device::Elem<T>::to_float(uv[e])));
-          v = *reinterpret_cast<const uint4*>(o);
-        }
+        if constexpr (kGlu) v = device::glu8<kAct, T>(v, *reinterpret_cast<const uint4*>(src + 64));
         *reinterpret_cast<uint4*>(out + (row0 + tok) * a.N + col) = v;
       }
       ring0 += k_tiles;

@@ -2,6 +2,9 @@
 // (explicit round-to-nearest intrinsics, no FMA contraction), shared by the GLU product kernels and
 // the GEMM epilogues that apply them.
 #pragma once
+#include <cstdint>
+
+#include "cuda/device/elem.cuh"
 #include "expertqmm/ops.h"
 
 namespace expertqmm::cuda::device {
@@ -26,6 +29,18 @@ __device__ __forceinline__ float activate(float g) {
 template <Activation A>
 __device__ __forceinline__ float glu(float gate, float up) {
   return __fmul_rn(activate<A>(gate), up);
+}
+
+// Eight GLU products of 16-byte vectors of T (the GEMM epilogues' stores), each rounded to T once.
+template <Activation A, class T>
+__device__ __forceinline__ uint4 glu8(uint4 gate, uint4 up) {
+  const T* g = reinterpret_cast<const T*>(&gate);
+  const T* u = reinterpret_cast<const T*>(&up);
+  uint4 out;
+  T* o = reinterpret_cast<T*>(&out);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) o[e] = Elem<T>::from_float(glu<A>(Elem<T>::to_float(g[e]), Elem<T>::to_float(u[e])));
+  return out;
 }
 
 }  // namespace expertqmm::cuda::device
