@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The device call that measures steps 46-47 (bench/NOTES.md "Plan for the next device session",
+# fourteenth session), run by `run` from the repository root with carry ["out/prebuilt.tar.xz",
+# "out/commit"] after `scripts/gpu-check --pack-prebuilt build` and `git rev-parse --short HEAD >
+# out/commit` here. TOTAL: the seconds it may take (default 420). In order: the warp-specialized
+# build's tests, the step-47 probe, the EXPERTQMM_WGMMA_WS and EXPERTQMM_DETERMINISTIC A/Bs (Gemma
+# layer), then gpu-check on the prebuilt binaries (every GPU test, sanitizers) with what is left.
+REAL_OUT=$OUT
+NAME=step47
+export OUT=/tmp/$NAME
+mkdir -p $OUT
+export EXPERTQMM_COMMIT=$(cat out/commit 2>/dev/null || echo unknown)
+B=build-gpu-check
+nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
+mkdir -p $B && tar xJf out/prebuilt.tar.xz -C $B
+timeout 60 $B/tests/expertqmm_gpu_tests --gtest_filter='*WarpSpecialized*' > $OUT/ws-tests.log 2>&1; echo "ws tests rc $? t=$SECONDS"
+grep -E "^\[  (FAILED|PASSED|  OK|SKIPPED)|Failure|apart|did not run" $OUT/ws-tests.log | head -20
+for v in ${PROBES:-route ws_n128 ws_n128_persistent ws_n256_persistent}; do
+  timeout 30 $B/ws_tiles_probe $v > $OUT/ws-$v.json 2>&1; echo "probe $v rc $? t=$SECONDS"
+done
+grep -h gemm $OUT/ws-*.json
+ab() {  # ab VAR TOKENS DIR: VAR=0 (baseline) against VAR=1 (current), alternated, Gemma layer
+  mkdir -p $OUT/$3
+  for round in 1 2; do for who in baseline current; do
+    v=0; [ $who = current ] && v=1
+    env $1=$v EXPERTQMM_COMMIT=$EXPERTQMM_COMMIT-$1=$v timeout 40 $B/expertqmm bench --preset gemma4-26b-a4b \
+      --tokens $2 --routing uniform --product fused --replays 30 --json $OUT/$3/ab-gemma4-26b-a4b-$who-$round.json \
+      > $OUT/$3/ab-$who-$round.log 2>&1 || echo "$1 bench $who $round failed"
+  done; done
+  python3 scripts/ab_summary.py $OUT/$3 $OUT/bench-$3.json ab --label "$1=0 (baseline) against 1 (current)" gemma4-26b-a4b
+  echo "t=$SECONDS"
+}
+ab EXPERTQMM_WGMMA_WS 512,1024,2048 switch-ws
+[ -n "${SKIP_DET:-}" ] || ab EXPERTQMM_DETERMINISTIC 512,1024,2048 switch-deterministic
+export GPU_CHECK_PREBUILT=out/prebuilt.tar.xz
+export GPU_CHECK_SKIP="bench bench-extra torch cutlass model python bench-python bench-mlx"
+export GPU_TEST_SHARDS=14
+export GPU_CHECK_SECONDS=$((${TOTAL:-420} - SECONDS))
+echo "gpu-check gets $GPU_CHECK_SECONDS s"
+scripts/gpu-check > $OUT/gpu-check.txt 2>&1
+grep -E "^(==|gpu-check)|FAILED|spill|memcheck|racecheck|ERROR SUMMARY|hazard" $OUT/gpu-check.txt | tail -40
+tar -C /tmp -cJf $REAL_OUT/$NAME.tar.xz $NAME
