@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 mkdir -p $B && tar xJf out/prebuilt.tar.xz -C $B
 timeout 60 $B/tests/expertqmm_gpu_tests --gtest_filter='*WarpSpecialized*' > $OUT/ws-tests.log 2>&1; echo "ws tests rc $? t=$SECONDS"
 grep -E "^\[  (FAILED|PASSED|  OK|SKIPPED)|Failure|apart|did not run" $OUT/ws-tests.log | head -20
-for v in ${PROBES:-route ws_n128 ws_n128_persistent ws_n256_persistent}; do
+for v in ${PROBES:-route route_ws ws_n128 ws_n128_persistent ws_n256_persistent}; do
   timeout 30 $B/ws_tiles_probe $v > $OUT/ws-$v.json 2>&1; echo "probe $v rc $? t=$SECONDS"
 done
 grep -h gemm $OUT/ws-*.json

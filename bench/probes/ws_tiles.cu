@@ -7,6 +7,10 @@
 // expert from a uniform top-8 routing of T tokens:
 //   gate/up  out [T*8, 1408] = x[lhs] [T*8, 2816] @ W^T   (x rows gathered by token, as the layer does)
 //   down     out [T*8, 2816] = h [T*8, 704] @ W^T          (the GLU rows in sorted order)
+// Variants: today's route (gather_qmm: tile plan + the two-CTA wgmma kernel), the same with the
+// route's warp-specialized build (EXPERTQMM_WGMMA_WS; "+ws" in the JSON), and this file's own
+// warp-specialized kernel below (token width 128 or 256, one-shot or persistent: the design space
+// the route build took one point of).
 // Each variant's output is checked against a plain fp32 kernel on the same dequantized weights
 // (bf16(fma(q, s, b)), MLX's tile dequantization) before it is timed with the bench protocol (one
 // launch captured as a graph, L2 flushed before each of 50 replays, median).
@@ -50,6 +54,7 @@
 #include "cuda/device/wgmma.cuh"
 #include "cuda/gather_qmm.h"
 #include "expertqmm/backend.h"
+#include "expertqmm/settings.h"
 #include "probe_check.cuh"
 #include "replay_timing.h"
 
@@ -344,7 +349,7 @@ double rel_error(const bf16* out_d, const float* ref_d, int64_t n) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // argv[1]: one variant only (route, ws_n128, ws_n128_persistent, ws_n256, ws_n256_persistent), so
+  // argv[1]: one variant only (route, route_ws, ws_n128, ws_n128_persistent, ws_n256, ws_n256_persistent), so
   // that a script can give each its own time limit; none: all.
   const std::string only = argc > 1 ? argv[1] : "";
   auto wanted = [&](const std::string& v) { return only.empty() || only == v; };
@@ -414,7 +419,12 @@ int main(int argc, char** argv) {
         std::fflush(stdout);
       };
       // Today's route: gather_qmm with sorted ids (tile plan + the wgmma expert tile kernel).
-      if (wanted("route")) {
+      // Today's route, and the same call with the route's warp-specialized build (EXPERTQMM_WGMMA_WS,
+      // gather_qmm_expert_tiles_ws.cu: persistent, n128 + n32 tails merged) where the selector picks
+      // the 128-token build (above 32 rows per expert).
+      for (const bool ws_build : {false, true}) {
+        if (!wanted(ws_build ? "route_ws" : "route")) continue;
+        set_wgmma_ws(ws_build ? RouteSwitch::on : RouteSwitch::off);
         const detail::GatherQmmProblem p =
             detail::make_gather_qmm_problem(x, w, scales, biases,
                                             gm.gathered ? lhs : Tensor(), rhs, true, 64, 4, true);
@@ -424,7 +434,8 @@ int main(int argc, char** argv) {
         CHECK(cudaStreamSynchronize(stream));
         const double err = rel_error(out.data_as<bf16>(), ref.data_as<float>(), outputs);
         const double us = median_us(flush, stream, [&] { cuda::gather_qmm_into(p, out.data(), &ws); });
-        report(cuda::gather_qmm_selected_route(p).c_str(), us, err, 0);
+        set_wgmma_ws(RouteSwitch::automatic);
+        report((cuda::gather_qmm_selected_route(p) + (ws_build ? "+ws" : "")).c_str(), us, err, 0);
       }
       // The warp-specialized kernel: token widths 128 and 256, one-shot and persistent CTAs.
       auto run_ws = [&](auto width, auto persistent) {
