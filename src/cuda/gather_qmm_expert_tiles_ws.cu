@@ -5,7 +5,9 @@
 // the CTA in the k loop and each consumer's dequantization of tile kt + 1 overlaps its wgmmas of kt.
 //
 // out^T = W x^T per work item, as in the two-CTA kernel: 128 weight rows (wgmma's M, 64 per consumer
-// warpgroup) x the tile's tokens (N: 128, or 32 for tiles of at most 32 rows) x K in 64-wide k tiles.
+// warpgroup) x the tile's tokens (N: 128, or 32 for tiles of at most 32 rows, or 128 + 32 for a full
+// tile with its expert's tail of at most 32 rows: two wgmma groups on the same A fragments, so the
+// tail costs no second pass over the weights) x K in 64-wide k tiles.
 //
 // Work split. Grid: at most one CTA per SM (persistent), 384 threads:
 //   warpgroup 0, the producer (40 registers after setmaxnreg): per item, the tile's x row offsets
@@ -21,9 +23,10 @@
 //     flight, and arrive on the previous tile's `empty` (256 arrivals). Epilogue: the accumulators
 //     as T into the staging (its own shared memory, so the producer fills the next item's stages
 //     meanwhile), a consumer barrier, 16-byte stores (glu: the GLU product of the gate and up halves).
-// Items: plan tile i / col_blocks against column block i % col_blocks (the CTAs of a tile's column
-// blocks run together and share its x rows in the L2); the CTA strides over items by gridDim.x, and a
-// k-tile counter across items keeps every stage's phase. A retracted plan (header->sorted == 0) is
+// Items: plan tile i / col_blocks against column block i % col_blocks (a tail merged into the full
+// tile before it is no item of its own; the CTAs of a tile's column blocks run together and share
+// its x rows in the L2); the CTA strides over items by gridDim.x, and a k-tile counter across items
+// keeps every stage's phase. A retracted plan (header->sorted == 0) is
 // left to the two-CTA kernel's rhs_tiles walk (launch_expert_tiles_wgmma launches it after this one).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
