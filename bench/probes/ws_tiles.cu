@@ -48,6 +48,7 @@
 #include <vector>
 
 #include "core/gather_qmm_problem.h"
+#include "cuda/device/cp_async.cuh"
 #include "cuda/device/dequant.cuh"
 #include "cuda/device/elem.cuh"
 #include "cuda/device/mbarrier.cuh"
@@ -94,12 +95,6 @@ struct WsLayout {
 };
 
 using device::shared_address;
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
 __device__ __forceinline__ void consumers_sync() { device::named_barrier_sync<1, kConsumerThreads>(); }
 __device__ __forceinline__ void producers_sync() { device::named_barrier_sync<2, kProducerThreads>(); }
 
@@ -166,23 +161,23 @@ __global__ void __launch_bounds__(kThreads, 1) ws_tiles_kernel(WsArgs a) {
       for (int kt = 0; kt < k_tiles; ++kt, ++ring) {
         const int s = ring % L::kStages;
         if (ring >= L::kStages) device::mbarrier_wait(&empty[s], ((ring / L::kStages) - 1) & 1);
-        const uint32_t stage = shared_address(smem + s * L::kStageBytes);
+        unsigned char* stage = smem + s * L::kStageBytes;
 #pragma unroll 4
         for (int r = xr; r < kN; r += 16) {
           const int32_t off = row_offset[r];
-          cp_async_16(stage + r * 128 + ((xc ^ (r & 7)) << 4), a.x + (off >= 0 ? off + kt * kBK + xc * 8 : 0),
-                      off >= 0 ? 16 : 0);
+          device::cp_async_16(stage + r * 128 + ((xc ^ (r & 7)) << 4), a.x + (off >= 0 ? off + kt * kBK + xc * 8 : 0),
+                              off >= 0);
         }
-        const uint32_t ws = stage + L::kXBytes;
+        unsigned char* ws = stage + L::kXBytes;
 #pragma unroll
         for (int c = 0; c < 2; ++c)
-          cp_async_16(ws + p * 32 + ((c ^ ((p >> 2) & 1)) << 4), w_src + kt * 8 + 4 * c, 16);
+          device::cp_async_16(ws + p * 32 + ((c ^ ((p >> 2) & 1)) << 4), w_src + kt * 8 + 4 * c, true);
         // The group's 2-byte element sits in the aligned word at el & ~1 (odd: the high half).
         const uint16_t* se = s_src + kt;
         const uint16_t* be = b_src + kt;
         const int odd = static_cast<int>((reinterpret_cast<uintptr_t>(se) >> 1) & 1);
-        cp_async_4(ws + L::kWBytes + p * 4, se - odd, odd ? 4 : 2);
-        cp_async_4(ws + L::kWBytes + kCtaRows * 4 + p * 4, be - odd, odd ? 4 : 2);
+        device::cp_async_4(ws + L::kWBytes + p * 4, se - odd, odd ? 4 : 2);
+        device::cp_async_4(ws + L::kWBytes + kCtaRows * 4 + p * 4, be - odd, odd ? 4 : 2);
         device::cp_async_mbarrier_arrive(&full[s]);
       }
     }

@@ -576,22 +576,23 @@ void launch_expert_tiles_wgmma(const WgmmaTileArgs& p, WgmmaForm form, DType dty
   for (const WidthChoice& w : kWidths)
     if (max_tokens == 0 && p.tile.rows <= w.max_rows_per_expert * p.tile.E) max_tokens = w.max_tokens;
   if (bits == 8) max_tokens = kWide8BitTokens;
+  auto launch_build = [&](const WgmmaTileArgs& args, int width) {
+    for (const WgmmaVariant& v : kVariants)
+      if (v.dtype == dtype && v.form == form && v.max_tokens == width && v.fp == fp && v.bits == bits) {
+        v.launch(args, tiles, header, tile_slots);
+        return true;
+      }
+    return false;
+  };
   if (wgmma_ws_takes(form, dtype, bits, fp, max_tokens)) {
     launch_expert_tiles_ws(p, form, dtype, tiles, header);
     // A retracted plan: the narrowest two-CTA build walks its rows (nothing else runs).
     WgmmaTileArgs fallback = p;
     fallback.retracted_only = true;
-    for (const WgmmaVariant& v : kVariants)
-      if (v.dtype == dtype && v.form == form && v.max_tokens == 32 && !v.fp && v.bits == 4) {
-        v.launch(fallback, tiles, header, tile_slots);
-        return;
-      }
+    if (launch_build(fallback, 32)) return;
+  } else if (launch_build(p, max_tokens)) {
+    return;
   }
-  for (const WgmmaVariant& v : kVariants)
-    if (v.dtype == dtype && v.form == form && v.max_tokens == max_tokens && v.fp == fp && v.bits == bits) {
-      v.launch(p, tiles, header, tile_slots);
-      return;
-    }
   throw Error("gather_qmm", detail::cat("expert_tiles_wgmma has no kernel for dtype=", dtype_name(dtype), " form=",
                                         static_cast<int>(form), " bits=", bits, " width=", max_tokens,
                                         fp ? " (fp codes)" : ""));

@@ -36,6 +36,7 @@
 #include <string>
 
 #include "core/tile_plan.h"
+#include "cuda/device/cp_async.cuh"
 #include "cuda/device/dequant.cuh"
 #include "cuda/device/elem.cuh"
 #include "cuda/device/glu.cuh"
@@ -65,6 +66,7 @@ constexpr int kNarrowTokens = 32; // tiles of at most 32 rows run n32; an expert
                                   // 32 rows after a full tile runs in that tile's item, n128 + n32
 constexpr int kStageRows = kTokens + kNarrowTokens;  // x rows a stage holds (a full tile and a tail)
 constexpr int kStages = 7;
+static_assert(kStageRows <= kConsumerThreads, "one consumer thread per row of an item (row_ok)");
 static_assert(detail::kTileRowsFull == kTokens, "a plan tile is at most one wgmma's rows (a loop over pieces made ptxas serialize the wgmmas, C7514)");
 
 // Shared memory (bytes from a 1024-byte aligned base):
@@ -74,7 +76,8 @@ static_assert(detail::kTileRowsFull == kTokens, "a plan tile is at most one wgmm
 //                        ss, bs (128,) uint32: the aligned word holding the row's group scale / bias }
 //   staging  (160, 136) T: a token's 128 outputs padded by 8 (the 4 token rows a warp writes at
 //            once fall in different banks)
-//   full[kStages], empty[kStages] mbarriers; rows (160,) int64 x offsets, -1: no row (producer's)
+//   full[kStages], empty[kStages] mbarriers; rows (160,) int64 x offsets, -1: no row (producer's);
+//   row_ok (160,) uint8: the row's x index is in range (the consumers', for their stores)
 struct Layout {
   static constexpr int kXBytes = kStageRows * kBK * 2;
   static constexpr int kTailXOffset = kTokens * kBK * 2;
@@ -84,18 +87,12 @@ struct Layout {
   static constexpr int kStagingOffset = kStages * kStageBytes;
   static constexpr int kBarOffset = kStagingOffset + kStageRows * kOutStride * 2;
   static constexpr int kRowsOffset = kBarOffset + 2 * kStages * 8;
-  static constexpr int kBytes = kRowsOffset + kStageRows * 8;
+  static constexpr int kRowOkOffset = kRowsOffset + kStageRows * 8;
+  static constexpr int kBytes = kRowOkOffset + kStageRows;
   static constexpr int kAllocBytes = kBytes + 1024;
   static_assert(kStageBytes % 1024 == 0 && kTailXOffset % 1024 == 0, "x tiles stay 1024-byte aligned for the swizzle");
   static_assert(kAllocBytes <= 227 * 1024, "one CTA per SM");
 };
-
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
-__device__ __forceinline__ void cp_async_4(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
 
 // The rows of work item tile t: a tile, or a full tile and the expert's tail of at most 32 rows
 // after it (ordered by expert, then row: the plan's order), which then is no item of its own.
@@ -233,6 +230,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + Layout::kBarOffset);
   uint64_t* empty = full + kStages;
   int64_t* row_offset = reinterpret_cast<int64_t*>(smem + Layout::kRowsOffset);
+  uint8_t* row_ok = smem + Layout::kRowOkOffset;
   T* staging = reinterpret_cast<T*>(smem + Layout::kStagingOffset);
 
   const int cols_per_item = kGlu ? 64 : kCtaRows;
@@ -288,17 +286,17 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int kt = 0; kt < k_tiles; ++kt, ++ring) {
           const int s = ring % kStages;
           if (ring >= kStages) device::mbarrier_wait(&empty[s], ((ring / kStages) - 1) & 1);
-          const uint32_t stage = device::shared_address(smem + s * Layout::kStageBytes);
+          unsigned char* stage = smem + s * Layout::kStageBytes;
           // Rows past the tile are not copied: their outputs are never stored.
           for (int r = xr; r < rows; r += 16) {
             const int64_t offset = row_offset[r];
-            cp_async_16(stage + r * 128 + ((xc ^ (r & 7)) << 4), offset >= 0 ? x + offset + kt * kBK + xc * 8 : x,
-                        offset >= 0 ? 16 : 0);
+            device::cp_async_16(stage + r * 128 + ((xc ^ (r & 7)) << 4), offset >= 0 ? x + offset + kt * kBK + xc * 8 : x,
+                                offset >= 0);
           }
-          const uint32_t ws = stage + Layout::kXBytes;
+          unsigned char* ws = stage + Layout::kXBytes;
 #pragma unroll
           for (int c = 0; c < 2; ++c)
-            cp_async_16(ws + pr * 32 + ((c ^ ((pr >> 2) & 1)) << 4), w_src + kt * 8 + 4 * c, w_valid ? 16 : 0);
+            device::cp_async_16(ws + pr * 32 + ((c ^ ((pr >> 2) & 1)) << 4), w_src + kt * 8 + 4 * c, w_valid);
           // The group's element sits in the aligned word at el & ~1: el odd -> both halves; el even ->
           // its 2 bytes only (the next element may lie past the end of the tensor).
           const int group = (kt * kBK) >> a.q.group_shift;
@@ -306,8 +304,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           const uint16_t* be = b_src + group;
           const int odd = static_cast<int>((reinterpret_cast<uintptr_t>(se) >> 1) & 1);
           const int bytes = w_valid ? (odd ? 4 : 2) : 0;
-          cp_async_4(ws + Layout::kWBytes + pr * 4, se - odd, bytes);
-          cp_async_4(ws + Layout::kWBytes + kCtaRows * 4 + pr * 4, be - odd, bytes);
+          device::cp_async_4(ws + Layout::kWBytes + pr * 4, se - odd, bytes);
+          device::cp_async_4(ws + Layout::kWBytes + kCtaRows * 4 + pr * 4, be - odd, bytes);
           device::cp_async_mbarrier_arrive(&full[s]);
         }
       }
@@ -343,7 +341,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     {
       const int rows = tile.rows;  // <= kStageRows
       const int64_t row0 = tile.row0;
-      device::named_barrier_sync<1, kConsumerThreads>();  // the previous item's stores read the staging
+      device::named_barrier_sync<1, kConsumerThreads>();  // the previous item's stores read the staging and row_ok
       if (tile.tail_rows > 0) {
         float acc[kTokens / 2], acc_tail[kNarrowTokens / 2];
         consume_item<T, kTokens, kNarrowTokens>(acc, acc_tail, smem, full, empty, ring0, k_tiles, a.q.group_shift,
@@ -361,6 +359,12 @@ __global__ void __launch_bounds__(kThreads, 1)
                                     parity_hi, selector);
         stage_outputs<T, kTokens>(acc, staging, 0, m_lo, t);
       }
+      // A row whose x index is out of range (recorded by the producer) keeps its output, as in the
+      // two-CTA kernel; the producer's offsets may already be the next item's, so read lhs here, once.
+      if (ct < rows) {
+        const int64_t xb = a.lhs ? static_cast<int64_t>(a.lhs[row0 + ct]) : row0 + ct;
+        row_ok[ct] = xb >= 0 && xb < a.x_batch;
+      }
       device::named_barrier_sync<1, kConsumerThreads>();
       // 16-byte stores of 8 outputs: plain 16 chunks per token (128 columns), glu 8 (64 columns).
       constexpr int kChunks = kGlu ? 8 : 16;
@@ -368,10 +372,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int i = ct; i < rows * kChunks; i += kConsumerThreads) {
         const int tok = i / kChunks, chunk = i % kChunks;
         const int col = col0 + chunk * 8;
-        // A row whose x index is out of range (recorded by the producer) keeps its output, as in
-        // the two-CTA kernel; the producer's offsets are the next item's by now, so read lhs again.
-        const int64_t xb = a.lhs ? static_cast<int64_t>(a.lhs[row0 + tok]) : row0 + tok;
-        if (col >= a.N || xb < 0 || xb >= a.x_batch) continue;
+        if (col >= a.N || !row_ok[tok]) continue;
         const T* src = staging + tok * Layout::kOutStride + chunk * 8;
         uint4 v = *reinterpret_cast<const uint4*>(src);
         if constexpr (kGlu) v = device::glu8<kAct, T>(v, *reinterpret_cast<const uint4*>(src + 64));
