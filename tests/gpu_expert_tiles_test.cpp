@@ -156,7 +156,7 @@ TEST(SanitizeGpuExpertTiles, ColumnWindowsHoldTheWholeGemmsColumns) {
 // (K = 320 at group 64, 384 at group 128); bf16 and f16; with one CTA per SM and with the grid
 // capped at 3 and 1 CTAs (set_wgmma_ws_max_ctas), so that a CTA runs many items and the 7-stage
 // ring wraps many times. A mis-sorted plan (the two-CTA kernel's walk, one retraction) gives the
-// same answers. The GLU form: GpuMoe.WarpSpecializedBuildGivesTheLayersAnswer.
+// same answers. The GLU form: the next test and GpuMoe.WarpSpecializedBuildGivesTheLayersAnswer.
 TEST(SanitizeGpuExpertTiles, WarpSpecializedBuildMatchesTheTwoCtaBuild) {
   EXPERTQMM_REQUIRE_GPU();
   CountersGuard guard;
@@ -202,6 +202,71 @@ TEST(SanitizeGpuExpertTiles, WarpSpecializedBuildMatchesTheTwoCtaBuild) {
                              << test::seed_note();
         EXPECT_LE(test::reference_error(c, ws), 1e-2) << what;
       }
+    }
+  }
+}
+
+// The warp-specialized build's GLU form, as the layer plan launches it (launch_gate_up_glu on one
+// shared tile plan), against the two-CTA kernel's GLU form (within about one unit in the last place)
+// and against act(gate) * up of the plain products: f16 at group 128 and bf16 at group 64, N = 288
+// (the last 64-column block half full), odd and even k-tile counts, tails merged and alone, the grid
+// at one CTA per SM and at one CTA.
+TEST(SanitizeGpuExpertTiles, WarpSpecializedGluMatchesTheTwoCtaBuild) {
+  EXPERTQMM_REQUIRE_GPU();
+  CountersGuard guard;
+  struct Form {
+    DType dtype;
+    int group;
+    int64_t K;
+    Activation act;
+  };
+  for (const Form f : {Form{DType::f16, 128, 384, Activation::geglu}, Form{DType::bf16, 64, 320, Activation::swiglu}}) {
+    const int64_t E = 6, N = 288, tokens = 80;
+    std::vector<int32_t> rhs;
+    for (auto [expert, rows] : {std::pair<int, int>{0, 160}, {1, 7}, {2, 129}, {3, 96}, {5, 200}}) rhs.insert(rhs.end(), rows, expert);
+    std::vector<int32_t> lhs(rhs.size());
+    for (size_t r = 0; r < lhs.size(); ++r) lhs[r] = static_cast<int32_t>((r * 29 + 5) % tokens);
+    const test::GatherCall gate = test::batched_call(test::random_codes(E, N, f.K, 4, f.group, f.dtype), f.dtype, tokens, 1, lhs, rhs);
+    test::GatherCall up = gate;  // the same x and ids, other weights
+    up.q_host = test::random_codes(E, N, f.K, 4, f.group, f.dtype);
+    up.q_dev = test::to_device(up.q_host, Device::cuda);
+    detail::GatherQmmProblem pg = gate.problem(), pu = up.problem();
+    if (!cuda::supports_expert_tiles_wgmma(pg).ok) GTEST_SKIP() << "no sm_90a kernels on this device";
+    ASSERT_TRUE(cuda::gate_up_glu_fits(pg, pu));
+    Tensor plan = Tensor::empty({static_cast<int64_t>((cuda::tile_plan_bytes(pg.B, static_cast<int>(E)) + 3) / 4)},
+                                DType::i32, Device::cuda);
+    cuda::launch_build_tile_plan_at(pg.rhs.data_as<const int32_t>(), pg.B, static_cast<int>(E), plan.data(),
+                                    static_cast<cudaStream_t>(cuda_stream()));
+    pg.tile_plan = pu.tile_plan = plan.data();
+    auto glu = [&](RouteSwitch ws_build, int max_ctas) {
+      set_wgmma_ws(ws_build);
+      cuda::set_wgmma_ws_max_ctas(max_ctas);
+      Tensor hidden = Tensor::empty({pg.B, N}, f.dtype, Device::cuda);
+      test::poison(hidden);
+      cuda::launch_gate_up_glu(pg, pu, f.act, hidden.data());
+      cuda_check();
+      cuda::set_wgmma_ws_max_ctas(0);
+      set_wgmma_ws(RouteSwitch::automatic);
+      return test::to_float(hidden);
+    };
+    const std::vector<float> two_cta = glu(RouteSwitch::off, 0);
+    // act(gate) * up from the plain products, each rounded to T as the fused epilogue rounds them.
+    const Tensor g = test::from_float(test::run_route(gate, "expert_tiles_wgmma"), {pg.B, N}, f.dtype);
+    const Tensor u = test::from_float(test::run_route(up, "expert_tiles_wgmma"), {pg.B, N}, f.dtype);
+    const std::vector<float> composed = test::to_float(glu_product(f.act, g, u));
+    EXPECT_LE(test::rel_error(two_cta, composed), 5e-3) << activation_name(f.act) << " two-CTA " << test::seed_note();
+    const double ulp = f.dtype == DType::bf16 ? 1.0 / 128 : 1.0 / 1024;
+    for (int max_ctas : {0, 1}) {
+      const std::string what = detail::cat(dtype_name(f.dtype), " g", f.group, " K ", f.K, " ", activation_name(f.act),
+                                           " max CTAs ", max_ctas);
+      const uint64_t launches_before = cuda::wgmma_ws_launches();
+      const std::vector<float> ws = glu(RouteSwitch::on, max_ctas);
+      EXPECT_EQ(cuda::wgmma_ws_launches() - launches_before, 1u) << what << ": the warp-specialized kernel did not run";
+      ASSERT_EQ(ws.size(), two_cta.size());
+      size_t apart = 0;
+      for (size_t i = 0; i < ws.size(); ++i) apart += !(std::abs(ws[i] - two_cta[i]) <= ulp * std::abs(two_cta[i]) + 1e-6);
+      EXPECT_EQ(apart, 0u) << what << ": outputs more than one unit in the last place from the two-CTA kernel's "
+                           << test::seed_note();
     }
   }
 }

@@ -7,7 +7,7 @@
 # layer), then gpu-check on the prebuilt binaries (every GPU test, sanitizers) with what is left.
 REAL_OUT=$OUT
 NAME=step47
-export OUT=/tmp/$NAME
+export OUT=$REAL_OUT/$NAME  # in $OUT itself so that a timed-out call still brings back what it wrote
 mkdir -p $OUT
 export EXPERTQMM_COMMIT=$(cat out/commit 2>/dev/null || echo unknown)
 B=build-gpu-check
@@ -39,4 +39,3 @@ export GPU_CHECK_SECONDS=$((${TOTAL:-420} - SECONDS))
 echo "gpu-check gets $GPU_CHECK_SECONDS s"
 scripts/gpu-check > $OUT/gpu-check.txt 2>&1
 grep -E "^(==|gpu-check)|FAILED|spill|memcheck|racecheck|ERROR SUMMARY|hazard" $OUT/gpu-check.txt | tail -40
-tar -C /tmp -cJf $REAL_OUT/$NAME.tar.xz $NAME

@@ -55,24 +55,6 @@ bool wgmma_ws_takes(WgmmaForm form, DType dtype, int bits, bool fp, int max_toke
 void launch_expert_tiles_ws(const WgmmaTileArgs& p, WgmmaForm form, DType dtype, const detail::ExpertTile* tiles,
                             const detail::TilePlanHeader* header);
 
-// The layer plan (layer_plan.cu) decides the fusions below, once, and counts their GEMMs through
-// the route selector; these launch what it decided.
-
-// Whether gate and up can run as one wgmma launch with the GLU product in its epilogue: the same
-// shapes, dtype and quantization, affine, and wgmma_tiles_fit for both (the plan has already chosen
-// the expert tile route for both).
-bool gate_up_glu_fits(const detail::GatherQmmProblem& gate, const detail::GatherQmmProblem& up);
-// hidden[r] = T(act(T(x[lhs[r]] gate[rhs[r]]^T)) * T(x[lhs[r]] up[rhs[r]]^T)), hidden (B, N)
-// contiguous and 16-byte aligned; gate and up share one prebuilt tile_plan.
-void launch_gate_up_glu(const detail::GatherQmmProblem& gate, const detail::GatherQmmProblem& up, Activation act,
-                        void* hidden);
-
-// Whether the down GEMM can carry the weighted combine in its epilogue (affine and wgmma_tiles_fit).
-bool down_combine_fits(const detail::GatherQmmProblem& down);
-// acc[t, :] += w[s] * T(hidden[r] down[rhs[r]]^T) for sorted row r of flat slot s = slot_of_row[r],
-// t = s / top_k. acc: (T, N) fp32, zeroed by the caller, 16-byte aligned; weights: (T * top_k,) in
-// down.dtype. Needs down.tile_plan.
-void launch_down_combine(const detail::GatherQmmProblem& down, const int32_t* slot_of_row, const void* weights,
-                         int top_k, float* acc);
+// The fused launches (gate/up with the GLU product, down with the combine): gather_qmm_routes.h.
 
 }  // namespace expertqmm::cuda
