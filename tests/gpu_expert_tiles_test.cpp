@@ -42,6 +42,23 @@ void expect_invariant(const RouteCounters& c) {
 
 std::vector<int32_t> sorted_ids(int64_t rows, int64_t E) { return test::make_ids(test::sorted(rows), E); }
 
+// A warp-specialized test's operand form (the activation: GLU tests only).
+struct WsForm {
+  DType dtype;
+  int group;
+  int64_t K;
+  Activation act = Activation::geglu;
+};
+
+// Elements of got more than about one unit in T's last place from want.
+size_t ulps_apart(const std::vector<float>& got, const std::vector<float>& want, DType dtype) {
+  const double ulp = dtype == DType::bf16 ? 1.0 / 128 : 1.0 / 1024;  // relative
+  size_t apart = 0;
+  for (size_t i = 0; i < got.size() && i < want.size(); ++i)
+    apart += !(std::abs(got[i] - want[i]) <= ulp * std::abs(want[i]) + 1e-6);
+  return apart;
+}
+
 }  // namespace
 
 // Each build of the wgmma kernel pinned through set_wgmma_width (the API side of
@@ -160,12 +177,7 @@ TEST(SanitizeGpuExpertTiles, ColumnWindowsHoldTheWholeGemmsColumns) {
 TEST(SanitizeGpuExpertTiles, WarpSpecializedBuildMatchesTheTwoCtaBuild) {
   EXPERTQMM_REQUIRE_GPU();
   CountersGuard guard;
-  struct Form {
-    DType dtype;
-    int group;
-    int64_t K;
-  };
-  for (const Form f : {Form{DType::bf16, 64, 320}, Form{DType::f16, 128, 384}}) {
+  for (const WsForm f : {WsForm{DType::bf16, 64, 320}, WsForm{DType::f16, 128, 384}}) {
     const int64_t E = 8, N = 320, tokens = 96;
     std::vector<int32_t> rhs;
     for (auto [expert, rows] : {std::pair<int, int>{0, 128}, {1, 96}, {2, 130}, {3, 160}, {4, 13}, {5, 161}, {6, 258},
@@ -174,7 +186,6 @@ TEST(SanitizeGpuExpertTiles, WarpSpecializedBuildMatchesTheTwoCtaBuild) {
     std::vector<int32_t> lhs(rhs.size());
     for (size_t r = 0; r < lhs.size(); ++r) lhs[r] = static_cast<int32_t>((r * 37 + 11) % tokens);
     const QuantizedWeight q = test::random_codes(E, N, f.K, 4, f.group, f.dtype);
-    const double ulp = f.dtype == DType::bf16 ? 1.0 / 128 : 1.0 / 1024;  // relative, one unit in the last place
     for (bool mis_sorted : {false, true}) {
       std::vector<int32_t> ids = rhs;
       if (mis_sorted) std::swap(ids.front(), ids.back());
@@ -195,10 +206,7 @@ TEST(SanitizeGpuExpertTiles, WarpSpecializedBuildMatchesTheTwoCtaBuild) {
         EXPECT_EQ(cuda::wgmma_ws_launches() - launches_before, 1u) << what << ": the warp-specialized kernel did not run";
         EXPECT_EQ(retracted() - retracted_before, mis_sorted ? 1u : 0u) << what;
         ASSERT_EQ(ws.size(), two_cta.size());
-        size_t apart = 0;
-        for (size_t i = 0; i < ws.size(); ++i)
-          apart += !(std::abs(ws[i] - two_cta[i]) <= ulp * std::abs(two_cta[i]) + 1e-6);
-        EXPECT_EQ(apart, 0u) << what << ": outputs more than one unit in the last place from the two-CTA kernel's "
+        EXPECT_EQ(ulps_apart(ws, two_cta, f.dtype), 0u) << what << ": outputs more than one unit in the last place from the two-CTA kernel's "
                              << test::seed_note();
         EXPECT_LE(test::reference_error(c, ws), 1e-2) << what;
       }
@@ -214,13 +222,7 @@ TEST(SanitizeGpuExpertTiles, WarpSpecializedBuildMatchesTheTwoCtaBuild) {
 TEST(SanitizeGpuExpertTiles, WarpSpecializedGluMatchesTheTwoCtaBuild) {
   EXPERTQMM_REQUIRE_GPU();
   CountersGuard guard;
-  struct Form {
-    DType dtype;
-    int group;
-    int64_t K;
-    Activation act;
-  };
-  for (const Form f : {Form{DType::f16, 128, 384, Activation::geglu}, Form{DType::bf16, 64, 320, Activation::swiglu}}) {
+  for (const WsForm f : {WsForm{DType::f16, 128, 384, Activation::geglu}, WsForm{DType::bf16, 64, 320, Activation::swiglu}}) {
     const int64_t E = 6, N = 288, tokens = 80;
     std::vector<int32_t> rhs;
     for (auto [expert, rows] : {std::pair<int, int>{0, 160}, {1, 7}, {2, 129}, {3, 96}, {5, 200}}) rhs.insert(rhs.end(), rows, expert);
@@ -255,7 +257,6 @@ TEST(SanitizeGpuExpertTiles, WarpSpecializedGluMatchesTheTwoCtaBuild) {
     const Tensor u = test::from_float(test::run_route(up, "expert_tiles_wgmma"), {pg.B, N}, f.dtype);
     const std::vector<float> composed = test::to_float(glu_product(f.act, g, u));
     EXPECT_LE(test::rel_error(two_cta, composed), 5e-3) << activation_name(f.act) << " two-CTA " << test::seed_note();
-    const double ulp = f.dtype == DType::bf16 ? 1.0 / 128 : 1.0 / 1024;
     for (int max_ctas : {0, 1}) {
       const std::string what = detail::cat(dtype_name(f.dtype), " g", f.group, " K ", f.K, " ", activation_name(f.act),
                                            " max CTAs ", max_ctas);
@@ -263,9 +264,7 @@ TEST(SanitizeGpuExpertTiles, WarpSpecializedGluMatchesTheTwoCtaBuild) {
       const std::vector<float> ws = glu(RouteSwitch::on, max_ctas);
       EXPECT_EQ(cuda::wgmma_ws_launches() - launches_before, 1u) << what << ": the warp-specialized kernel did not run";
       ASSERT_EQ(ws.size(), two_cta.size());
-      size_t apart = 0;
-      for (size_t i = 0; i < ws.size(); ++i) apart += !(std::abs(ws[i] - two_cta[i]) <= ulp * std::abs(two_cta[i]) + 1e-6);
-      EXPECT_EQ(apart, 0u) << what << ": outputs more than one unit in the last place from the two-CTA kernel's "
+      EXPECT_EQ(ulps_apart(ws, two_cta, f.dtype), 0u) << what << ": outputs more than one unit in the last place from the two-CTA kernel's "
                            << test::seed_note();
     }
   }
