@@ -4,7 +4,8 @@
 # "out/commit"] after `scripts/gpu-check --pack-prebuilt build` and `git rev-parse --short HEAD >
 # out/commit` here. TOTAL: the seconds it may take (default 420). In order: the warp-specialized
 # build's tests, the step-47 probe, the EXPERTQMM_WGMMA_WS and EXPERTQMM_DETERMINISTIC A/Bs (Gemma
-# layer), then gpu-check on the prebuilt binaries (every GPU test, sanitizers) with what is left.
+# layer), the 2048-token layer kernel by kernel (scripts/profile-layer), then gpu-check on the
+# prebuilt binaries (every GPU test, sanitizers) with what is left.
 REAL_OUT=$OUT
 NAME=step47
 export OUT=$REAL_OUT/$NAME  # in $OUT itself so that a timed-out call still brings back what it wrote
@@ -32,6 +33,9 @@ ab() {  # ab VAR TOKENS DIR: VAR=0 (baseline) against VAR=1 (current), alternate
 }
 ab EXPERTQMM_WGMMA_WS 512,1024,2048 switch-ws
 [ -n "${SKIP_DET:-}" ] || ab EXPERTQMM_DETERMINISTIC 512,1024,2048 switch-deterministic
+# Where the 2048-token layer's time goes with the warp-specialized build (scripts/profile-layer).
+[ -n "${SKIP_PROFILE:-}" ] || BUILD_DIR=$B EXPERTQMM_WGMMA_WS=1 SECONDS_PER_RUN=90 scripts/profile-layer $OUT/profile-ws
+echo "t=$SECONDS"
 export GPU_CHECK_PREBUILT=out/prebuilt.tar.xz
 export GPU_CHECK_SKIP="bench bench-extra torch cutlass model python bench-python bench-mlx"
 export GPU_TEST_SHARDS=14
