@@ -76,7 +76,7 @@ static_assert(detail::kTileRowsFull == kTokens, "a plan tile is at most one wgmm
 //                        ss, bs (128,) uint32: the aligned word holding the row's group scale / bias }
 //   staging  (160, 136) T: a token's 128 outputs padded by 8 (the 4 token rows a warp writes at
 //            once fall in different banks)
-//   full[kStages], empty[kStages] mbarriers; rows (160,) int64 x offsets, -1: no row (producer's);
+//   full[kStages], empty[kStages] mbarriers; rows (160,) const T*: the x row, null: no row (producer's);
 //   row_ok (160,) uint8: the row's x index is in range (the consumers', for their stores)
 struct Layout {
   static constexpr int kXBytes = kStageRows * kBK * 2;
@@ -229,7 +229,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   unsigned char* smem = smem_raw + ((1024u - (raw & 1023u)) & 1023u);
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + Layout::kBarOffset);
   uint64_t* empty = full + kStages;
-  int64_t* row_offset = reinterpret_cast<int64_t*>(smem + Layout::kRowsOffset);
+  const void** row_src = reinterpret_cast<const void**>(smem + Layout::kRowsOffset);
   uint8_t* row_ok = smem + Layout::kRowOkOffset;
   T* staging = reinterpret_cast<T*>(smem + Layout::kStagingOffset);
 
@@ -274,24 +274,29 @@ __global__ void __launch_bounds__(kThreads, 1)
       {
         const int rows = tile.rows;  // <= kStageRows
         const int64_t row0 = tile.row0;
-        device::named_barrier_sync<2, kProducerThreads>();  // the previous item's offsets were read
+        device::named_barrier_sync<2, kProducerThreads>();  // the previous item's rows were read
         for (int r = pr; r < rows; r += kProducerThreads) {
           const int64_t xb = a.lhs ? static_cast<int64_t>(a.lhs[row0 + r]) : row0 + r;  // M == 1
-          int64_t offset = -1;
-          if (xb >= 0 && xb < a.x_batch) offset = xb * a.x_batch_stride;
-          else record_fault(a.faults, kFaultRowOutOfRange, static_cast<uint32_t>(xb), static_cast<uint32_t>(a.x_batch));
-          row_offset[r] = offset;
+          const bool in_range = xb >= 0 && xb < a.x_batch;
+          if (!in_range)
+            record_fault(a.faults, kFaultRowOutOfRange, static_cast<uint32_t>(xb), static_cast<uint32_t>(a.x_batch));
+          row_src[r] = in_range ? x + xb * a.x_batch_stride : nullptr;
         }
         device::named_barrier_sync<2, kProducerThreads>();
+        // This thread's x rows r = xr + 16 i all have r % 8 == xr % 8: one swizzled chunk position.
+        const int x_chunk = ((xc ^ (xr & 7)) << 4);
         for (int kt = 0; kt < k_tiles; ++kt, ++ring) {
           const int s = ring % kStages;
           if (ring >= kStages) device::mbarrier_wait(&empty[s], ((ring / kStages) - 1) & 1);
           unsigned char* stage = smem + s * Layout::kStageBytes;
-          // Rows past the tile are not copied: their outputs are never stored.
-          for (int r = xr; r < rows; r += 16) {
-            const int64_t offset = row_offset[r];
-            device::cp_async_16(stage + r * 128 + ((xc ^ (r & 7)) << 4), offset >= 0 ? x + offset + kt * kBK + xc * 8 : x,
-                                offset >= 0);
+          // Rows past the tile are not copied: their outputs are never stored. Per chunk: the row's
+          // pointer from shared memory, one add, the copy (the producer's issue slots per stage are
+          // the SM's: each scheduler also issues two consumer warps' dequantization).
+          const int col = kt * kBK + xc * 8;
+          unsigned char* dst = stage + xr * 128 + x_chunk;
+          for (int r = xr; r < rows; r += 16, dst += 16 * 128) {
+            const T* src = static_cast<const T*>(row_src[r]);
+            device::cp_async_16(dst, src ? src + col : x, src != nullptr);
           }
           unsigned char* ws = stage + Layout::kXBytes;
 #pragma unroll
