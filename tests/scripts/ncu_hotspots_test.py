@@ -7,6 +7,8 @@ import subprocess
 import sys
 import tempfile
 
+from script_check import expect_refusal
+
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts", "ncu-hotspots")
 
 HEADER = ('"Address","Source","Warp Stall Sampling (All Samples)","Warp Stall Sampling (Not-issued Samples)",'
@@ -43,11 +45,7 @@ def main():
         assert "60.0%" in first and "IABS R4, R2" in first and "[long_sb 55, math 5]" in first, first
         assert len(out) == 4 + 3, out
 
-        empty = os.path.join(tmp, "empty.csv")
-        with open(empty, "w") as f:
-            f.write("==PROF== no kernel matched\n")
-        r = run(empty)
-        assert r.returncode != 0 and "no source table" in r.stderr and "empty.csv" in r.stderr, (r.returncode, r.stderr)
+        expect_refusal(run, tmp, "==PROF== no kernel matched\n", "no source table")
     print("ncu-hotspots: PASS")
 
 
