@@ -6,9 +6,10 @@ launches, the median duration, its launches per layer pass and their total, larg
   scripts/layer_kernels.py FILE.csv [--label TEXT]
 
 A layer pass: the launch count that most kernel names share (every kernel of the layer runs once per
-pass in the bench's eager warm-up, capture and replays alike); a name launched m times as often runs
-m times per pass. Names whose count is no multiple of it (the bench's ceilings, the L2 flush) are
-listed apart and left out of the sum.
+pass in the bench's eager warm-up, graph warm-up and replays alike); a name launched about m times
+as often runs m times per pass, give or take m launches (the bench routes once more outside the
+layer, so the router's kernels count one launch over). Names launched less than about once a pass
+(the bench's ceilings) are listed apart and left out of the sum.
 """
 import argparse
 import collections
@@ -59,16 +60,17 @@ def main():
     passes = max(counts.items(), key=lambda kv: (kv[1], -kv[0]))[0]
     layer, apart = [], []
     for name, us in times.items():
-        entry = (statistics.median(us), len(us), name)
-        (layer if len(us) % passes == 0 else apart).append(entry)
+        per_pass = round(len(us) / passes)
+        entry = (statistics.median(us), per_pass, len(us), name)
+        (layer if per_pass >= 1 and abs(len(us) - per_pass * passes) <= per_pass else apart).append(entry)
     layer.sort(key=lambda e: -e[0] * e[1])
-    total = sum(med * n / passes for med, n, _ in layer)
-    print(f"{args.label}: {passes} layer passes profiled; per pass {total:.1f} us in {sum(n for _, n, _ in layer) // passes} launches")
+    total = sum(med * per_pass for med, per_pass, _, _ in layer)
+    print(f"{args.label}: {passes} layer passes profiled; per pass {total:.1f} us in "
+          f"{sum(per_pass for _, per_pass, _, _ in layer)} launches")
     print(f"{'us/pass':>9} {'share':>6} {'per pass':>8} {'median us':>10}  kernel")
-    for med, n, name in layer:
-        per_pass = n // passes
+    for med, per_pass, _, name in layer:
         print(f"{med * per_pass:9.1f} {med * per_pass / total:6.1%} {per_pass:8d} {med:10.1f}  {short(name)}")
-    for med, n, name in sorted(apart, key=lambda e: -e[0]):
+    for med, _, n, name in sorted(apart, key=lambda e: -e[0]):
         print(f"{'':9} {'':6} {'apart':>8} {med:10.1f}  {short(name)} ({n} launches)")
 
 

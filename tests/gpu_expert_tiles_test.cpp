@@ -50,12 +50,12 @@ struct WsForm {
   Activation act = Activation::geglu;
 };
 
-// Elements of got more than about one unit in T's last place from want.
-size_t ulps_apart(const std::vector<float>& got, const std::vector<float>& want, DType dtype) {
+// Elements of got more than about `units` units in T's last place from want.
+size_t ulps_apart(const std::vector<float>& got, const std::vector<float>& want, DType dtype, int units) {
   const double ulp = dtype == DType::bf16 ? 1.0 / 128 : 1.0 / 1024;  // relative
   size_t apart = 0;
   for (size_t i = 0; i < got.size() && i < want.size(); ++i)
-    apart += !(std::abs(got[i] - want[i]) <= ulp * std::abs(want[i]) + 1e-6);
+    apart += !(std::abs(got[i] - want[i]) <= units * ulp * std::abs(want[i]) + 1e-6);
   return apart;
 }
 
@@ -189,25 +189,28 @@ TEST(SanitizeGpuExpertTiles, WarpSpecializedBuildMatchesTheTwoCtaBuild) {
     for (bool mis_sorted : {false, true}) {
       std::vector<int32_t> ids = rhs;
       if (mis_sorted) std::swap(ids.front(), ids.back());
-      const test::GatherCall c = test::batched_call(q, f.dtype, tokens, 1, lhs, ids);
-      if (!cuda::supports_expert_tiles_wgmma(c.problem()).ok) GTEST_SKIP() << "no sm_90a kernels on this device";
-      set_wgmma_ws(RouteSwitch::off);
-      const std::vector<float> two_cta = test::run_route(c, "expert_tiles_wgmma");
+      test::GatherCall c = test::batched_call(q, f.dtype, tokens, 1, lhs, ids);
+      c.sorted = true;  // the promise of the layer's sorted rows (broken on purpose when mis_sorted)
+      if (!cuda::wgmma_available()) GTEST_SKIP() << "no sm_90a kernels on this device";
+      ASSERT_TRUE(cuda::supports_expert_tiles_wgmma(c.problem()).ok) << c.describe("expert_tiles_wgmma");
+      const std::vector<float> two_cta = [&] {
+        test::WsBuildGuard off(RouteSwitch::off, 0);
+        return test::run_route(c, "expert_tiles_wgmma");
+      }();
       for (int max_ctas : {0, 3, 1}) {
         const std::string what = detail::cat(dtype_name(f.dtype), " g", f.group, " K ", f.K, " max CTAs ", max_ctas,
                                              mis_sorted ? " mis-sorted" : "");
-        set_wgmma_ws(RouteSwitch::on);
-        cuda::set_wgmma_ws_max_ctas(max_ctas);
         const auto retracted = [] { return test::gather_counters().fallbacks[static_cast<int>(Fallback::sortedness_retracted)]; };
         const uint64_t retracted_before = retracted(), launches_before = cuda::wgmma_ws_launches();
-        const std::vector<float> ws = test::run_route(c, "expert_tiles_wgmma");
-        cuda::set_wgmma_ws_max_ctas(0);
-        set_wgmma_ws(RouteSwitch::automatic);
+        const std::vector<float> ws = [&] {
+          test::WsBuildGuard on(RouteSwitch::on, max_ctas);
+          return test::run_route(c, "expert_tiles_wgmma");
+        }();
         EXPECT_EQ(cuda::wgmma_ws_launches() - launches_before, 1u) << what << ": the warp-specialized kernel did not run";
         EXPECT_EQ(retracted() - retracted_before, mis_sorted ? 1u : 0u) << what;
         ASSERT_EQ(ws.size(), two_cta.size());
-        EXPECT_EQ(ulps_apart(ws, two_cta, f.dtype), 0u) << what << ": outputs more than one unit in the last place from the two-CTA kernel's "
-                             << test::seed_note();
+        EXPECT_EQ(ulps_apart(ws, two_cta, f.dtype, 1), 0u)
+            << what << ": outputs more than one unit in the last place from the two-CTA kernel's " << test::seed_note();
         EXPECT_LE(test::reference_error(c, ws), 1e-2) << what;
       }
     }
@@ -215,8 +218,8 @@ TEST(SanitizeGpuExpertTiles, WarpSpecializedBuildMatchesTheTwoCtaBuild) {
 }
 
 // The warp-specialized build's GLU form, as the layer plan launches it (launch_gate_up_glu on one
-// shared tile plan), against the two-CTA kernel's GLU form (within about one unit in the last place)
-// and against act(gate) * up of the plain products: f16 at group 128 and bf16 at group 64, N = 288
+// shared tile plan), against the two-CTA kernel's GLU form (within two units in the last place)
+// and against act(gate) * up of the plain products: sorted rows, f16 at group 128 and bf16 at group 64, N = 288
 // (the last 64-column block half full), odd and even k-tile counts, tails merged and alone, the grid
 // at one CTA per SM and at one CTA.
 TEST(SanitizeGpuExpertTiles, WarpSpecializedGluMatchesTheTwoCtaBuild) {
@@ -228,12 +231,14 @@ TEST(SanitizeGpuExpertTiles, WarpSpecializedGluMatchesTheTwoCtaBuild) {
     for (auto [expert, rows] : {std::pair<int, int>{0, 160}, {1, 7}, {2, 129}, {3, 96}, {5, 200}}) rhs.insert(rhs.end(), rows, expert);
     std::vector<int32_t> lhs(rhs.size());
     for (size_t r = 0; r < lhs.size(); ++r) lhs[r] = static_cast<int32_t>((r * 29 + 5) % tokens);
-    const test::GatherCall gate = test::batched_call(test::random_codes(E, N, f.K, 4, f.group, f.dtype), f.dtype, tokens, 1, lhs, rhs);
+    test::GatherCall gate = test::batched_call(test::random_codes(E, N, f.K, 4, f.group, f.dtype), f.dtype, tokens, 1, lhs, rhs);
+    gate.sorted = true;  // the layer's sorted rows
     test::GatherCall up = gate;  // the same x and ids, other weights
     up.q_host = test::random_codes(E, N, f.K, 4, f.group, f.dtype);
     up.q_dev = test::to_device(up.q_host, Device::cuda);
     detail::GatherQmmProblem pg = gate.problem(), pu = up.problem();
-    if (!cuda::supports_expert_tiles_wgmma(pg).ok) GTEST_SKIP() << "no sm_90a kernels on this device";
+    if (!cuda::wgmma_available()) GTEST_SKIP() << "no sm_90a kernels on this device";
+    ASSERT_TRUE(cuda::supports_expert_tiles_wgmma(pg).ok) << gate.describe("expert_tiles_wgmma");
     ASSERT_TRUE(cuda::gate_up_glu_fits(pg, pu));
     Tensor plan = Tensor::empty({static_cast<int64_t>((cuda::tile_plan_bytes(pg.B, static_cast<int>(E)) + 3) / 4)},
                                 DType::i32, Device::cuda);
@@ -241,18 +246,16 @@ TEST(SanitizeGpuExpertTiles, WarpSpecializedGluMatchesTheTwoCtaBuild) {
                                     static_cast<cudaStream_t>(cuda_stream()));
     pg.tile_plan = pu.tile_plan = plan.data();
     auto glu = [&](RouteSwitch ws_build, int max_ctas) {
-      set_wgmma_ws(ws_build);
-      cuda::set_wgmma_ws_max_ctas(max_ctas);
+      test::WsBuildGuard build(ws_build, max_ctas);
       Tensor hidden = Tensor::empty({pg.B, N}, f.dtype, Device::cuda);
       test::poison(hidden);
       cuda::launch_gate_up_glu(pg, pu, f.act, hidden.data());
       cuda_check();
-      cuda::set_wgmma_ws_max_ctas(0);
-      set_wgmma_ws(RouteSwitch::automatic);
       return test::to_float(hidden);
     };
     const std::vector<float> two_cta = glu(RouteSwitch::off, 0);
     // act(gate) * up from the plain products, each rounded to T as the fused epilogue rounds them.
+    test::WsBuildGuard plain(RouteSwitch::off, 0);
     const Tensor g = test::from_float(test::run_route(gate, "expert_tiles_wgmma"), {pg.B, N}, f.dtype);
     const Tensor u = test::from_float(test::run_route(up, "expert_tiles_wgmma"), {pg.B, N}, f.dtype);
     const std::vector<float> composed = test::to_float(glu_product(f.act, g, u));
@@ -264,8 +267,9 @@ TEST(SanitizeGpuExpertTiles, WarpSpecializedGluMatchesTheTwoCtaBuild) {
       const std::vector<float> ws = glu(RouteSwitch::on, max_ctas);
       EXPECT_EQ(cuda::wgmma_ws_launches() - launches_before, 1u) << what << ": the warp-specialized kernel did not run";
       ASSERT_EQ(ws.size(), two_cta.size());
-      EXPECT_EQ(ulps_apart(ws, two_cta, f.dtype), 0u) << what << ": outputs more than one unit in the last place from the two-CTA kernel's "
-                           << test::seed_note();
+      // Two units: a one-unit difference in the rounded gate can move act(gate) * up by one more.
+      EXPECT_EQ(ulps_apart(ws, two_cta, f.dtype, 2), 0u)
+          << what << ": outputs more than two units in the last place from the two-CTA kernel's " << test::seed_note();
     }
   }
 }

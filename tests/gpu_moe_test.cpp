@@ -20,6 +20,7 @@
 
 #include "expertqmm/backend.h"
 #include "expertqmm/error.h"
+#include "support/gather_case.h"
 #include "support/graph_capture.h"
 #include "support/moe_case.h"
 #include "support/reference.h"
@@ -89,17 +90,12 @@ TEST(GpuMoe, WarpSpecializedBuildGivesTheLayersAnswer) {
       const int64_t T = 300, D = l.cpu.experts.down.w.size(1);
       const Tensor h = test::random_tensor({T, D}, DType::bf16, 1.0f, Device::cuda);
       auto run_layer = [&](RouteSwitch ws_build, int max_ctas) {
-        const bool before = deterministic();
-        set_deterministic(deterministic_mode);
-        set_wgmma_ws(ws_build);
-        cuda::set_wgmma_ws_max_ctas(max_ctas);
+        const test::SettingGuard<bool, deterministic, set_deterministic> mode(deterministic_mode);
+        const test::WsBuildGuard build(ws_build, max_ctas);
         Workspace ws;
         Tensor out = Tensor::empty({T, D}, DType::bf16, Device::cuda);
         moe_layer_into(out, h, h, l.gpu, ws);
         cuda_check();
-        cuda::set_wgmma_ws_max_ctas(0);
-        set_wgmma_ws(RouteSwitch::automatic);
-        set_deterministic(before);
         return test::to_float(out);
       };
       const std::string what = detail::cat(activation_name(act), deterministic_mode ? " deterministic" : "");

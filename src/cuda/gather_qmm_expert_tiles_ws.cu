@@ -10,7 +10,7 @@
 // tail costs no second pass over the weights) x K in 64-wide k tiles.
 //
 // Work split. Grid: at most one CTA per SM (persistent), 384 threads:
-//   warpgroup 0, the producer (40 registers after setmaxnreg): per item, the tile's x row offsets
+//   warpgroup 0, the producer (40 registers after setmaxnreg): per item, the tile's x row pointers
 //     into shared memory, then per k tile, into ring stage u % kStages: the rows' 128-byte x pieces
 //     (chunk c of row r at c ^ (r % 8): wgmma's 128-byte swizzled B), the 128 weight rows' 32 bytes
 //     of codes (thread p: row p, both 16-byte chunks) and the word holding each row's group scale
@@ -92,6 +92,7 @@ struct Layout {
   static constexpr int kAllocBytes = kBytes + 1024;
   static_assert(kStageBytes % 1024 == 0 && kTailXOffset % 1024 == 0, "x tiles stay 1024-byte aligned for the swizzle");
   static_assert(kAllocBytes <= 227 * 1024, "one CTA per SM");
+  static_assert(kRowsOffset % sizeof(void*) == 0, "the row pointers are aligned");
 };
 
 // The rows of work item tile t: a tile, or a full tile and the expert's tail of at most 32 rows
@@ -365,7 +366,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         stage_outputs<T, kTokens>(acc, staging, 0, m_lo, t);
       }
       // A row whose x index is out of range (recorded by the producer) keeps its output, as in the
-      // two-CTA kernel; the producer's offsets may already be the next item's, so read lhs here, once.
+      // two-CTA kernel; the producer's row pointers may already be the next item's, so read lhs here,
+      // once.
       if (ct < rows) {
         const int64_t xb = a.lhs ? static_cast<int64_t>(a.lhs[row0 + ct]) : row0 + ct;
         row_ok[ct] = xb >= 0 && xb < a.x_batch;

@@ -11,6 +11,7 @@
 #include "core/device_memory.h"
 #include "core/synthetic_fp.h"
 #include "cuda/gather_qmm.h"
+#include "cuda/gather_qmm_ws_hooks.h"
 #include "expertqmm/diagnostics.h"
 #include "expertqmm/error.h"
 #include "expertqmm/ops.h"
@@ -122,6 +123,15 @@ std::vector<float> run_public_op(const GatherCall& call, const Tensor& want, con
 }
 
 }  // namespace
+
+WsBuildGuard::WsBuildGuard(RouteSwitch build, int max_ctas) : saved_(wgmma_ws_setting()) {
+  set_wgmma_ws(build);
+  cuda::set_wgmma_ws_max_ctas(max_ctas);
+}
+WsBuildGuard::~WsBuildGuard() {
+  cuda::set_wgmma_ws_max_ctas(0);
+  set_wgmma_ws(saved_);
+}
 
 RouteCounters gather_counters() {
   for (const RouteCounters& r : diagnostics::snapshot())

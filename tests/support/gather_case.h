@@ -11,6 +11,7 @@
 #include "core/gather_qmm_problem.h"
 #include "expertqmm/diagnostics.h"
 #include "expertqmm/moe.h"
+#include "expertqmm/settings.h"
 #include "support/backend_cases.h"
 
 namespace expertqmm::test {
@@ -58,6 +59,19 @@ double reference_error(const GatherCall& c, const std::vector<float>& out);
 
 // The gather_qmm row of diagnostics::snapshot() (a test failure when absent).
 RouteCounters gather_counters();
+
+// The warp-specialized wgmma build (EXPERTQMM_WGMMA_WS) switched and its grid capped (0: one CTA per
+// SM) for one scope; both restored on exit, also when a launch throws.
+class WsBuildGuard {
+ public:
+  WsBuildGuard(RouteSwitch build, int max_ctas);
+  ~WsBuildGuard();
+  WsBuildGuard(const WsBuildGuard&) = delete;
+  WsBuildGuard& operator=(const WsBuildGuard&) = delete;
+
+ private:
+  RouteSwitch saved_;
+};
 
 // The row's call on CUDA against float64 and against a second implementation (the CPU backend where
 // it is cheap, else another route), its selector choice or its refusal.

@@ -53,6 +53,7 @@ struct BenchOptions {
   std::string json_path;
   std::string export_dir;
   int replays = 100;
+  bool gated = true;  // --ungated: replays without host gates (under a profiler)
   uint64_t seed = 1;
 };
 
@@ -62,16 +63,19 @@ void print_usage() {
       "                       [--tokens 1,8,64,512,1024,2048] [--routing uniform|zipf]\n"
       "                       [--product fused|separate|both] [--expert-tiles auto|on|off|both] [--json FILE]\n"
       "                       [--replays 100] [--export-dir DIR]\n"
-      "                       [--seed S]\n"
+      "                       [--seed S] [--ungated]\n"
       "Times the whole MoE layer as CUDA graph replays (4 weight copies round robin, L2 flushed between\n"
       "replays, median of the replays) against a floor measured in the same run; bench/README.md has\n"
-      "the protocol. CUDA only.\n");
+      "the protocol. --ungated enqueues the replays without holding them until all are queued, for\n"
+      "profilers that serialize launches (ncu: scripts/profile-layer); its times include launch latency.\n"
+      "CUDA only.\n");
 }
 
 BenchOptions parse_options(int argc, char** argv) {
   Args args(argc, argv);
   args.check_known(
-      {"preset", "quant", "tokens", "routing", "product", "expert-tiles", "json", "replays", "export-dir", "seed"});
+      {"preset", "quant", "tokens", "routing", "product", "expert-tiles", "json", "replays", "export-dir", "seed",
+       "ungated"});
   BenchOptions o;
   o.preset = with_quant_option(find_preset(args.get("preset", "gemma4-26b-a4b")), args);
   o.tokens = args.get_int_list("tokens", {1, 8, 64, 512, 1024, 2048}, 1, kMaxTokens);
@@ -84,6 +88,7 @@ BenchOptions parse_options(int argc, char** argv) {
   o.export_dir = args.get_optional("export-dir", "a directory");
   o.replays = int(args.get_int("replays", 100, 1, 100000));
   o.seed = uint64_t(args.get_int("seed", 1, 0, kMaxSeed));
+  o.gated = !args.get_flag("ungated");
   return o;
 }
 
@@ -223,7 +228,7 @@ struct Measurement {
 
 // Captures moe_layer_into for every copy and times `replays` replays round robin.
 Measurement time_layer(Tensor& out, const Tensor& h, const std::vector<MoeWeights>& copies, int replays,
-                       cudaStream_t stream, const DeviceBuffer& flush) {
+                       bool gated, cudaStream_t stream, const DeviceBuffer& flush) {
   Workspace ws;
   diagnostics::reset();
   // Warm-up: grows the workspace to this token count and runs first-use setup, so that the
@@ -242,7 +247,7 @@ Measurement time_layer(Tensor& out, const Tensor& h, const std::vector<MoeWeight
   for (int r = 0; r < 2 * n_copies; ++r) EXPERTQMM_CUDA_CHECK(cudaGraphLaunch(g.execs[r % n_copies], stream));
   cuda_check();
 
-  const std::vector<double> us = timing::timed_replays(g.execs, replays, stream, flush);
+  const std::vector<double> us = timing::timed_replays(g.execs, replays, stream, flush, gated);
   cuda_check();
   m.us = stats_of(us);
   m.counters = diagnostics::snapshot();
@@ -417,7 +422,7 @@ int run_bench(int argc, char** argv) {
     for (ProductMode mode : o.products) {
       set_product_mode(mode);
       set_expert_tiles(tiles);
-      const Measurement m = time_layer(out, h, copies, o.replays, stream, flush);
+      const Measurement m = time_layer(out, h, copies, o.replays, o.gated, stream, flush);
       const std::vector<float> got = host_floats(out);
       double err = 0;
       for (size_t n = 0; n < checked.size(); ++n) {
@@ -489,7 +494,8 @@ int run_bench(int argc, char** argv) {
       << "},\n  \"preset\": " << json_string(p.name) << ",\n  \"quant\": " << json_string(quant_mode_name(p.mode))
       << ",\n  \"routing\": " << json_string(o.routing)
       << ",\n  \"protocol\": {\"weight_copies\": " << kWeightCopies << ", \"l2_flush_bytes\": " << flush_bytes
-      << ", \"replays\": " << o.replays << ", \"statistic\": \"median\"}"
+      << ", \"replays\": " << o.replays << ", \"gated\": " << (o.gated ? "true" : "false")
+      << ", \"statistic\": \"median\"}"
       << ",\n  \"rows\": [\n    " << rows_json.str() << "\n  ],\n  \"product_deltas\": [\n    " << deltas_json.str()
       << "\n  ]\n}\n";
     EXPERTQMM_CHECK(f.good(), "bench", "writing --json file '", o.json_path, "' failed");
