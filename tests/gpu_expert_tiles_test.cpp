@@ -42,6 +42,15 @@ void expect_invariant(const RouteCounters& c) {
 
 std::vector<int32_t> sorted_ids(int64_t rows, int64_t E) { return test::make_ids(test::sorted(rows), E); }
 
+// p's tile plan built on the device from its ids, as the layer plan builds one (launch_build_tile_plan_at).
+Tensor tile_plan_of(const detail::GatherQmmProblem& p) {
+  const int E = static_cast<int>(p.w_batch);
+  Tensor plan = Tensor::empty({static_cast<int64_t>((cuda::tile_plan_bytes(p.B, E) + 3) / 4)}, DType::i32, Device::cuda);
+  cuda::launch_build_tile_plan_at(p.rhs.data_as<const int32_t>(), p.B, E, plan.data(),
+                                  static_cast<cudaStream_t>(cuda_stream()));
+  return plan;
+}
+
 // A warp-specialized test's operand form (the activation: GLU tests only).
 struct WsForm {
   DType dtype;
@@ -136,10 +145,7 @@ TEST(SanitizeGpuExpertTiles, ColumnWindowsHoldTheWholeGemmsColumns) {
                                            dtype_name(f.dtype), mis_sorted ? " mis-sorted" : "");
       detail::GatherQmmProblem p = c.problem();
       const std::vector<float> whole = test::run_route(c, "expert_tiles");
-      Tensor plan = Tensor::empty({static_cast<int64_t>((cuda::tile_plan_bytes(p.B, static_cast<int>(E)) + 3) / 4)},
-                                  DType::i32, Device::cuda);
-      cuda::launch_build_tile_plan_at(p.rhs.data_as<const int32_t>(), p.B, static_cast<int>(E), plan.data(),
-                                      static_cast<cudaStream_t>(cuda_stream()));
+      const Tensor plan = tile_plan_of(p);
       p.tile_plan = plan.data();
       auto retracted = [] { return test::gather_counters().fallbacks[static_cast<int>(Fallback::sortedness_retracted)]; };
       const uint64_t retracted_before = retracted();
@@ -240,10 +246,7 @@ TEST(SanitizeGpuExpertTiles, WarpSpecializedGluMatchesTheTwoCtaBuild) {
     if (!cuda::wgmma_available()) GTEST_SKIP() << "no sm_90a kernels on this device";
     ASSERT_TRUE(cuda::supports_expert_tiles_wgmma(pg).ok) << gate.describe("expert_tiles_wgmma");
     ASSERT_TRUE(cuda::gate_up_glu_fits(pg, pu));
-    Tensor plan = Tensor::empty({static_cast<int64_t>((cuda::tile_plan_bytes(pg.B, static_cast<int>(E)) + 3) / 4)},
-                                DType::i32, Device::cuda);
-    cuda::launch_build_tile_plan_at(pg.rhs.data_as<const int32_t>(), pg.B, static_cast<int>(E), plan.data(),
-                                    static_cast<cudaStream_t>(cuda_stream()));
+    const Tensor plan = tile_plan_of(pg);  // one plan for both, as the layer plan shares it
     pg.tile_plan = pu.tile_plan = plan.data();
     auto glu = [&](RouteSwitch ws_build, int max_ctas) {
       test::WsBuildGuard build(ws_build, max_ctas);

@@ -124,14 +124,8 @@ std::vector<float> run_public_op(const GatherCall& call, const Tensor& want, con
 
 }  // namespace
 
-WsBuildGuard::WsBuildGuard(RouteSwitch build, int max_ctas) : saved_(wgmma_ws_setting()) {
-  set_wgmma_ws(build);
-  cuda::set_wgmma_ws_max_ctas(max_ctas);
-}
-WsBuildGuard::~WsBuildGuard() {
-  cuda::set_wgmma_ws_max_ctas(0);
-  set_wgmma_ws(saved_);
-}
+WsBuildGuard::WsBuildGuard(RouteSwitch build, int max_ctas) : build_(build) { cuda::set_wgmma_ws_max_ctas(max_ctas); }
+WsBuildGuard::~WsBuildGuard() { cuda::set_wgmma_ws_max_ctas(0); }
 
 RouteCounters gather_counters() {
   for (const RouteCounters& r : diagnostics::snapshot())

@@ -13,6 +13,7 @@
 #include "expertqmm/moe.h"
 #include "expertqmm/settings.h"
 #include "support/backend_cases.h"
+#include "support/moe_case.h"  // SettingGuard
 
 namespace expertqmm::test {
 
@@ -70,7 +71,7 @@ class WsBuildGuard {
   WsBuildGuard& operator=(const WsBuildGuard&) = delete;
 
  private:
-  RouteSwitch saved_;
+  SettingGuard<RouteSwitch, wgmma_ws_setting, set_wgmma_ws> build_;
 };
 
 // The row's call on CUDA against float64 and against a second implementation (the CPU backend where
