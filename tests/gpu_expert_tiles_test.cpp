@@ -277,6 +277,69 @@ TEST(SanitizeGpuExpertTiles, WarpSpecializedGluMatchesTheTwoCtaBuild) {
   }
 }
 
+// The weights' tile layout (docs/tile-layout.md) in the warp-specialized build gives the MLX
+// layout's bits, plain and GLU forms, on one CTA per SM and on one CTA (the ring wraps; each stage's
+// bulk copies are counted on its barrier again); tile_weight of the device weight equals the host's.
+// Plain: N = 320, five 64-row blocks, so the last item's second block is missing; GLU: N = 288, the
+// last block half rows past N. bf16 at group 64 with K = 320 (odd k tiles), f16 at group 128, K = 384.
+TEST(SanitizeGpuExpertTiles, TileLayoutGivesTheMlxLayoutsBits) {
+  EXPERTQMM_REQUIRE_GPU();
+  CountersGuard guard;
+  for (const WsForm f : {WsForm{DType::bf16, 64, 320, Activation::geglu}, WsForm{DType::f16, 128, 384, Activation::swiglu}}) {
+    const int64_t E = 6, tokens = 80;
+    std::vector<int32_t> rhs;
+    for (auto [expert, rows] : {std::pair<int, int>{0, 160}, {1, 7}, {2, 129}, {3, 96}, {5, 200}}) rhs.insert(rhs.end(), rows, expert);
+    std::vector<int32_t> lhs(rhs.size());
+    for (size_t r = 0; r < lhs.size(); ++r) lhs[r] = static_cast<int32_t>((r * 29 + 5) % tokens);
+    auto call_of = [&](int64_t N) {
+      test::GatherCall c = test::batched_call(test::random_codes(E, N, f.K, 4, f.group, f.dtype), f.dtype, tokens, 1, lhs, rhs);
+      c.sorted = true;  // the layer's sorted rows
+      c.q_dev.tiled = tile_weight(c.q_dev);
+      return c;
+    };
+    test::GatherCall plain = call_of(320), gate = call_of(288), up = call_of(288);
+    up.x_dev = gate.x_dev;  // GLU: one x for both
+    if (!cuda::wgmma_available()) GTEST_SKIP() << "no sm_90a kernels on this device";
+    const TiledWeight host_tiles = tile_weight(plain.q_host);
+    EXPECT_EQ(plain.q_dev.tiled.codes.to_host_bytes(), host_tiles.codes.to_host_bytes());
+    EXPECT_EQ(plain.q_dev.tiled.params.to_host_bytes(), host_tiles.params.to_host_bytes());
+    auto untiled = [](test::GatherCall c) {
+      c.q_dev.tiled = TiledWeight{};
+      return c;
+    };
+    auto glu = [&](const test::GatherCall& g, const test::GatherCall& u) {
+      detail::GatherQmmProblem pg = g.problem(), pu = u.problem();
+      const Tensor plan = tile_plan_of(pg);
+      pg.tile_plan = pu.tile_plan = plan.data();
+      Tensor hidden = Tensor::empty({pg.B, pg.N}, f.dtype, Device::cuda);
+      test::poison(hidden);
+      cuda::launch_gate_up_glu(pg, pu, f.act, hidden.data());
+      cuda_check();
+      return test::to_float(hidden);
+    };
+    auto differing = [](const std::vector<float>& a, const std::vector<float>& b) {
+      size_t n = a.size() == b.size() ? 0 : std::max(a.size(), b.size());
+      for (size_t i = 0; i < a.size() && i < b.size(); ++i) n += !(a[i] == b[i]);
+      return n;
+    };
+    for (int max_ctas : {0, 1}) {
+      const std::string what = detail::cat(dtype_name(f.dtype), " g", f.group, " K ", f.K, " max CTAs ", max_ctas);
+      test::WsBuildGuard on(RouteSwitch::on, max_ctas);
+      const uint64_t tiled_before = cuda::wgmma_ws_tiled_launches(), launches_before = cuda::wgmma_ws_launches();
+      const std::vector<float> plain_tiled = test::run_route(plain, "expert_tiles_wgmma");
+      const std::vector<float> glu_tiled = glu(gate, up);
+      EXPECT_EQ(cuda::wgmma_ws_tiled_launches() - tiled_before, 2u) << what << ": the tile-layout build did not run";
+      const std::vector<float> plain_mlx = test::run_route(untiled(plain), "expert_tiles_wgmma");
+      const std::vector<float> glu_mlx = glu(untiled(gate), untiled(up));
+      EXPECT_EQ(cuda::wgmma_ws_launches() - launches_before, 4u) << what;
+      EXPECT_EQ(cuda::wgmma_ws_tiled_launches() - tiled_before, 2u) << what << ": the MLX layout ran the tiled build";
+      EXPECT_EQ(differing(plain_tiled, plain_mlx), 0u) << what << " plain " << test::seed_note();
+      EXPECT_EQ(differing(glu_tiled, glu_mlx), 0u) << what << " " << activation_name(f.act) << " " << test::seed_note();
+      EXPECT_LE(test::reference_error(plain, plain_tiled), 1e-2) << what;
+    }
+  }
+}
+
 // Every field changed alone sends the call to the generic routes with the named fallback class,
 // and the answer stays right.
 TEST(SanitizeGpuExpertTiles, OneFieldSelectorMisses) {

@@ -114,6 +114,47 @@ TEST(GpuMoe, WarpSpecializedBuildGivesTheLayersAnswer) {
 #endif
 }
 
+// MoeWeights::tile_experts (docs/tile-layout.md) in the layer with the warp-specialized build: the
+// same bits as the MLX layout's (gate/up with the GLU epilogue; down too in deterministic mode),
+// through the layer plan, and the tile layout counted in nbytes.
+TEST(GpuMoe, TiledExpertsGiveTheMlxLayoutsBits) {
+  EXPERTQMM_REQUIRE_GPU();
+#ifdef EXPERTQMM_HAVE_CUDA
+  if (!cuda::wgmma_available()) GTEST_SKIP() << "no sm_90a kernels on this device";
+  for (bool deterministic_mode : {false, true}) {
+    const test::Layer l = layer(16, 4, false, Activation::geglu);
+    MoeWeights tiled = l.gpu;
+    EXPECT_EQ(tiled.tile_experts(), 3);
+    EXPECT_EQ(tiled.tile_experts(), 0) << "a second call adds nothing";
+    EXPECT_GT(tiled.nbytes(), l.gpu.nbytes());
+    const int64_t T = 300, D = l.cpu.experts.down.w.size(1);
+    const Tensor h = test::random_tensor({T, D}, DType::bf16, 1.0f, Device::cuda);
+    auto run_layer = [&](const MoeWeights& w) {
+      const test::SettingGuard<bool, deterministic, set_deterministic> mode(deterministic_mode);
+      const test::WsBuildGuard build(RouteSwitch::on, 0);
+      Workspace ws;
+      Tensor out = Tensor::empty({T, D}, DType::bf16, Device::cuda);
+      moe_layer_into(out, h, h, w, ws);
+      cuda_check();
+      return test::to_float(out);
+    };
+    const uint64_t tiled_before = cuda::wgmma_ws_tiled_launches();
+    const std::vector<float> with_tiles = run_layer(tiled);
+    EXPECT_EQ(cuda::wgmma_ws_tiled_launches() - tiled_before, deterministic_mode ? 2u : 1u)
+        << "gate/up (and down) should have read the tile layout";
+    const std::vector<float> mlx = run_layer(l.gpu);
+    EXPECT_EQ(cuda::wgmma_ws_tiled_launches() - tiled_before, deterministic_mode ? 2u : 1u);
+    if (!deterministic_mode) {  // the fused combine's atomics add in any order
+      EXPECT_LE(test::rel_error(with_tiles, mlx), 1e-3) << test::seed_note();
+      continue;
+    }
+    size_t differing = 0;
+    for (size_t i = 0; i < mlx.size(); ++i) differing += !(with_tiles[i] == mlx[i]);
+    EXPECT_EQ(differing, 0u) << test::seed_note();
+  }
+#endif
+}
+
 // Where the down output would pass the plan's kDownWindowBytes (24 MiB) whole, moe_layer_into in
 // deterministic mode runs down and the combine per window of output columns: here H = 1472 and
 // 8,800 (token, slot) rows give 25.9 MB, so windows of 1408 and 64 columns. The same bits on

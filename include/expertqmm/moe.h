@@ -70,7 +70,12 @@ struct MoeWeights {
   SwitchGLUWeights experts;
   // A copy with every tensor on `device` (undefined members stay undefined).
   MoeWeights to(Device device) const;
-  // Bytes of every tensor held (codes, scales, biases, router vectors).
+  // Adds the tile layout (quant.h TiledWeight) to each tileable expert projection among gate, up and
+  // down that lacks one, on its device; returns how many it added. The layer's wgmma expert kernels
+  // then read those instead of the MLX tensors (a fused gate_up is left as it is). Costs the
+  // projections' bytes once more.
+  int tile_experts();
+  // Bytes of every tensor held (codes, scales, biases, tile layouts, router vectors).
   size_t nbytes() const;
 };
 

@@ -47,6 +47,22 @@ QuantSpec default_quant_spec(QuantMode mode);
 //   scales [..., N, K/group_size]: affine: the float dtype of the original weight; fp modes: uint8
 //   biases [..., N, K/group_size] same dtype as scales (affine); undefined for the fp modes
 //   global_scale: nvfp4 only, optional float32 scalar
+// An affine 4-bit weight re-laid once at load for the tensor-core expert kernels (tile_weight()),
+// kept beside the MLX tensors, which every other route reads. For w of logical shape [E, N, K]:
+//   codes  uint32 [E, NB, K/64, 512], NB = ceil(N/64): per (expert, 64-row block, 64-wide k tile)
+//          2 KB, one 16-byte word group per lane of the wgmma A fragments (one load per lane and
+//          k tile, each register pair one shift and one mask away from its two codes);
+//   params uint32 [E, NB, K/group_size, 64]: per (expert, block, group) each row's scale (low half)
+//          and bias (high half) as one word, two rows a lane reads side by side.
+// docs/tile-layout.md gives every index. Rows past N hold code 0, scale 0 and bias 0.
+struct TiledWeight {
+  Tensor codes;
+  Tensor params;
+  int group_size = 64;               // the weight's (64 or 128)
+  DType param_dtype = DType::bf16;   // the scales' and biases' (bf16 or f16)
+  bool defined() const { return codes.defined(); }
+};
+
 struct QuantizedWeight {
   Tensor w;
   Tensor scales;
@@ -55,6 +71,7 @@ struct QuantizedWeight {
   int group_size = 64;
   QuantMode mode = QuantMode::affine;
   Tensor global_scale;
+  TiledWeight tiled;  // optional: tile_weight(*this), which the wgmma expert kernels read instead
   bool defined() const { return w.defined(); }
 };
 
@@ -71,6 +88,16 @@ Tensor dequantize(const Tensor& w, const Tensor& scales, const Tensor& biases, i
                   int bits);
 // mx.dequantize(..., mode, global_scale, dtype) for any mode, output in `dtype`.
 Tensor dequantize(const QuantizedWeight& q, DType dtype);
+// Whether tile_weight() takes q: affine, 4-bit, group size 64 or 128, bf16 or f16 scales and biases,
+// K a multiple of 64, w of rank >= 2 (leading dims are the experts). When not, *why (if given) says
+// which rule failed.
+bool tileable(const QuantizedWeight& q, std::string* why = nullptr);
+// q's tile layout (see TiledWeight), on q's device; throws Error when !tileable(q).
+TiledWeight tile_weight(const QuantizedWeight& q);
+// The inverse: the MLX tensors of an [E, N, K] weight from its tile layout (w [E, N, K/8] uint32;
+// scales and biases [E, N, K/group_size] in t.param_dtype), on t's device. The round trip is exact.
+QuantizedWeight untile_weight(const TiledWeight& t, int64_t N);
+
 // MLX's default output dtype: the scales' dtype (affine), bfloat16 (fp modes).
 inline Tensor dequantize(const QuantizedWeight& q) {
   return dequantize(q, q.mode == QuantMode::affine ? q.scales.dtype() : DType::bf16);

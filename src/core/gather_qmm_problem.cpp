@@ -280,7 +280,8 @@ std::string GatherQmmProblem::describe() const {
              " group_size=", group_size,
              " transpose=", transpose, " sorted_indices=", sorted_indices, " batch=", shape_str(batch),
              " x_batch=", x_batch, " w_batch(E)=", w_batch, " dtype=", dtype_name(dtype),
-             " device=", device_name(device), " x=", x.describe(), " w=", w.describe(), "}");
+             " device=", device_name(device), " x=", x.describe(), " w=", w.describe(),
+             tiled.defined() ? cat(" tiled=", tiled.codes.describe()) : std::string(), "}");
 }
 
 }  // namespace expertqmm::detail

@@ -30,6 +30,10 @@ struct GatherQmmProblem {
   // lhs, rhs: contiguous int32 [B] (broadcast materialised). Values are range-checked here on the
   // CPU; on CUDA the kernels check them (out-of-range ids are recorded, never read).
   Tensor lhs, rhs;
+  // Optional: w in the tile layout (quant.h TiledWeight; the layer passes a projection's own), which
+  // the warp-specialized wgmma build reads instead of w, scales and biases when its parameters are
+  // in `dtype` (cuda quant_view).
+  TiledWeight tiled;
   bool rhs_is_identity = false;  // rhs[b] == b (no rhs given and no broadcast)
   bool lhs_is_identity = false;  // lhs[b] == b
   // CUDA expert tile route: a plan already built for rhs on the current stream (one plan serves

@@ -105,6 +105,12 @@ device::QuantView quant_view(const detail::GatherQmmProblem& p) {
   q.words_per_row = static_cast<int>(p.w_row_words());
   q.groups_per_row = static_cast<int>(p.groups_per_row());
   q.group_shift = log2_of(p.group_size);
+  const TiledWeight& t = p.tiled;
+  if (t.defined() && p.mode == QuantMode::affine && p.bits == 4 && p.transpose && t.group_size == p.group_size &&
+      t.param_dtype == p.dtype && t.codes.device() == p.device) {
+    q.tiled_codes = t.codes.data_as<const uint32_t>();
+    q.tiled_params = t.params.data_as<const uint32_t>();
+  }
   return q;
 }
 

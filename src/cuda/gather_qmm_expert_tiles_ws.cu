@@ -15,7 +15,12 @@
 //     (chunk c of row r at c ^ (r % 8): wgmma's 128-byte swizzled B), the 128 weight rows' 32 bytes
 //     of codes (thread p: row p, both 16-byte chunks) and the word holding each row's group scale
 //     and bias; then cp.async.mbarrier.arrive.noinc on the stage's `full` barrier (128 arrivals).
-//     Before it refills a stage it waits on the stage's `empty` barrier.
+//     Before it refills a stage it waits on the stage's `empty` barrier. With the tile layout
+//     (docs/tile-layout.md; kTiled) the weights and parameters come instead as four bulk copies per
+//     stage (two 2 KB code blocks, two 256-byte parameter blocks), one by lane 0 of each producer
+//     warp, counted as transactions on `full`; the threads then copy only x.
+//     Consumers with the tile layout: one 16-byte load of codes and one 8-byte load of parameters
+//     per lane and k tile, each A register one shift and one mask from its codes.
 //   warpgroups 1-2, the consumers (232 registers): weight rows 0-63 and 64-127 (glu: the gate rows
 //     and the up rows of 64 output columns). Per k tile: wait `full`, dequantize lane (g, t)'s A
 //     fragments (rows g and g + 8 of its warp's 16; k 2t..2t+1 and 2t+8..2t+9 of each k16 step) into
@@ -35,6 +40,7 @@
 #include <atomic>
 #include <string>
 
+#include "core/tile_layout.h"
 #include "core/tile_plan.h"
 #include "cuda/device/cp_async.cuh"
 #include "cuda/device/dequant.cuh"
@@ -82,6 +88,10 @@ struct Layout {
   static constexpr int kXBytes = kStageRows * kBK * 2;
   static constexpr int kTailXOffset = kTokens * kBK * 2;
   static constexpr int kWBytes = kCtaRows * kBK / 2;
+  // The tile layout's pieces (docs/tile-layout.md): two 64-row code blocks fill the kWBytes, their
+  // two parameter blocks the first half of the scale/bias words.
+  static constexpr int kTileCodeBytes = detail::kTileWords * 4, kTileParamBytes = detail::kTileRows * 4;
+  static_assert(2 * kTileCodeBytes == kWBytes && 2 * kTileParamBytes <= 2 * kCtaRows * 4, "a stage holds two blocks");
   static constexpr int kStageBytes = kXBytes + kWBytes + 2 * kCtaRows * 4;
   static constexpr int kOutStride = kCtaRows + 8;
   static constexpr int kStagingOffset = kStages * kStageBytes;
@@ -123,7 +133,7 @@ __device__ __forceinline__ ItemRows item_rows(const ExpertTile* tiles, int tile_
 
 // The k loop of one item on one consumer warpgroup with wgmma width kN into acc and, kTailN = 32,
 // the tail's rows 128-159 into acc_tail with the same A fragments (one dequantization for both).
-template <class T, int kN, int kTailN>
+template <class T, bool kTiled, int kN, int kTailN>
 __device__ __forceinline__ void consume_item(float (&acc)[kN / 2], float (&acc_tail)[kTailN ? kTailN / 2 : 1],
                                               unsigned char* smem, uint64_t* full,
                                               uint64_t* empty, int ring0, int k_tiles, int group_shift,
@@ -136,25 +146,48 @@ __device__ __forceinline__ void consume_item(float (&acc)[kN / 2], float (&acc_t
     const int ring = ring0 + kt;
     const int s = ring % kStages;
     device::mbarrier_wait(&full[s], (ring / kStages) & 1);
-    const uint32_t* ws = reinterpret_cast<const uint32_t*>(smem + s * Layout::kStageBytes + Layout::kXBytes);
-    const uint32_t* ss = ws + kCtaRows * 8;
-    const uint32_t* bs = ss + kCtaRows;
-    const int tile_parity = ((kt * kBK) >> group_shift) & 1;
-    const bool high_lo = (parity_lo ^ tile_parity) != 0, high_hi = (parity_hi ^ tile_parity) != 0;
-    const uint32_t s_lo = device::broadcast_half(ss[m_lo], high_lo), b_lo = device::broadcast_half(bs[m_lo], high_lo);
-    const uint32_t s_hi = device::broadcast_half(ss[m_hi], high_hi), b_hi = device::broadcast_half(bs[m_hi], high_hi);
-    auto chunk_of = [&](int m, int c) {
-      return *reinterpret_cast<const uint4*>(ws + m * 8 + ((c ^ ((m >> 2) & 1)) << 2));
-    };
-    const uint4 lo0 = chunk_of(m_lo, 0), lo1 = chunk_of(m_lo, 1), hi0 = chunk_of(m_hi, 0), hi1 = chunk_of(m_hi, 1);
-    const uint32_t lo[8] = {lo0.x, lo0.y, lo0.z, lo0.w, lo1.x, lo1.y, lo1.z, lo1.w};
-    const uint32_t hi[8] = {hi0.x, hi0.y, hi0.z, hi0.w, hi1.x, hi1.y, hi1.z, hi1.w};
+    const unsigned char* wst = smem + s * Layout::kStageBytes + Layout::kXBytes;
+    if constexpr (kTiled) {
+      // Lane (g, t) of slab m_lo / 16: its four code words (k16 = 0..3) in one load, its rows' (scale,
+      // bias) words in another (docs/tile-layout.md); pair i of word k16 is A register i.
+      const int block = m_lo >> 6, slab = (m_lo >> 4) & 3, g = m_lo & 7;
+      const int lane = g * 4 + static_cast<int>(threadIdx.x & 3);
+      const uint4 code = *reinterpret_cast<const uint4*>(wst + block * Layout::kTileCodeBytes + (slab * 32 + lane) * 16);
+      const uint2 prm = *reinterpret_cast<const uint2*>(wst + Layout::kWBytes + block * Layout::kTileParamBytes +
+                                                        (slab * 8 + g) * 8);
+      const uint32_t s_lo = device::broadcast_half(prm.x, false), b_lo = device::broadcast_half(prm.x, true);
+      const uint32_t s_hi = device::broadcast_half(prm.y, false), b_hi = device::broadcast_half(prm.y, true);
+      const uint32_t words[4] = {code.x, code.y, code.z, code.w};
 #pragma unroll
-    for (int k16 = 0; k16 < 4; ++k16) {
-      af[k16][0] = Dequant::nibbles(lo[2 * k16], selector, s_lo, b_lo);
-      af[k16][1] = Dequant::nibbles(hi[2 * k16], selector, s_hi, b_hi);
-      af[k16][2] = Dequant::nibbles(lo[2 * k16 + 1], selector, s_lo, b_lo);
-      af[k16][3] = Dequant::nibbles(hi[2 * k16 + 1], selector, s_hi, b_hi);
+      for (int k16 = 0; k16 < 4; ++k16) {
+        uint32_t pair[4];
+        device::biased_code_pairs<T>(words[k16], pair);
+        af[k16][0] = device::dequant_biased_pair<T>(pair[0], s_lo, b_lo);
+        af[k16][1] = device::dequant_biased_pair<T>(pair[1], s_hi, b_hi);
+        af[k16][2] = device::dequant_biased_pair<T>(pair[2], s_lo, b_lo);
+        af[k16][3] = device::dequant_biased_pair<T>(pair[3], s_hi, b_hi);
+      }
+    } else {
+      const uint32_t* ws = reinterpret_cast<const uint32_t*>(wst);
+      const uint32_t* ss = ws + kCtaRows * 8;
+      const uint32_t* bs = ss + kCtaRows;
+      const int tile_parity = ((kt * kBK) >> group_shift) & 1;
+      const bool high_lo = (parity_lo ^ tile_parity) != 0, high_hi = (parity_hi ^ tile_parity) != 0;
+      const uint32_t s_lo = device::broadcast_half(ss[m_lo], high_lo), b_lo = device::broadcast_half(bs[m_lo], high_lo);
+      const uint32_t s_hi = device::broadcast_half(ss[m_hi], high_hi), b_hi = device::broadcast_half(bs[m_hi], high_hi);
+      auto chunk_of = [&](int m, int c) {
+        return *reinterpret_cast<const uint4*>(ws + m * 8 + ((c ^ ((m >> 2) & 1)) << 2));
+      };
+      const uint4 lo0 = chunk_of(m_lo, 0), lo1 = chunk_of(m_lo, 1), hi0 = chunk_of(m_hi, 0), hi1 = chunk_of(m_hi, 1);
+      const uint32_t lo[8] = {lo0.x, lo0.y, lo0.z, lo0.w, lo1.x, lo1.y, lo1.z, lo1.w};
+      const uint32_t hi[8] = {hi0.x, hi0.y, hi0.z, hi0.w, hi1.x, hi1.y, hi1.z, hi1.w};
+#pragma unroll
+      for (int k16 = 0; k16 < 4; ++k16) {
+        af[k16][0] = Dequant::nibbles(lo[2 * k16], selector, s_lo, b_lo);
+        af[k16][1] = Dequant::nibbles(hi[2 * k16], selector, s_hi, b_hi);
+        af[k16][2] = Dequant::nibbles(lo[2 * k16 + 1], selector, s_lo, b_lo);
+        af[k16][3] = Dequant::nibbles(hi[2 * k16 + 1], selector, s_hi, b_hi);
+      }
     }
     device::fence_proxy_async_shared();  // x came through cp.async (generic proxy); wgmma reads it (async)
     device::wgmma_fence();
@@ -215,7 +248,7 @@ __device__ __forceinline__ void stage_outputs(const float (&acc)[kN / 2], T* sta
   }
 }
 
-template <class T, WgmmaForm kForm>
+template <class T, WgmmaForm kForm, bool kTiled>
 __global__ void __launch_bounds__(kThreads, 1)
     expert_tiles_ws_kernel(WgmmaTileArgs p, const ExpertTile* __restrict__ tiles,
                            const TilePlanHeader* __restrict__ header) {
@@ -262,10 +295,23 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint32_t* w_base = kGlu && pr >= 64 ? p.up.w : a.q.w;
     const uint16_t* s_base = kGlu && pr >= 64 ? p.up.scales : a.q.scales;
     const uint16_t* b_base = kGlu && pr >= 64 ? p.up.biases : a.q.biases;
+    // Tile layout: lane 0 of producer warp w copies piece w of every stage: the codes of 64-row
+    // block w % 2 (w < 2) or its parameters (w >= 2); block 0 holds smem rows 0-63, block 1 rows
+    // 64-127 (glu: the gate's and the up's block cb; plain: blocks 2 cb and 2 cb + 1).
+    const int piece = pr >> 5, piece_half = piece & 1;
+    const bool piece_lane = (pr & 31) == 0;
+    const device::QuantView& piece_q = kGlu && piece_half ? p.up : a.q;
+    const int64_t row_blocks = (a.expert_rows + detail::kTileRows - 1) / detail::kTileRows;
     int ring = 0;  // k tiles issued: stage ring % kStages, use ring / kStages
     for (int item = blockIdx.x; item < items; item += gridDim.x) {
       const ItemRows tile = item_rows(tiles, tile_count, item / col_blocks);
       if (tile.absorbed || !expert_ok(tile.expert)) continue;  // the consumers skip it too
+      const int64_t piece_block = kGlu ? item % col_blocks : 2 * (item % col_blocks) + piece_half;
+      const bool piece_copies = kTiled && piece_lane && piece_block < row_blocks;  // a missing block: rows past N
+      const int64_t piece_first = tile.expert * row_blocks + piece_block;
+      const uint32_t* piece_src = !kTiled     ? nullptr
+                                  : piece < 2 ? piece_q.tiled_codes + piece_first * k_tiles * detail::kTileWords
+                                              : piece_q.tiled_params + piece_first * a.q.groups_per_row * detail::kTileRows;
       const int n = weight_row(item % col_blocks, pr);
       const bool w_valid = n < a.N;
       const int64_t w_row = static_cast<int64_t>(tile.expert) * a.expert_rows + (w_valid ? n : 0);
@@ -300,18 +346,30 @@ __global__ void __launch_bounds__(kThreads, 1)
             device::cp_async_16(dst, src ? src + col : x, src != nullptr);
           }
           unsigned char* ws = stage + Layout::kXBytes;
-#pragma unroll
-          for (int c = 0; c < 2; ++c)
-            device::cp_async_16(ws + pr * 32 + ((c ^ ((pr >> 2) & 1)) << 4), w_src + kt * 8 + 4 * c, w_valid);
-          // The group's element sits in the aligned word at el & ~1: el odd -> both halves; el even ->
-          // its 2 bytes only (the next element may lie past the end of the tensor).
           const int group = (kt * kBK) >> a.q.group_shift;
-          const uint16_t* se = s_src + group;
-          const uint16_t* be = b_src + group;
-          const int odd = static_cast<int>((reinterpret_cast<uintptr_t>(se) >> 1) & 1);
-          const int bytes = w_valid ? (odd ? 4 : 2) : 0;
-          device::cp_async_4(ws + Layout::kWBytes + pr * 4, se - odd, bytes);
-          device::cp_async_4(ws + Layout::kWBytes + kCtaRows * 4 + pr * 4, be - odd, bytes);
+          if constexpr (kTiled) {
+            if (piece_copies) {
+              const bool codes = piece < 2;
+              const uint32_t bytes = codes ? Layout::kTileCodeBytes : Layout::kTileParamBytes;
+              unsigned char* dst = codes ? ws + piece_half * Layout::kTileCodeBytes
+                                         : ws + Layout::kWBytes + piece_half * Layout::kTileParamBytes;
+              const uint32_t* src = piece_src + (codes ? kt * detail::kTileWords : group * detail::kTileRows);
+              device::mbarrier_expect_tx(&full[s], bytes);
+              device::bulk_copy_to_shared(dst, src, bytes, &full[s]);
+            }
+          } else {
+#pragma unroll
+            for (int c = 0; c < 2; ++c)
+              device::cp_async_16(ws + pr * 32 + ((c ^ ((pr >> 2) & 1)) << 4), w_src + kt * 8 + 4 * c, w_valid);
+            // The group's element sits in the aligned word at el & ~1: el odd -> both halves; el even ->
+            // its 2 bytes only (the next element may lie past the end of the tensor).
+            const uint16_t* se = s_src + group;
+            const uint16_t* be = b_src + group;
+            const int odd = static_cast<int>((reinterpret_cast<uintptr_t>(se) >> 1) & 1);
+            const int bytes = w_valid ? (odd ? 4 : 2) : 0;
+            device::cp_async_4(ws + Layout::kWBytes + pr * 4, se - odd, bytes);
+            device::cp_async_4(ws + Layout::kWBytes + kCtaRows * 4 + pr * 4, be - odd, bytes);
+          }
           device::cp_async_mbarrier_arrive(&full[s]);
         }
       }
@@ -350,18 +408,18 @@ __global__ void __launch_bounds__(kThreads, 1)
       device::named_barrier_sync<1, kConsumerThreads>();  // the previous item's stores read the staging and row_ok
       if (tile.tail_rows > 0) {
         float acc[kTokens / 2], acc_tail[kNarrowTokens / 2];
-        consume_item<T, kTokens, kNarrowTokens>(acc, acc_tail, smem, full, empty, ring0, k_tiles, a.q.group_shift,
+        consume_item<T, kTiled, kTokens, kNarrowTokens>(acc, acc_tail, smem, full, empty, ring0, k_tiles, a.q.group_shift,
                                                 m_lo, parity_lo, parity_hi, selector);
         stage_outputs<T, kTokens>(acc, staging, 0, m_lo, t);
         stage_outputs<T, kNarrowTokens>(acc_tail, staging, kTokens, m_lo, t);
       } else if (rows <= kNarrowTokens) {
         float acc[kNarrowTokens / 2], none[1];
-        consume_item<T, kNarrowTokens, 0>(acc, none, smem, full, empty, ring0, k_tiles, a.q.group_shift, m_lo,
+        consume_item<T, kTiled, kNarrowTokens, 0>(acc, none, smem, full, empty, ring0, k_tiles, a.q.group_shift, m_lo,
                                           parity_lo, parity_hi, selector);
         stage_outputs<T, kNarrowTokens>(acc, staging, 0, m_lo, t);
       } else {
         float acc[kTokens / 2], none[1];
-        consume_item<T, kTokens, 0>(acc, none, smem, full, empty, ring0, k_tiles, a.q.group_shift, m_lo, parity_lo,
+        consume_item<T, kTiled, kTokens, 0>(acc, none, smem, full, empty, ring0, k_tiles, a.q.group_shift, m_lo, parity_lo,
                                     parity_hi, selector);
         stage_outputs<T, kTokens>(acc, staging, 0, m_lo, t);
       }
@@ -398,26 +456,37 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 std::atomic<int> g_max_ctas{0};
 std::atomic<uint64_t> g_launches{0};
+std::atomic<uint64_t> g_tiled_launches{0};
 
-template <class T, WgmmaForm kForm>
-void launch_ws(const WgmmaTileArgs& p, const ExpertTile* tiles, const TilePlanHeader* header) {
+template <class T, WgmmaForm kForm, bool kTiled>
+void launch_ws_build(const WgmmaTileArgs& p, const ExpertTile* tiles, const TilePlanHeader* header) {
   static const bool smem_configured = [] {
-    EXPERTQMM_CUDA_CHECK(cudaFuncSetAttribute(expert_tiles_ws_kernel<T, kForm>,
+    EXPERTQMM_CUDA_CHECK(cudaFuncSetAttribute(expert_tiles_ws_kernel<T, kForm, kTiled>,
                                               cudaFuncAttributeMaxDynamicSharedMemorySize, Layout::kAllocBytes));
     return true;
   }();
   (void)smem_configured;
   const int cap = g_max_ctas.load();
   const int grid = cap > 0 ? std::min(cap, device_sm_count()) : device_sm_count();
-  expert_tiles_ws_kernel<T, kForm><<<grid, kThreads, Layout::kAllocBytes, current_stream()>>>(p, tiles, header);
+  expert_tiles_ws_kernel<T, kForm, kTiled><<<grid, kThreads, Layout::kAllocBytes, current_stream()>>>(p, tiles, header);
   EXPERTQMM_CUDA_CHECK_LAUNCH("expert_tiles_ws_kernel");
   g_launches.fetch_add(1);
+  if (kTiled) g_tiled_launches.fetch_add(1);
+}
+
+// The tile-layout build when every weight the form reads has one (glu: the gate's and the up's).
+template <class T, WgmmaForm kForm>
+void launch_ws(const WgmmaTileArgs& p, const ExpertTile* tiles, const TilePlanHeader* header) {
+  const bool tiled = p.tile.q.tiled_codes != nullptr && (!is_glu(kForm) || p.up.tiled_codes != nullptr);
+  if (tiled) launch_ws_build<T, kForm, true>(p, tiles, header);
+  else launch_ws_build<T, kForm, false>(p, tiles, header);
 }
 
 }  // namespace
 
 void set_wgmma_ws_max_ctas(int ctas) { g_max_ctas.store(ctas > 0 ? ctas : 0); }
 uint64_t wgmma_ws_launches() { return g_launches.load(); }
+uint64_t wgmma_ws_tiled_launches() { return g_tiled_launches.load(); }
 
 bool wgmma_ws_takes(WgmmaForm form, DType dtype, int bits, bool fp, int max_tokens) {
   return wgmma_ws_setting() == RouteSwitch::on && form != WgmmaForm::combine && bits == 4 && !fp &&

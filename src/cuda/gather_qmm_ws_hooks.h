@@ -10,5 +10,7 @@ namespace expertqmm::cuda {
 void set_wgmma_ws_max_ctas(int ctas);
 // Launches of the warp-specialized kernel so far in this process (a test's proof that it ran).
 uint64_t wgmma_ws_launches();
+// Of those, the launches that read the weights' tile layout (docs/tile-layout.md).
+uint64_t wgmma_ws_tiled_launches();
 
 }  // namespace expertqmm::cuda

@@ -128,6 +128,7 @@ detail::GatherQmmProblem quantized_problem(const QuantizedWeight& q, const Tenso
   p.w = q.w.contiguous();
   p.scales = scales;
   p.biases = biases;
+  if (scales.data() == q.scales.data()) p.tiled = q.tiled;  // not when the GEMM reads cast parameters
   return p;
 }
 

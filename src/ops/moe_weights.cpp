@@ -15,11 +15,22 @@ QuantizedWeight quantized_to(const QuantizedWeight& q, Device device) {
   r.w = tensor_to(q.w, device);
   r.scales = tensor_to(q.scales, device);
   r.biases = tensor_to(q.biases, device);
+  r.tiled.codes = tensor_to(q.tiled.codes, device);
+  r.tiled.params = tensor_to(q.tiled.params, device);
   return r;
 }
 
 size_t bytes_of(const Tensor& t) { return t.defined() ? t.nbytes() : 0; }
-size_t bytes_of(const QuantizedWeight& q) { return bytes_of(q.w) + bytes_of(q.scales) + bytes_of(q.biases); }
+size_t bytes_of(const QuantizedWeight& q) {
+  return bytes_of(q.w) + bytes_of(q.scales) + bytes_of(q.biases) + bytes_of(q.tiled.codes) + bytes_of(q.tiled.params);
+}
+
+// q with its tile layout when tileable and not yet there; true when it added one.
+bool add_tiles(QuantizedWeight& q) {
+  if (q.tiled.defined() || !tileable(q)) return false;
+  q.tiled = tile_weight(q);
+  return true;
+}
 
 }  // namespace
 
@@ -47,6 +58,11 @@ MoeWeights MoeWeights::to(Device device) const {
   ex.gate_up_dense = tensor_to(experts.gate_up_dense, device);
   ex.down_dense = tensor_to(experts.down_dense, device);
   return r;
+}
+
+int MoeWeights::tile_experts() {
+  SwitchGLUWeights& ex = experts;
+  return add_tiles(ex.gate) + add_tiles(ex.up) + add_tiles(ex.down);
 }
 
 size_t MoeWeights::nbytes() const {

@@ -169,8 +169,11 @@ QuantizedWeight random_codes(int64_t E, int64_t rows, int64_t cols, int bits, in
 }
 
 detail::GatherQmmProblem GatherCall::problem() const {
-  return detail::make_gather_qmm_problem(x_dev, q_dev.w, q_dev.scales, q_dev.biases, lhs_dev, rhs_dev, transpose,
-                                         q_dev.group_size, q_dev.bits, sorted, q_dev.mode);
+  detail::GatherQmmProblem p = detail::make_gather_qmm_problem(x_dev, q_dev.w, q_dev.scales, q_dev.biases, lhs_dev,
+                                                               rhs_dev, transpose, q_dev.group_size, q_dev.bits, sorted,
+                                                               q_dev.mode);
+  p.tiled = q_dev.tiled;  // the layer passes a projection's tile layout the same way
+  return p;
 }
 
 std::string GatherCall::describe(const std::string& route) const {

@@ -54,6 +54,7 @@ struct BenchOptions {
   std::string export_dir;
   int replays = 100;
   bool gated = true;  // --ungated: replays without host gates (under a profiler)
+  bool tiled = false;  // --tiled: the experts' tile layout made at load (MoeWeights::tile_experts)
   uint64_t seed = 1;
 };
 
@@ -63,11 +64,13 @@ void print_usage() {
       "                       [--tokens 1,8,64,512,1024,2048] [--routing uniform|zipf]\n"
       "                       [--product fused|separate|both] [--expert-tiles auto|on|off|both] [--json FILE]\n"
       "                       [--replays 100] [--export-dir DIR]\n"
-      "                       [--seed S] [--ungated]\n"
+      "                       [--seed S] [--ungated] [--tiled]\n"
       "Times the whole MoE layer as CUDA graph replays (4 weight copies round robin, L2 flushed between\n"
       "replays, median of the replays) against a floor measured in the same run; bench/README.md has\n"
       "the protocol. --ungated enqueues the replays without holding them until all are queued, for\n"
       "profilers that serialize launches (ncu: scripts/profile-layer); its times include launch latency.\n"
+      "--tiled adds the experts' tile layout at load (docs/tile-layout.md), which the warp-specialized\n"
+      "wgmma build reads (EXPERTQMM_WGMMA_WS=1).\n"
       "CUDA only.\n");
 }
 
@@ -75,7 +78,7 @@ BenchOptions parse_options(int argc, char** argv) {
   Args args(argc, argv);
   args.check_known(
       {"preset", "quant", "tokens", "routing", "product", "expert-tiles", "json", "replays", "export-dir", "seed",
-       "ungated"});
+       "ungated", "tiled"});
   BenchOptions o;
   o.preset = with_quant_option(find_preset(args.get("preset", "gemma4-26b-a4b")), args);
   o.tokens = args.get_int_list("tokens", {1, 8, 64, 512, 1024, 2048}, 1, kMaxTokens);
@@ -89,6 +92,7 @@ BenchOptions parse_options(int argc, char** argv) {
   o.replays = int(args.get_int("replays", 100, 1, 100000));
   o.seed = uint64_t(args.get_int("seed", 1, 0, kMaxSeed));
   o.gated = !args.get_flag("ungated");
+  o.tiled = args.get_flag("tiled");
   return o;
 }
 
@@ -343,7 +347,7 @@ int run_bench(int argc, char** argv) {
 
   size_t free_bytes = 0, total_bytes = 0;
   EXPERTQMM_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-  const size_t need = size_t(kWeightCopies) * size_t(p.expert_bytes()) + (size_t(1) << 30);
+  const size_t need = size_t(kWeightCopies) * size_t(p.expert_bytes()) * (o.tiled ? 2 : 1) + (size_t(1) << 30);
   EXPERTQMM_CHECK(free_bytes >= need, "bench", kWeightCopies, " weight copies of ", p.name, " need about ",
                   need >> 20, " MiB; the device has ", free_bytes >> 20, " MiB free");
 
@@ -353,6 +357,7 @@ int run_bench(int argc, char** argv) {
   MoeWeights host;
   host.experts = synthetic_experts(p, o.seed);
   host.router = o.routing == "zipf" ? steering_router(p, o.seed) : synthetic_router(p, o.seed);
+  if (o.tiled) host.tile_experts();  // once on the host; the copies carry it
   std::vector<MoeWeights> copies;
   copies.push_back(host.to(Device::cuda));
   for (int c = 1; c < kWeightCopies; ++c) copies.push_back(copies[0].to(Device::cuda));
@@ -495,6 +500,7 @@ int run_bench(int argc, char** argv) {
       << ",\n  \"routing\": " << json_string(o.routing)
       << ",\n  \"protocol\": {\"weight_copies\": " << kWeightCopies << ", \"l2_flush_bytes\": " << flush_bytes
       << ", \"replays\": " << o.replays << ", \"gated\": " << (o.gated ? "true" : "false")
+      << ", \"tiled\": " << (o.tiled ? "true" : "false")
       << ", \"statistic\": \"median\"}"
       << ",\n  \"rows\": [\n    " << rows_json.str() << "\n  ],\n  \"product_deltas\": [\n    " << deltas_json.str()
       << "\n  ]\n}\n";

@@ -211,6 +211,19 @@ __device__ __forceinline__ void biased_code_pairs(uint32_t word, uint32_t (&pair
   for (int j = 0; j < 4; ++j) pair[j] = and_or(word >> (4 * j), 0x000F000Fu, kMagic);
 }
 
+// A pair of biased_code_pairs as two T weights: M subtracted (exact), then one packed fma with the
+// row's scale and bias in both halves (s2, b2: broadcast_half), as PackedDequant<T>::nibbles computes
+// them: the same bits for the same codes.
+template <class T>
+__device__ __forceinline__ uint32_t dequant_biased_pair(uint32_t pair, uint32_t s2, uint32_t b2) {
+  using T2 = std::conditional_t<std::is_same<T, __nv_bfloat16>::value, __nv_bfloat162, __half2>;
+  constexpr uint32_t kMagic = std::is_same<T, __nv_bfloat16>::value ? 0x43004300u : 0x64006400u;
+  const uint32_t magic = kMagic;
+  const T2 q = __hsub2(*reinterpret_cast<const T2*>(&pair), *reinterpret_cast<const T2*>(&magic));
+  const T2 w = __hfma2(q, *reinterpret_cast<const T2*>(&s2), *reinterpret_cast<const T2*>(&b2));
+  return *reinterpret_cast<const uint32_t*>(&w);
+}
+
 // Code i of a packed row for any bits in 1..8 (3, 5 and 6-bit codes may straddle two words; the
 // second word is read only then, so a row is never read past its end).
 __device__ __forceinline__ uint32_t extract_code(const uint32_t* row, int64_t i, int bits) {

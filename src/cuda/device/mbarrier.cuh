@@ -45,6 +45,22 @@ __device__ __forceinline__ void cp_async_mbarrier_arrive(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(shared_address(bar)) : "memory");
 }
 
+// Adds `bytes` to the transactions the current phase of `bar` waits for (bulk copies completing on
+// it), without an arrival: the phase completes after its arrivals and those bytes.
+__device__ __forceinline__ void mbarrier_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(shared_address(bar)), "r"(bytes)
+               : "memory");
+}
+
+// `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to shared memory by the
+// bulk copy engine, one instruction for the whole piece; completes as transactions on `bar`.
+__device__ __forceinline__ void bulk_copy_to_shared(void* smem, const void* gmem, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   shared_address(smem)),
+               "l"(gmem), "r"(bytes), "r"(shared_address(bar))
+               : "memory");
+}
+
 // Shared memory written through the generic proxy (cp.async, st.shared) made visible to the async
 // proxy (wgmma's shared-memory operands, TMA) for the executing thread's later operations.
 __device__ __forceinline__ void fence_proxy_async_shared() {

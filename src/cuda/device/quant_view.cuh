@@ -19,6 +19,11 @@ struct QuantView {
   // mode read these (simt).
   const uint8_t* fp_scales = nullptr;
   int fp_mode = 0;
+  // Optional: the same weight in the tile layout (docs/tile-layout.md), codes [E, NB, K/64, 512]
+  // and params [E, NB, K/group_size, 64] uint32, params in the call's dtype; read only by the
+  // warp-specialized wgmma build.
+  const uint32_t* tiled_codes = nullptr;
+  const uint32_t* tiled_params = nullptr;
 };
 
 }  // namespace expertqmm::cuda::device

@@ -1,0 +1,39 @@
+// The tile layout's geometry and index rules (docs/tile-layout.md), shared by tile_weight /
+// untile_weight (tile_layout.cpp), their tests and the wgmma kernels that read the layout.
+#pragma once
+#include <cstdint>
+
+namespace expertqmm::detail {
+
+constexpr int kTileRows = 64;    // weight rows per block: one consumer warpgroup's wgmma M
+constexpr int kTileK = 64;       // k per tile: one stage of the kernels' ring
+constexpr int kTileWords = 512;  // uint32 codes per (block, k tile): 64 x 64 x 4 bits
+
+// Sizes and word offsets of one weight's layout, E experts of N rows and K columns.
+struct TileGeometry {
+  int64_t E = 0, N = 0, K = 0;
+  int group_size = 64;
+  int64_t row_blocks = 0, k_tiles = 0, groups = 0;
+  int64_t code_words() const { return E * row_blocks * k_tiles * kTileWords; }
+  int64_t param_words() const { return E * row_blocks * groups * kTileRows; }
+  // First word of the codes of (expert e, block b, k tile kt) / of the params of (e, b, group).
+  int64_t code_block(int64_t e, int64_t b, int64_t kt) const { return ((e * row_blocks + b) * k_tiles + kt) * kTileWords; }
+  int64_t param_block(int64_t e, int64_t b, int64_t grp) const { return ((e * row_blocks + b) * groups + grp) * kTileRows; }
+};
+TileGeometry tile_geometry(int64_t E, int64_t N, int64_t K, int group_size);
+
+// Where code (r, kk) of a block's k tile lives: bits [shift, shift + 4) of word `word` (0..511).
+// Lane (g, t) of the block's warp `slab` (rows 16 slab .. 16 slab + 15) owns words 4 (32 slab + 4g
+// + t) + k16, k16 = 0..3; in word k16, register pair i = 0..3 of wgmma's A fragment (rows g, g + 8,
+// g, g + 8 of the slab; k 2t, 2t, 2t + 8, 2t + 8 of the k16 step) sits at bits 4i (the lower k)
+// and 16 + 4i (k + 1), so (word >> 4i) & 0x000F000F is the pair.
+struct TileCodeSlot {
+  int word = 0, shift = 0;
+};
+TileCodeSlot tile_code_slot(int r, int kk);
+
+// Where row r's (scale, bias) word of a group block lives (0..63): lane (g, t) of warp `slab` reads
+// words 2 (8 slab + g) and + 1 (its rows g and g + 8) as one 8-byte load.
+int tile_param_slot(int r);
+
+}  // namespace expertqmm::detail
