@@ -4,6 +4,9 @@
 // waits for them, a CTA-wide barrier and its wgmmas once per 64-wide k tile; here no barrier spans
 // the CTA in the k loop and each consumer's dequantization of tile kt + 1 overlaps its wgmmas of kt.
 //
+// Forms as the two-CTA kernel's: plain, GLU (gate rows and up rows in one item, the product in the
+// epilogue) and combine (the down GEMM adding weight * y into its token's fp32 row with atomics).
+//
 // out^T = W x^T per work item, as in the two-CTA kernel: 128 weight rows (wgmma's M, 64 per consumer
 // warpgroup) x the tile's tokens (N: 128, or 32 for tiles of at most 32 rows, or 128 + 32 for a full
 // tile with its expert's tail of at most 32 rows: two wgmma groups on the same A fragments, so the
@@ -255,7 +258,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 #if EXPERTQMM_WGMMA_ENABLED
   constexpr bool kGlu = is_glu(kForm);
   constexpr Activation kAct = kForm == WgmmaForm::swiglu ? Activation::swiglu : Activation::geglu;
-  static_assert(kForm != WgmmaForm::combine, "the combine form runs on the two-CTA kernel");
   const TileArgs& a = p.tile;
   if (!header->sorted) return;  // uniform: the two-CTA kernel walks a retracted plan
   extern __shared__ unsigned char smem_raw[];
@@ -440,6 +442,20 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (col >= a.N || !row_ok[tok]) continue;
         const T* src = staging + tok * Layout::kOutStride + chunk * 8;
         uint4 v = *reinterpret_cast<const uint4*>(src);
+        if constexpr (kForm == WgmmaForm::combine) {
+          // The two-CTA kernel's combine: sorted row r is flat slot s = slot[r] of token s / top_k and
+          // adds weight[s] * y (y rounded to T) to the fp32 row with vector atomics.
+          const int32_t slot = p.combine_slot[row0 + tok];
+          const float w = device::Elem<T>::to_float(reinterpret_cast<const T*>(p.combine_weight)[slot]);
+          const T* yv = reinterpret_cast<const T*>(&v);
+          float* dst = p.combine_out + static_cast<int64_t>(slot / p.top_k) * a.N + col;
+          float prod[8];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) prod[e] = __fmul_rn(w, device::Elem<T>::to_float(yv[e]));
+          device::atomic_add_f32x4(dst, prod);
+          device::atomic_add_f32x4(dst + 4, prod + 4);
+          continue;
+        }
         if constexpr (kGlu) v = device::glu8<kAct, T>(v, *reinterpret_cast<const uint4*>(src + 64));
         *reinterpret_cast<uint4*>(out + (row0 + tok) * a.N + col) = v;
       }
@@ -489,7 +505,7 @@ uint64_t wgmma_ws_launches() { return g_launches.load(); }
 uint64_t wgmma_ws_tiled_launches() { return g_tiled_launches.load(); }
 
 bool wgmma_ws_takes(WgmmaForm form, DType dtype, int bits, bool fp, int max_tokens) {
-  return wgmma_ws_setting() == RouteSwitch::on && form != WgmmaForm::combine && bits == 4 && !fp &&
+  return wgmma_ws_setting() == RouteSwitch::on && bits == 4 && !fp &&
          max_tokens == kTokens && (dtype == DType::bf16 || dtype == DType::f16);
 }
 
@@ -507,7 +523,8 @@ void launch_expert_tiles_ws(const WgmmaTileArgs& p, WgmmaForm form, DType dtype,
       return bf16 ? launch_ws<__nv_bfloat16, WgmmaForm::swiglu>(p, tiles, header)
                   : launch_ws<__half, WgmmaForm::swiglu>(p, tiles, header);
     case WgmmaForm::combine:
-      break;
+      return bf16 ? launch_ws<__nv_bfloat16, WgmmaForm::combine>(p, tiles, header)
+                  : launch_ws<__half, WgmmaForm::combine>(p, tiles, header);
   }
   throw Error("gather_qmm", detail::cat("expert_tiles_ws has no kernel for dtype=", dtype_name(dtype),
                                         " form=", static_cast<int>(form)));

@@ -49,8 +49,8 @@ void launch_expert_tiles_wgmma(const WgmmaTileArgs& p, WgmmaForm form, DType dty
                                const detail::TilePlanHeader* header, int64_t tile_slots, bool fp = false);
 
 // The warp-specialized build (gather_qmm_expert_tiles_ws.cu; EXPERTQMM_WGMMA_WS=1): whether it takes
-// the launch that launch_expert_tiles_wgmma would give the build of `max_tokens` (plain and glu forms,
-// 4-bit affine bf16 / f16, the 128-token build), and its launch, which leaves a retracted plan alone.
+// the launch that launch_expert_tiles_wgmma would give the build of `max_tokens` (every form, 4-bit
+// affine bf16 / f16, the 128-token build), and its launch, which leaves a retracted plan alone.
 bool wgmma_ws_takes(WgmmaForm form, DType dtype, int bits, bool fp, int max_tokens);
 void launch_expert_tiles_ws(const WgmmaTileArgs& p, WgmmaForm form, DType dtype, const detail::ExpertTile* tiles,
                             const detail::TilePlanHeader* header);
