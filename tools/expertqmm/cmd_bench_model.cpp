@@ -42,22 +42,25 @@ struct ModelBenchOptions {
   uint64_t seed = 1;
   std::vector<std::pair<std::string, std::string>> versus;  // (variable, value): the second configuration
   std::string versus_text;                                   // as given: "EXPERTQMM_X=1,EXPERTQMM_Y=0"
+  bool tiled = false;  // --tiled: each layer's experts with their tile layout (MoeWeights::tile_experts)
 };
 
 void print_model_usage() {
   std::printf(
       "usage: expertqmm bench --model DIR [--tokens 1,8,16,32,64,512,1024,2048] [--product fused|separate|both]\n"
       "                       [--replays 20] [--json FILE] [--seed S] [--versus VAR=VALUE[,VAR=VALUE...]]\n"
+      "                       [--tiled]\n"
       "Loads every layer of the Gemma 4 or Qwen3-MoE checkpoint in DIR to the GPU and times the feed-forward part of\n"
       "all layers back to back (attention excluded) as one CUDA graph per token count: median of the\n"
       "replays, µs per layer, tokens/s (T <= 64: decode, else prefill), fused and separate GLU product.\n"
       "--versus: also each size with those EXPERTQMM_* settings (`expertqmm info` lists them), the two graphs'\n"
-      "replays alternating in this process; the rows say which configuration, and the change.\n");
+      "replays alternating in this process; the rows say which configuration, and the change.\n"
+      "--tiled: each layer's experts also in their tile layout (docs/tile-layout.md), made at load.\n");
 }
 
 ModelBenchOptions parse_model_options(int argc, char** argv) {
   Args args(argc, argv);
-  args.check_known({"model", "tokens", "product", "replays", "json", "seed", "versus"});
+  args.check_known({"model", "tokens", "product", "replays", "json", "seed", "versus", "tiled"});
   ModelBenchOptions o;
   o.dir = args.get_required("model", "DIR");
   o.tokens = args.get_int_list("tokens", {1, 8, 16, 32, 64, 512, 1024, 2048}, 1, kMaxTokens);
@@ -66,6 +69,7 @@ ModelBenchOptions parse_model_options(int argc, char** argv) {
   o.json_path = args.get_optional("json", "a file name");
   o.seed = uint64_t(args.get_int("seed", 1, 0, kMaxSeed));
   o.versus_text = args.get_optional("versus", "VAR=VALUE[,VAR=VALUE...]");
+  o.tiled = args.get_flag("tiled");
   size_t at = 0;
   while (!o.versus_text.empty() && at <= o.versus_text.size()) {
     const size_t end = std::min(o.versus_text.find(',', at), o.versus_text.size());
@@ -136,16 +140,20 @@ struct DeviceLayers {
   size_t weight_bytes = 0;
   std::vector<std::string> sixteen_bit;  // by module name, "l0.mlp.gate"
 
-  void load(const Gemma4Checkpoint& ck) {
+  void load(const Gemma4Checkpoint& ck, bool tiled) {
     for (int l = 0; l < ck.num_layers(); ++l) {
       const std::string p = "l" + std::to_string(l) + ".";
       if (ck.family() == ModelFamily::qwen3_moe) {
-        qwen3.push_back(ck.qwen3_moe_layer(l).to(Device::cuda));
+        Qwen3MoeFfnWeights host = ck.qwen3_moe_layer(l);
+        if (tiled) host.moe.tile_experts();  // on the host, before the copy
+        qwen3.push_back(host.to(Device::cuda));
         weight_bytes += qwen3.back().nbytes();
         sixteen_bit_moe_weights(qwen3.back().moe, p, sixteen_bit);
         continue;
       }
-      gemma4.push_back(ck.layer(l).to(Device::cuda));
+      Gemma4FfnWeights host = ck.layer(l);
+      if (tiled) host.moe.tile_experts();
+      gemma4.push_back(host.to(Device::cuda));
       const Gemma4FfnWeights& w = gemma4.back();
       weight_bytes += w.nbytes();
       for (const auto& [name, l16] : {std::pair<const char*, const Linear*>{"mlp.gate", &w.mlp.gate},
@@ -203,7 +211,7 @@ int run_bench_model(int argc, char** argv) {
   EXPERTQMM_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
   std::fprintf(stderr, "loading %d layers of %s to the GPU ...\n", ck.num_layers(), o.dir.c_str());
   DeviceLayers layers;
-  layers.load(ck);
+  layers.load(ck, o.tiled);
   const size_t weight_bytes = layers.weight_bytes;
   const std::vector<std::string>& dense_weights = layers.sixteen_bit;
 
@@ -315,7 +323,7 @@ int run_bench_model(int argc, char** argv) {
        << ",\n  \"device\": " << json_string(cuda_device_name()) << ",\n"
        << "  \"layers\": " << L << ",\n  \"hidden\": " << H << ",\n  \"weight_bytes\": " << weight_bytes
        << ",\n  \"gpu_memory_used_bytes\": " << (free_before - std::min(free_before, free_after))
-       << ",\n  \"replays\": " << o.replays;
+       << ",\n  \"replays\": " << o.replays << ",\n  \"tiled\": " << (o.tiled ? "true" : "false");
     if (!o.versus.empty()) js << ",\n  \"versus\": " << json_string(o.versus_text);
     js << ",\n  \"sixteen_bit_weights\": [";
     for (size_t i = 0; i < dense_weights.size(); ++i) js << (i ? ", " : "") << '"' << dense_weights[i] << '"';
