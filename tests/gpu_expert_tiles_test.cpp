@@ -281,7 +281,8 @@ TEST(SanitizeGpuExpertTiles, WarpSpecializedGluMatchesTheTwoCtaBuild) {
 
 // The weights' tile layout (docs/tile-layout.md) in the warp-specialized build gives the MLX
 // layout's bits, plain and GLU forms, on one CTA per SM and on one CTA (the ring wraps; each stage's
-// bulk copies are counted on its barrier again); tile_weight of the device weight equals the host's.
+// bulk copies are counted on its barrier again); tile_weight of the device weight (the CUDA backend's
+// kernels) equals the host's, and its untile_weight gives the MLX tensors back.
 // Plain: N = 320, five 64-row blocks, so the last item's second block is missing; GLU: N = 288, the
 // last block half rows past N. bf16 at group 64 with K = 320 (odd k tiles), f16 at group 128, K = 384.
 TEST(SanitizeGpuExpertTiles, TileLayoutGivesTheMlxLayoutsBits) {
@@ -305,6 +306,11 @@ TEST(SanitizeGpuExpertTiles, TileLayoutGivesTheMlxLayoutsBits) {
     const TiledWeight host_tiles = tile_weight(plain.q_host);
     EXPECT_EQ(plain.q_dev.tiled.codes.to_host_bytes(), host_tiles.codes.to_host_bytes());
     EXPECT_EQ(plain.q_dev.tiled.params.to_host_bytes(), host_tiles.params.to_host_bytes());
+    const QuantizedWeight back = untile_weight(plain.q_dev.tiled, 320);  // the device's inverse
+    EXPECT_EQ(back.w.device(), Device::cuda);
+    EXPECT_EQ(back.w.to_host_bytes(), plain.q_host.w.to_host_bytes());
+    EXPECT_EQ(back.scales.to_host_bytes(), plain.q_host.scales.to_host_bytes());
+    EXPECT_EQ(back.biases.to_host_bytes(), plain.q_host.biases.to_host_bytes());
     auto untiled = [](test::GatherCall c) {
       c.q_dev.tiled = TiledWeight{};
       return c;

@@ -23,6 +23,8 @@ namespace expertqmm::detail {
 #define EXPERTQMM_BACKEND_OPS(X)                                                                           \
   X(QuantizedWeight, quantize, (const Tensor& w, QuantSpec spec))                                          \
   X(Tensor, dequantize, (const QuantizedWeight& q, DType dtype))                                          \
+  X(TiledWeight, tile_weight, (const QuantizedWeight& q))                                                  \
+  X(QuantizedWeight, untile_weight, (const TiledWeight& t, int64_t N))                                    \
   X(Tensor, gather_qmm, (const detail::GatherQmmProblem& p))                                              \
   X(Tensor, gather_mm, (const detail::GatherMmProblem& p))                                                \
   X(SortedRows, gather_sort, (const Tensor& x, const Tensor& indices))                                     \

@@ -9,6 +9,8 @@ const BackendOps& cpu_backend_ops() {
     t.name = "cpu";
     t.quantize = cpu::quantize;
     t.dequantize = cpu::dequantize;
+    t.tile_weight = cpu::tile_weight;
+    t.untile_weight = cpu::untile_weight;
     t.gather_qmm = cpu::gather_qmm;
     t.gather_mm = cpu::gather_mm;
     t.gather_sort = cpu::gather_sort;

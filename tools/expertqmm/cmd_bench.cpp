@@ -357,9 +357,9 @@ int run_bench(int argc, char** argv) {
   MoeWeights host;
   host.experts = synthetic_experts(p, o.seed);
   host.router = o.routing == "zipf" ? steering_router(p, o.seed) : synthetic_router(p, o.seed);
-  if (o.tiled) host.tile_experts();  // once on the host; the copies carry it
   std::vector<MoeWeights> copies;
   copies.push_back(host.to(Device::cuda));
+  if (o.tiled) copies[0].tile_experts();  // on the device; the other copies carry it
   for (int c = 1; c < kWeightCopies; ++c) copies.push_back(copies[0].to(Device::cuda));
   if (!o.export_dir.empty()) {
     std::filesystem::create_directories(o.export_dir);

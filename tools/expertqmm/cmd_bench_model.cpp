@@ -144,16 +144,14 @@ struct DeviceLayers {
     for (int l = 0; l < ck.num_layers(); ++l) {
       const std::string p = "l" + std::to_string(l) + ".";
       if (ck.family() == ModelFamily::qwen3_moe) {
-        Qwen3MoeFfnWeights host = ck.qwen3_moe_layer(l);
-        if (tiled) host.moe.tile_experts();  // on the host, before the copy
-        qwen3.push_back(host.to(Device::cuda));
+        qwen3.push_back(ck.qwen3_moe_layer(l).to(Device::cuda));
+        if (tiled) qwen3.back().moe.tile_experts();  // on the device (the CUDA backend's kernels)
         weight_bytes += qwen3.back().nbytes();
         sixteen_bit_moe_weights(qwen3.back().moe, p, sixteen_bit);
         continue;
       }
-      Gemma4FfnWeights host = ck.layer(l);
-      if (tiled) host.moe.tile_experts();
-      gemma4.push_back(host.to(Device::cuda));
+      gemma4.push_back(ck.layer(l).to(Device::cuda));
+      if (tiled) gemma4.back().moe.tile_experts();
       const Gemma4FfnWeights& w = gemma4.back();
       weight_bytes += w.nbytes();
       for (const auto& [name, l16] : {std::pair<const char*, const Linear*>{"mlp.gate", &w.mlp.gate},
