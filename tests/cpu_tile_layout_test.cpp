@@ -143,6 +143,12 @@ TEST(TileLayoutShapes, RefusesWhatTheKernelsCannotRead) {
   EXPECT_NE(why.find("mxfp4"), std::string::npos) << why;
   EXPECT_FALSE(tileable(quantize(test::random_tensor({2, 64, 128}, DType::f32, 0.05f), QuantSpec{4, 64}), &why));
   EXPECT_NE(why.find("bf16"), std::string::npos) << why;
+  EXPECT_FALSE(tileable(quantize(test::random_tensor({2, 0, 128}, DType::bf16, 0.05f), QuantSpec{4, 64}), &why));
+  EXPECT_NE(why.find("empty"), std::string::npos) << why;
+  QuantizedWeight short_params = quantize(w, QuantSpec{4, 64});
+  short_params.scales = quantize(test::random_tensor({1, 64, 128}, DType::bf16, 0.05f), QuantSpec{4, 64}).scales;
+  EXPECT_FALSE(tileable(short_params, &why));  // scales for one expert of two
+  EXPECT_NE(why.find("do not match"), std::string::npos) << why;
   EXPECT_TRUE(tileable(quantize(w, QuantSpec{4, 64}), &why)) << why;
   EXPECT_TRUE(why.empty());
   test::expect_error([&] { tile_weight(quantize(w, QuantSpec{3, 64})); }, "tile_weight", "bits 3");

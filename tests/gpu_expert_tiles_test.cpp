@@ -120,8 +120,9 @@ TEST(SanitizeGpuExpertTiles, EightBitBuildFromThirtyTwoRowsPerExpert) {
 // kDownWindowBytes of down output): each window's output is the whole GEMM's columns, bit for bit,
 // through the kernel the route picks, in every form a window offsets differently: 4-bit bf16 group
 // 64 and f16 group 128 (wgmma on sm_90a), 8-bit at 8 rows per expert (mma.sync), mxfp4 and mxfp8
-// (uint8 scale codes, viewed as uint16 pairs by make_tile_args); with a last window narrower than the
-// others and windows that are not the first. A mis-sorted plan (the generic algorithm) gives the same
+// (uint8 scale codes, viewed as uint16 pairs by make_tile_args), and the warp-specialized build on the
+// weight's tile layout (each window starts at its own 64-row blocks); with a last window narrower than
+// the others and windows that are not the first. A mis-sorted plan (the generic algorithm) gives the same
 // columns, and only the window told to count it adds a retraction. Misaligned windows are refused.
 TEST(SanitizeGpuExpertTiles, ColumnWindowsHoldTheWholeGemmsColumns) {
   EXPERTQMM_REQUIRE_GPU();
@@ -132,19 +133,24 @@ TEST(SanitizeGpuExpertTiles, ColumnWindowsHoldTheWholeGemmsColumns) {
     DType dtype;
     QuantMode mode;
     int64_t rows;
+    bool ws_tiled = false;  // the warp-specialized build reading the weight's tile layout
   };
   const Form forms[] = {{4, 64, DType::bf16, QuantMode::affine, 300},   {4, 128, DType::f16, QuantMode::affine, 300},
                         {8, 64, DType::bf16, QuantMode::affine, 64},    {4, 32, DType::bf16, QuantMode::mxfp4, 300},
-                        {8, 32, DType::bf16, QuantMode::mxfp8, 300}};
+                        {8, 32, DType::bf16, QuantMode::mxfp8, 300},    {4, 64, DType::bf16, QuantMode::affine, 300, true}};
   for (const Form& f : forms) {
     for (bool mis_sorted : {false, true}) {
       const int64_t E = 8, N = 2 * kStep + 64, K = 256;
       const QuantizedWeight q = test::random_codes(E, N, K, f.bits, f.group, f.dtype, f.mode);
       std::vector<int32_t> ids = sorted_ids(f.rows, E);
       if (mis_sorted) std::swap(ids.front(), ids.back());
-      const test::GatherCall c = test::rows_call(q, f.dtype, ids, true);
+      test::GatherCall c = test::rows_call(q, f.dtype, ids, true);
+      if (f.ws_tiled) c.q_dev.tiled = tile_weight(c.q_dev);
+      const test::WsBuildGuard build(f.ws_tiled ? RouteSwitch::on : RouteSwitch::off, 0);
+      const uint64_t tiled_before = cuda::wgmma_ws_tiled_launches();
       const std::string what = detail::cat(quant_mode_name(f.mode), " ", f.bits, "-bit g", f.group, " ",
-                                           dtype_name(f.dtype), mis_sorted ? " mis-sorted" : "");
+                                           dtype_name(f.dtype), f.ws_tiled ? " warp-specialized tile layout" : "",
+                                           mis_sorted ? " mis-sorted" : "");
       detail::GatherQmmProblem p = c.problem();
       const std::vector<float> whole = test::run_route(c, "expert_tiles");
       const Tensor plan = tile_plan_of(p);
@@ -164,6 +170,8 @@ TEST(SanitizeGpuExpertTiles, ColumnWindowsHoldTheWholeGemmsColumns) {
         EXPECT_EQ(differing, 0u) << what << ", columns [" << begin << ", " << begin + count << ")";
       }
       EXPECT_EQ(retracted() - retracted_before, mis_sorted ? 1u : 0u) << what;
+      if (f.ws_tiled && cuda::wgmma_available())  // the whole GEMM and its three windows
+        EXPECT_EQ(cuda::wgmma_ws_tiled_launches() - tiled_before, 4u) << what << ": the tile-layout build did not run";
       Tensor out = Tensor::empty({p.B, kStep}, f.dtype, Device::cuda);
       EXPECT_THROW(cuda::launch_expert_tiles_columns(p, 64, kStep, out.data(), false), Error) << what;  // off a step
       EXPECT_THROW(cuda::launch_expert_tiles_columns(p, 0, 64, out.data(), false), Error) << what;      // ends inside
@@ -302,8 +310,7 @@ TEST(SanitizeGpuExpertTiles, TileLayoutGivesTheMlxLayoutsBits) {
     };
     test::GatherCall plain = call_of(320), gate = call_of(288), up = call_of(288);
     up.x_dev = gate.x_dev;  // GLU: one x for both
-    if (!cuda::wgmma_available()) GTEST_SKIP() << "no sm_90a kernels on this device";
-    const TiledWeight host_tiles = tile_weight(plain.q_host);
+    const TiledWeight host_tiles = tile_weight(plain.q_host);  // the CUDA kernels run on any GPU
     EXPECT_EQ(plain.q_dev.tiled.codes.to_host_bytes(), host_tiles.codes.to_host_bytes());
     EXPECT_EQ(plain.q_dev.tiled.params.to_host_bytes(), host_tiles.params.to_host_bytes());
     const QuantizedWeight back = untile_weight(plain.q_dev.tiled, 320);  // the device's inverse
@@ -311,6 +318,7 @@ TEST(SanitizeGpuExpertTiles, TileLayoutGivesTheMlxLayoutsBits) {
     EXPECT_EQ(back.w.to_host_bytes(), plain.q_host.w.to_host_bytes());
     EXPECT_EQ(back.scales.to_host_bytes(), plain.q_host.scales.to_host_bytes());
     EXPECT_EQ(back.biases.to_host_bytes(), plain.q_host.biases.to_host_bytes());
+    if (!cuda::wgmma_available()) GTEST_SKIP() << "no sm_90a kernels on this device";
     auto untiled = [](test::GatherCall c) {
       c.q_dev.tiled = TiledWeight{};
       return c;
@@ -334,16 +342,25 @@ TEST(SanitizeGpuExpertTiles, TileLayoutGivesTheMlxLayoutsBits) {
       const std::string what = detail::cat(dtype_name(f.dtype), " g", f.group, " K ", f.K, " max CTAs ", max_ctas);
       test::WsBuildGuard on(RouteSwitch::on, max_ctas);
       const uint64_t tiled_before = cuda::wgmma_ws_tiled_launches(), launches_before = cuda::wgmma_ws_launches();
+      const auto retracted = [] { return test::gather_counters().fallbacks[static_cast<int>(Fallback::sortedness_retracted)]; };
+      const uint64_t retracted_before = retracted();  // a retracted plan would leave the rows to the two-CTA kernel
       const std::vector<float> plain_tiled = test::run_route(plain, "expert_tiles_wgmma");
       const std::vector<float> glu_tiled = glu(gate, up);
       EXPECT_EQ(cuda::wgmma_ws_tiled_launches() - tiled_before, 2u) << what << ": the tile-layout build did not run";
       const std::vector<float> plain_mlx = test::run_route(untiled(plain), "expert_tiles_wgmma");
       const std::vector<float> glu_mlx = glu(untiled(gate), untiled(up));
       EXPECT_EQ(cuda::wgmma_ws_launches() - launches_before, 4u) << what;
+      EXPECT_EQ(retracted() - retracted_before, 0u) << what;
       EXPECT_EQ(cuda::wgmma_ws_tiled_launches() - tiled_before, 2u) << what << ": the MLX layout ran the tiled build";
       EXPECT_EQ(differing(plain_tiled, plain_mlx), 0u) << what << " plain " << test::seed_note();
       EXPECT_EQ(differing(glu_tiled, glu_mlx), 0u) << what << " " << activation_name(f.act) << " " << test::seed_note();
       EXPECT_LE(test::reference_error(plain, plain_tiled), 1e-2) << what;
+      // Another weight's layout (288 rows, not 320) is not this one's: the kernel reads the MLX tensors.
+      test::GatherCall foreign = plain;
+      foreign.q_dev.tiled = gate.q_dev.tiled;
+      const std::vector<float> plain_foreign = test::run_route(foreign, "expert_tiles_wgmma");
+      EXPECT_EQ(cuda::wgmma_ws_tiled_launches() - tiled_before, 2u) << what << ": a foreign layout was read";
+      EXPECT_EQ(differing(plain_foreign, plain_mlx), 0u) << what;
     }
   }
 }

@@ -3,6 +3,7 @@
 #include <vector>
 
 #include "core/route_counters.h"
+#include "core/tile_layout.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/gather_qmm.h"
 #include "cuda/gather_qmm_routes.h"
@@ -105,9 +106,16 @@ device::QuantView quant_view(const detail::GatherQmmProblem& p) {
   q.words_per_row = static_cast<int>(p.w_row_words());
   q.groups_per_row = static_cast<int>(p.groups_per_row());
   q.group_shift = log2_of(p.group_size);
+  // The tile layout only where it is this weight's: its shape from (E, N, K, group size), its
+  // parameters in the call's dtype, contiguous on the call's device (TiledWeight is the caller's data).
   const TiledWeight& t = p.tiled;
+  const int64_t row_blocks = (p.N + detail::kTileRows - 1) / detail::kTileRows;
   if (t.defined() && p.mode == QuantMode::affine && p.bits == 4 && p.transpose && t.group_size == p.group_size &&
-      t.param_dtype == p.dtype && t.codes.device() == p.device) {
+      t.param_dtype == p.dtype && t.codes.device() == p.device && t.params.device() == p.device &&
+      t.codes.dtype() == DType::u32 && t.params.dtype() == DType::u32 && t.codes.is_contiguous() &&
+      t.params.is_contiguous() &&
+      t.codes.shape() == Shape{p.w_batch, row_blocks, p.K / detail::kTileK, detail::kTileWords} &&
+      t.params.shape() == Shape{p.w_batch, row_blocks, p.K / p.group_size, detail::kTileRows}) {
     q.tiled_codes = t.codes.data_as<const uint32_t>();
     q.tiled_params = t.params.data_as<const uint32_t>();
   }

@@ -18,6 +18,7 @@
 #include <algorithm>
 
 #include "core/route_counters.h"
+#include "core/tile_layout.h"
 #include "core/tile_plan.h"
 #include "cuda/device/tile_gemm.cuh"
 #include "cuda/gather_qmm_routes.h"
@@ -181,6 +182,11 @@ TileArgs window_tile_args(const detail::GatherQmmProblem& p, void* out, RowWindo
   a.q.scales += window.begin * a.q.groups_per_row;  // fp modes: make_tile_args' uint16 view of the codes
   if (a.q.biases) a.q.biases += window.begin * a.q.groups_per_row;
   if (a.q.fp_scales) a.q.fp_scales += window.begin * (p.K / p.group_size);
+  if (a.q.tiled_codes) {  // begin is a multiple of kTileColumnsAlign: whole 64-row blocks
+    const int64_t blocks = window.begin / detail::kTileRows;
+    a.q.tiled_codes += blocks * (p.K / detail::kTileK) * detail::kTileWords;
+    a.q.tiled_params += blocks * a.q.groups_per_row * detail::kTileRows;
+  }
   a.N = static_cast<int>(window.count);
   a.paired_store = window.count % 2 == 0 && is_aligned(out, 4);
   return a;

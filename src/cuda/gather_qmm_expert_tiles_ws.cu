@@ -309,7 +309,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       const ItemRows tile = item_rows(tiles, tile_count, item / col_blocks);
       if (tile.absorbed || !expert_ok(tile.expert)) continue;  // the consumers skip it too
       const int64_t piece_block = kGlu ? item % col_blocks : 2 * (item % col_blocks) + piece_half;
-      const bool piece_copies = kTiled && piece_lane && piece_block < row_blocks;  // a missing block: rows past N
+      // A missing block: rows past N (a.N: a column window's width; row_blocks strides experts).
+      const bool piece_copies = kTiled && piece_lane && piece_block * detail::kTileRows < a.N;
       const int64_t piece_first = tile.expert * row_blocks + piece_block;
       const uint32_t* piece_src = !kTiled     ? nullptr
                                   : piece < 2 ? piece_q.tiled_codes + piece_first * k_tiles * detail::kTileWords

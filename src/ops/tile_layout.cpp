@@ -32,10 +32,13 @@ bool tileable(const QuantizedWeight& q, std::string* why) {
          w, "scales and biases must both be bf16 or both f16");
   if (!w->empty()) return false;
   const int64_t K = q.w.size(-1) * 8;
+  expect(q.w.numel() > 0, w, detail::cat("w ", q.w.describe(), " is empty"));
   expect(K % detail::kTileK == 0, w, detail::cat("K ", K, " (a multiple of 64)"));
-  expect(q.scales.ndim() == q.w.ndim() && q.scales.size(-2) == q.w.size(-2) && q.scales.size(-1) * q.group_size == K &&
-             q.biases.shape() == q.scales.shape(),
-         w, detail::cat("scales ", q.scales.describe(), " do not match w ", q.w.describe()));
+  Shape param_shape = q.w.shape();
+  param_shape.back() = K / q.group_size;
+  expect(q.scales.shape() == param_shape && q.biases.shape() == param_shape, w,
+         detail::cat("scales ", q.scales.describe(), " and biases ", q.biases.describe(), " do not match w ",
+                     q.w.describe()));
   expect(q.scales.device() == q.w.device() && q.biases.device() == q.w.device(), w,
          "w, scales and biases must be on one device");
   return w->empty();
