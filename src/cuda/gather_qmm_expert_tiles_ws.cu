@@ -448,13 +448,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           // adds weight[s] * y (y rounded to T) to the fp32 row with vector atomics.
           const int32_t slot = p.combine_slot[row0 + tok];
           const float w = device::Elem<T>::to_float(reinterpret_cast<const T*>(p.combine_weight)[slot]);
-          const T* yv = reinterpret_cast<const T*>(&v);
-          float* dst = p.combine_out + static_cast<int64_t>(slot / p.top_k) * a.N + col;
-          float prod[8];
-#pragma unroll
-          for (int e = 0; e < 8; ++e) prod[e] = __fmul_rn(w, device::Elem<T>::to_float(yv[e]));
-          device::atomic_add_f32x4(dst, prod);
-          device::atomic_add_f32x4(dst + 4, prod + 4);
+          device::combine_add8<T>(p.combine_out + static_cast<int64_t>(slot / p.top_k) * a.N + col, w, v);
           continue;
         }
         if constexpr (kGlu) v = device::glu8<kAct, T>(v, *reinterpret_cast<const uint4*>(src + 64));

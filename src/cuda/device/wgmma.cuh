@@ -16,6 +16,8 @@
 
 #include <cstdint>
 
+#include "cuda/device/elem.cuh"
+
 namespace expertqmm::cuda::device {
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -67,6 +69,18 @@ __device__ __forceinline__ void atomic_add_f32x4(float* dst, const float* v) {
 #else
   for (int i = 0; i < 4; ++i) atomicAdd(dst + i, v[i]);
 #endif
+}
+
+// The combine epilogue's 8 outputs of one row: dst[0..7] += w * y[0..7], y the row's outputs as T
+// (rounded as the down GEMM's output is), each product rounded once, two vector atomics.
+template <class T>
+__device__ __forceinline__ void combine_add8(float* dst, float w, const uint4& y) {
+  const T* yv = reinterpret_cast<const T*>(&y);
+  float prod[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) prod[e] = __fmul_rn(w, Elem<T>::to_float(yv[e]));
+  atomic_add_f32x4(dst, prod);
+  atomic_add_f32x4(dst + 4, prod + 4);
 }
 
 // Keeps the compiler from moving reads or writes of a register across this point: wgmma reads
