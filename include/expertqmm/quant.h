@@ -42,11 +42,6 @@ struct QuantSpec {
 // The spec MLX uses for `mode` when bits and group_size are not given.
 QuantSpec default_quant_spec(QuantMode mode);
 
-// A quantized weight as MLX stores it, for w of logical shape [..., N, K]:
-//   w      [..., N, K*bits/32] uint32, LSB-first bit stream per row
-//   scales [..., N, K/group_size]: affine: the float dtype of the original weight; fp modes: uint8
-//   biases [..., N, K/group_size] same dtype as scales (affine); undefined for the fp modes
-//   global_scale: nvfp4 only, optional float32 scalar
 // An affine 4-bit weight re-laid once at load for the tensor-core expert kernels (tile_weight()),
 // kept beside the MLX tensors, which every other route reads. For w of logical shape [E, N, K]:
 //   codes  uint32 [E, NB, K/64, 512], NB = ceil(N/64): per (expert, 64-row block, 64-wide k tile)
@@ -63,6 +58,11 @@ struct TiledWeight {
   bool defined() const { return codes.defined(); }
 };
 
+// A quantized weight as MLX stores it, for w of logical shape [..., N, K]:
+//   w      [..., N, K*bits/32] uint32, LSB-first bit stream per row
+//   scales [..., N, K/group_size]: affine: the float dtype of the original weight; fp modes: uint8
+//   biases [..., N, K/group_size] same dtype as scales (affine); undefined for the fp modes
+//   global_scale: nvfp4 only, optional float32 scalar
 struct QuantizedWeight {
   Tensor w;
   Tensor scales;
@@ -71,7 +71,10 @@ struct QuantizedWeight {
   int group_size = 64;
   QuantMode mode = QuantMode::affine;
   Tensor global_scale;
-  TiledWeight tiled;  // optional: tile_weight(*this), which the wgmma expert kernels read instead
+  // Optional: tile_weight(*this), which the warp-specialized wgmma kernels read instead of w, scales
+  // and biases; make it again after changing them (a layout of another shape is ignored, one of the
+  // same shape is trusted).
+  TiledWeight tiled;
   bool defined() const { return w.defined(); }
 };
 

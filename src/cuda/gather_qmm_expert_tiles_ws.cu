@@ -154,7 +154,7 @@ __device__ __forceinline__ void consume_item(float (&acc)[kN / 2], float (&acc_t
       // Lane (g, t) of slab m_lo / 16: its four code words (k16 = 0..3) in one load, its rows' (scale,
       // bias) words in another (docs/tile-layout.md); pair i of word k16 is A register i.
       const int block = m_lo >> 6, slab = (m_lo >> 4) & 3, g = m_lo & 7;
-      const int lane = g * 4 + static_cast<int>(threadIdx.x & 3);
+      const int lane = g * 4 + static_cast<int>(threadIdx.x & 3);  // t = threadIdx.x & 3: consumers start at 128
       const uint4 code = *reinterpret_cast<const uint4*>(wst + block * Layout::kTileCodeBytes + (slab * 32 + lane) * 16);
       const uint2 prm = *reinterpret_cast<const uint2*>(wst + Layout::kWBytes + block * Layout::kTileParamBytes +
                                                         (slab * 8 + g) * 8);
@@ -411,19 +411,19 @@ __global__ void __launch_bounds__(kThreads, 1)
       device::named_barrier_sync<1, kConsumerThreads>();  // the previous item's stores read the staging and row_ok
       if (tile.tail_rows > 0) {
         float acc[kTokens / 2], acc_tail[kNarrowTokens / 2];
-        consume_item<T, kTiled, kTokens, kNarrowTokens>(acc, acc_tail, smem, full, empty, ring0, k_tiles, a.q.group_shift,
-                                                m_lo, parity_lo, parity_hi, selector);
+        consume_item<T, kTiled, kTokens, kNarrowTokens>(acc, acc_tail, smem, full, empty, ring0, k_tiles,
+                                                        a.q.group_shift, m_lo, parity_lo, parity_hi, selector);
         stage_outputs<T, kTokens>(acc, staging, 0, m_lo, t);
         stage_outputs<T, kNarrowTokens>(acc_tail, staging, kTokens, m_lo, t);
       } else if (rows <= kNarrowTokens) {
         float acc[kNarrowTokens / 2], none[1];
-        consume_item<T, kTiled, kNarrowTokens, 0>(acc, none, smem, full, empty, ring0, k_tiles, a.q.group_shift, m_lo,
-                                          parity_lo, parity_hi, selector);
+        consume_item<T, kTiled, kNarrowTokens, 0>(acc, none, smem, full, empty, ring0, k_tiles, a.q.group_shift,
+                                                  m_lo, parity_lo, parity_hi, selector);
         stage_outputs<T, kNarrowTokens>(acc, staging, 0, m_lo, t);
       } else {
         float acc[kTokens / 2], none[1];
-        consume_item<T, kTiled, kTokens, 0>(acc, none, smem, full, empty, ring0, k_tiles, a.q.group_shift, m_lo, parity_lo,
-                                    parity_hi, selector);
+        consume_item<T, kTiled, kTokens, 0>(acc, none, smem, full, empty, ring0, k_tiles, a.q.group_shift, m_lo,
+                                            parity_lo, parity_hi, selector);
         stage_outputs<T, kTokens>(acc, staging, 0, m_lo, t);
       }
       // A row whose x index is out of range (recorded by the producer) keeps its output, as in the

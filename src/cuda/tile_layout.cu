@@ -68,9 +68,10 @@ __global__ void tile_codes_kernel(TileGeometry g, const uint32_t* __restrict__ w
 }
 
 template <bool kTile>
-__global__ void tile_params_kernel(TileGeometry g, const uint16_t* __restrict__ scales, const uint16_t* __restrict__ biases,
-                                   uint32_t* __restrict__ params, uint16_t* __restrict__ scales_out,
-                                   uint16_t* __restrict__ biases_out, const uint32_t* __restrict__ params_in) {
+__global__ void tile_params_kernel(TileGeometry g, const uint16_t* __restrict__ scales,
+                                   const uint16_t* __restrict__ biases, uint32_t* __restrict__ params,
+                                   uint16_t* __restrict__ scales_out, uint16_t* __restrict__ biases_out,
+                                   const uint32_t* __restrict__ params_in) {
   const int64_t items = g.E * g.N * g.groups;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < items;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -101,8 +102,9 @@ TiledWeight tile_weight(const QuantizedWeight& q) {
   TiledWeight t;
   t.codes = zeros_u32({E, g.row_blocks, g.k_tiles, detail::kTileWords}, stream);  // rows past N stay zero
   t.params = zeros_u32({E, g.row_blocks, g.groups, kTileRows}, stream);
-  tile_codes_kernel<true><<<blocks_for(q.w.numel()), kThreads, 0, stream>>>(g, q.w.data_as<const uint32_t>(),
-                                                                            t.codes.data_as<uint32_t>(), nullptr, nullptr);
+  const uint32_t* w = q.w.data_as<const uint32_t>();
+  tile_codes_kernel<true><<<blocks_for(q.w.numel()), kThreads, 0, stream>>>(g, w, t.codes.data_as<uint32_t>(),
+                                                                            nullptr, nullptr);
   EXPERTQMM_CUDA_CHECK_LAUNCH(tile_codes_kernel);
   tile_params_kernel<true><<<blocks_for(q.scales.numel()), kThreads, 0, stream>>>(
       g, q.scales.data_as<const uint16_t>(), q.biases.data_as<const uint16_t>(), t.params.data_as<uint32_t>(), nullptr,
@@ -119,7 +121,8 @@ QuantizedWeight untile_weight(const TiledWeight& t, int64_t N) {
   q.w = Tensor::empty({E, N, K / 8}, DType::u32, Device::cuda);
   q.scales = Tensor::empty({E, N, g.groups}, t.param_dtype, Device::cuda);
   q.biases = Tensor::empty({E, N, g.groups}, t.param_dtype, Device::cuda);
-  tile_codes_kernel<false><<<blocks_for(q.w.numel()), kThreads, 0, stream>>>(g, nullptr, nullptr, q.w.data_as<uint32_t>(),
+  uint32_t* w = q.w.data_as<uint32_t>();
+  tile_codes_kernel<false><<<blocks_for(q.w.numel()), kThreads, 0, stream>>>(g, nullptr, nullptr, w,
                                                                              t.codes.data_as<const uint32_t>());
   EXPERTQMM_CUDA_CHECK_LAUNCH(tile_codes_kernel);
   tile_params_kernel<false><<<blocks_for(q.scales.numel()), kThreads, 0, stream>>>(
