@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "core/float16.h"  // EXPERTQMM_HD
+#include "expertqmm/tensor.h"
 
 namespace expertqmm::detail {
 
@@ -19,6 +20,9 @@ struct TileGeometry {
   int64_t row_blocks = 0, k_tiles = 0, groups = 0;
   EXPERTQMM_HD int64_t code_words() const { return E * row_blocks * k_tiles * kTileWords; }
   EXPERTQMM_HD int64_t param_words() const { return E * row_blocks * groups * kTileRows; }
+  // The layout's tensors (uint32): codes [E, NB, K/64, 512], params [E, NB, K/group_size, 64]. Host.
+  Shape codes_shape() const { return {E, row_blocks, k_tiles, kTileWords}; }
+  Shape params_shape() const { return {E, row_blocks, groups, kTileRows}; }
   // First word of the codes of (expert e, block b, k tile kt) / of the params of (e, b, group).
   EXPERTQMM_HD int64_t code_block(int64_t e, int64_t b, int64_t kt) const {
     return ((e * row_blocks + b) * k_tiles + kt) * kTileWords;

@@ -12,7 +12,6 @@ namespace {
 
 using detail::kTileK;
 using detail::kTileRows;
-using detail::kTileWords;
 
 // The code slot of every (row in block, k in tile), computed once: [64][64].
 const std::vector<detail::TileCodeSlot>& code_slots() {
@@ -40,8 +39,8 @@ TiledWeight tile_weight(const QuantizedWeight& q) {
   const uint16_t* sc = q.scales.data_as<const uint16_t>();
   const uint16_t* bi = q.biases.data_as<const uint16_t>();
   TiledWeight t;
-  t.codes = zeros_u32({E, g.row_blocks, g.k_tiles, kTileWords});  // rows past N stay zero
-  t.params = zeros_u32({E, g.row_blocks, g.groups, kTileRows});
+  t.codes = zeros_u32(g.codes_shape());  // rows past N stay zero
+  t.params = zeros_u32(g.params_shape());
   uint32_t* codes = t.codes.data_as<uint32_t>();
   uint32_t* params = t.params.data_as<uint32_t>();
   const auto& slots = code_slots();

@@ -109,13 +109,12 @@ device::QuantView quant_view(const detail::GatherQmmProblem& p) {
   // The tile layout only where it is this weight's: its shape from (E, N, K, group size), its
   // parameters in the call's dtype, contiguous on the call's device (TiledWeight is the caller's data).
   const TiledWeight& t = p.tiled;
-  const int64_t row_blocks = (p.N + detail::kTileRows - 1) / detail::kTileRows;
+  const detail::TileGeometry g = detail::tile_geometry(p.w_batch, p.N, p.K, p.group_size);
   if (t.defined() && p.mode == QuantMode::affine && p.bits == 4 && p.transpose && t.group_size == p.group_size &&
       t.param_dtype == p.dtype && t.codes.device() == p.device && t.params.device() == p.device &&
       t.codes.dtype() == DType::u32 && t.params.dtype() == DType::u32 && t.codes.is_contiguous() &&
       t.params.is_contiguous() &&
-      t.codes.shape() == Shape{p.w_batch, row_blocks, p.K / detail::kTileK, detail::kTileWords} &&
-      t.params.shape() == Shape{p.w_batch, row_blocks, p.K / p.group_size, detail::kTileRows}) {
+      t.codes.shape() == g.codes_shape() && t.params.shape() == g.params_shape()) {
     q.tiled_codes = t.codes.data_as<const uint32_t>();
     q.tiled_params = t.params.data_as<const uint32_t>();
   }

@@ -100,8 +100,8 @@ TiledWeight tile_weight(const QuantizedWeight& q) {
   const TileGeometry g = detail::tile_geometry(E, N, K, q.group_size);
   cudaStream_t stream = current_stream();
   TiledWeight t;
-  t.codes = zeros_u32({E, g.row_blocks, g.k_tiles, detail::kTileWords}, stream);  // rows past N stay zero
-  t.params = zeros_u32({E, g.row_blocks, g.groups, kTileRows}, stream);
+  t.codes = zeros_u32(g.codes_shape(), stream);  // rows past N stay zero
+  t.params = zeros_u32(g.params_shape(), stream);
   const uint32_t* w = q.w.data_as<const uint32_t>();
   tile_codes_kernel<true><<<blocks_for(q.w.numel()), kThreads, 0, stream>>>(g, w, t.codes.data_as<uint32_t>(),
                                                                             nullptr, nullptr);

@@ -52,7 +52,6 @@ TiledWeight tile_weight(const QuantizedWeight& q_in) {
   q.w = q.w.contiguous();
   q.scales = q.scales.contiguous();
   q.biases = q.biases.contiguous();
-  q.tiled = TiledWeight{};
   TiledWeight t = detail::backend_ops(kOp, q.w.device()).tile_weight(q);
   t.group_size = q.group_size;
   t.param_dtype = q.scales.dtype();
@@ -71,8 +70,7 @@ QuantizedWeight untile_weight(const TiledWeight& t, int64_t N) {
                   dtype_name(t.param_dtype), " (bf16 or f16)");
   const int64_t E = t.codes.size(0), K = t.codes.size(2) * detail::kTileK;
   const detail::TileGeometry g = detail::tile_geometry(E, N, K, t.group_size);
-  EXPERTQMM_CHECK(N > 0 && t.codes.size(1) == g.row_blocks && t.params.size(0) == E && t.params.size(1) == g.row_blocks &&
-                      t.params.size(2) == g.groups,
+  EXPERTQMM_CHECK(N > 0 && t.codes.shape() == g.codes_shape() && t.params.shape() == g.params_shape(),
                   kOp, "codes ", t.codes.describe(), " and params ", t.params.describe(), " do not hold N=", N,
                   " group_size=", t.group_size);
   TiledWeight c = t;
