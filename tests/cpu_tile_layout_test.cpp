@@ -100,7 +100,9 @@ TEST_P(TileLayout, RoundTripIsExact) {
   const LayoutCase c = GetParam();
   SCOPED_TRACE(test::seed_note());
   const QuantizedWeight q = weight_of(c);
-  const QuantizedWeight back = untile_weight(tile_weight(q), c.N);
+  const TiledWeight t = tile_weight(q);
+  EXPECT_EQ(t.rows, c.N);
+  const QuantizedWeight back = untile_weight(t);
   EXPECT_EQ(back.w.shape(), q.w.shape());
   EXPECT_EQ(back.scales.shape(), q.scales.shape());
   EXPECT_EQ(back.scales.dtype(), c.dtype);
@@ -158,15 +160,22 @@ TEST(TileLayoutShapes, UntileRefusesALayoutThatDoesNotMatch) {
   const TiledWeight t = tile_weight(quantize(test::random_tensor({2, 70, 128}, DType::bf16, 0.05f), QuantSpec{4, 64}));
   EXPECT_EQ(t.group_size, 64);
   EXPECT_EQ(t.param_dtype, DType::bf16);
-  test::expect_error([&] { untile_weight(t, 130); }, "untile_weight", "N=130");
+  EXPECT_EQ(t.rows, 70);
   TiledWeight other = t;
+  other.rows = 130;  // a third 64-row block
+  test::expect_error([&] { untile_weight(other); }, "untile_weight", "N=130");
+  other.rows = 0;
+  test::expect_error([&] { untile_weight(other); }, "untile_weight", "N=0");
+  other = t;
   other.group_size = 128;  // params for two groups per row, not one
-  test::expect_error([&] { untile_weight(other, 70); }, "untile_weight", "group_size=128");
+  test::expect_error([&] { untile_weight(other); }, "untile_weight", "group_size=128");
   other = t;
   other.param_dtype = DType::f32;
-  test::expect_error([&] { untile_weight(other, 70); }, "untile_weight", "float32");
-  test::expect_error([&] { untile_weight(TiledWeight{}, 70); }, "untile_weight", "not a tile layout");
-  EXPECT_NO_THROW(untile_weight(t, 65));  // any N of the same two blocks
+  test::expect_error([&] { untile_weight(other); }, "untile_weight", "float32");
+  test::expect_error([&] { untile_weight(TiledWeight{}); }, "untile_weight", "not a tile layout");
+  other = t;
+  other.rows = 65;  // the first 65 rows: the same two blocks
+  EXPECT_EQ(untile_weight(other).w.size(1), 65);
 }
 
 }  // namespace

@@ -53,6 +53,7 @@ QuantSpec default_quant_spec(QuantMode mode);
 struct TiledWeight {
   Tensor codes;
   Tensor params;
+  int64_t rows = 0;                  // the weight's N (rows past it in the last block are padding)
   int group_size = 64;               // the weight's (64 or 128)
   DType param_dtype = DType::bf16;   // the scales' and biases' (bf16 or f16)
   bool defined() const { return codes.defined(); }
@@ -72,8 +73,8 @@ struct QuantizedWeight {
   QuantMode mode = QuantMode::affine;
   Tensor global_scale;
   // Optional: tile_weight(*this), which the warp-specialized wgmma kernels read instead of w, scales
-  // and biases; make it again after changing them (a layout of another shape is ignored, one of the
-  // same shape is trusted).
+  // and biases; make it again after changing them (a layout of another shape (E, N, K, group size,
+  // dtype) is ignored, one of the same shape is trusted).
   TiledWeight tiled;
   bool defined() const { return w.defined(); }
 };
@@ -97,9 +98,10 @@ Tensor dequantize(const QuantizedWeight& q, DType dtype);
 bool tileable(const QuantizedWeight& q, std::string* why = nullptr);
 // q's tile layout (see TiledWeight), on q's device; throws Error when !tileable(q).
 TiledWeight tile_weight(const QuantizedWeight& q);
-// The inverse: the MLX tensors of an [E, N, K] weight from its tile layout (w [E, N, K/8] uint32;
-// scales and biases [E, N, K/group_size] in t.param_dtype), on t's device. The round trip is exact.
-QuantizedWeight untile_weight(const TiledWeight& t, int64_t N);
+// The inverse: the MLX tensors of an [E, N, K] weight (N = t.rows) from its tile layout (w [E, N, K/8]
+// uint32; scales and biases [E, N, K/group_size] in t.param_dtype), on t's device. The round trip is
+// exact.
+QuantizedWeight untile_weight(const TiledWeight& t);
 
 // MLX's default output dtype: the scales' dtype (affine), bfloat16 (fp modes).
 inline Tensor dequantize(const QuantizedWeight& q) {

@@ -106,11 +106,12 @@ device::QuantView quant_view(const detail::GatherQmmProblem& p) {
   q.words_per_row = static_cast<int>(p.w_row_words());
   q.groups_per_row = static_cast<int>(p.groups_per_row());
   q.group_shift = log2_of(p.group_size);
-  // The tile layout only where it is this weight's: its shape from (E, N, K, group size), its
+  // The tile layout only where it is this weight's: its shape from (E, N, K, group size) and its N, its
   // parameters in the call's dtype, contiguous on the call's device (TiledWeight is the caller's data).
   const TiledWeight& t = p.tiled;
   const detail::TileGeometry g = detail::tile_geometry(p.w_batch, p.N, p.K, p.group_size);
-  if (t.defined() && p.mode == QuantMode::affine && p.bits == 4 && p.transpose && t.group_size == p.group_size &&
+  if (t.defined() && p.mode == QuantMode::affine && p.bits == 4 && p.transpose && t.rows == p.N &&
+      t.group_size == p.group_size &&
       t.param_dtype == p.dtype && t.codes.device() == p.device && t.params.device() == p.device &&
       t.codes.dtype() == DType::u32 && t.params.dtype() == DType::u32 && t.codes.is_contiguous() &&
       t.params.is_contiguous() &&
@@ -217,5 +218,7 @@ void gather_qmm_into_route(const std::string& route, const detail::GatherQmmProb
   if (!check_problem(p, out)) return;
   r.call(p, out, ws);
 }
+
+uint64_t gather_qmm_device_retractions() { return device_retractions(detail::Primitive::gather_qmm); }
 
 }  // namespace expertqmm::cuda

@@ -43,5 +43,8 @@ std::vector<std::string> gather_qmm_route_names();
 std::string gather_qmm_selected_route(const detail::GatherQmmProblem& p);
 void gather_qmm_into_route(const std::string& route, const detail::GatherQmmProblem& p, void* out,
                            Workspace* ws);
+// The device's count of retracted gather_qmm tile plans since diagnostics::reset(), those of named
+// routes and column windows included (diagnostics::snapshot() moves only the selector's hits).
+uint64_t gather_qmm_device_retractions();
 
 }  // namespace expertqmm::cuda

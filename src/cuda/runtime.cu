@@ -184,14 +184,17 @@ unsigned long long* retraction_counters() {  // one per primitive, zeroed once
   return counters;
 }
 
-template <int P>
-uint64_t read_retractions(bool reset) {
+uint64_t read_retractions(int primitive, bool reset) {
   unsigned long long v = 0;
-  unsigned long long* counter = retraction_counters() + P;
+  unsigned long long* counter = retraction_counters() + primitive;
   EXPERTQMM_CUDA_CHECK(cudaStreamSynchronize(current_stream()));
   EXPERTQMM_CUDA_CHECK(cudaMemcpy(&v, counter, sizeof(v), cudaMemcpyDeviceToHost));
   if (reset) EXPERTQMM_CUDA_CHECK(cudaMemset(counter, 0, sizeof(v)));
   return v;
+}
+template <int P>
+uint64_t read_retractions(bool reset) {
+  return read_retractions(P, reset);
 }
 
 // One reader per primitive, read_retractions<0> .. <kPrimitiveCount - 1>.
@@ -208,6 +211,11 @@ unsigned long long* retraction_counter(detail::Primitive p) {
   const int i = static_cast<int>(p);
   std::call_once(registered[i], [&] { detail::set_device_retraction_reader(kReaders[i], p); });
   return retraction_counters() + i;
+}
+
+uint64_t device_retractions(detail::Primitive p) {
+  retraction_counter(p);  // registers the reader, so that diagnostics::reset() zeroes the count
+  return read_retractions(static_cast<int>(p), false);
 }
 
 }  // namespace expertqmm::cuda

@@ -29,6 +29,9 @@ __device__ __forceinline__ void record_fault(uint32_t* faults, uint32_t code, ui
 // The device count of tile plans found retracted by primitive p's GEMM kernels (each had been
 // counted as a hit); folded into diagnostics::snapshot() through a reader registered on first use.
 unsigned long long* retraction_counter(detail::Primitive p);
+// That count as it stands (synchronizes the stream): also the retractions of launches the selector
+// did not count as hits (test routes, bench probes), which snapshot() leaves out.
+uint64_t device_retractions(detail::Primitive p);
 
 // Output element idx = (row r, column n) of a gathered matmul in a simt kernel: its batch element
 // b = r / M, row m = r % M, and the expert (rhs) and x matrix (lhs) of b, range-checked (a bad id is

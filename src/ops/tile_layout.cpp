@@ -53,13 +53,15 @@ TiledWeight tile_weight(const QuantizedWeight& q_in) {
   q.scales = q.scales.contiguous();
   q.biases = q.biases.contiguous();
   TiledWeight t = detail::backend_ops(kOp, q.w.device()).tile_weight(q);
+  t.rows = q.w.size(-2);
   t.group_size = q.group_size;
   t.param_dtype = q.scales.dtype();
   return t;
 }
 
-QuantizedWeight untile_weight(const TiledWeight& t, int64_t N) {
+QuantizedWeight untile_weight(const TiledWeight& t) {
   constexpr const char* kOp = "untile_weight";
+  const int64_t N = t.rows;
   EXPERTQMM_CHECK(t.codes.defined() && t.params.defined() && t.codes.ndim() == 4 && t.params.ndim() == 4 &&
                       t.codes.dtype() == DType::u32 && t.params.dtype() == DType::u32 &&
                       t.codes.size(3) == detail::kTileWords && t.params.size(3) == detail::kTileRows &&

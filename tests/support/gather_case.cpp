@@ -99,6 +99,8 @@ bool hopper() {
 // The selector's run: it must pick c.expect and count one attempt (a hit when it took expert_tiles).
 std::vector<float> run_selector(const GatherQmmCase& c, const GatherCall& call, const std::string& what) {
   EXPECT_EQ(cuda::gather_qmm_selected_route(call.problem()), c.expect) << what;
+  // From zero: a retraction left by an earlier named-route launch (no hit of its own) would take this hit.
+  diagnostics::reset();
   const RouteCounters before = gather_counters();
   std::vector<float> out = run_route(call);
   const RouteCounters after = gather_counters();
