@@ -1,7 +1,7 @@
 // Under load: two host threads, each with its own CUDA stream (set_cuda_stream applies to the
 // calling thread only) and its own Workspace, calling moe_layer_into again and again on the same
-// weights and inputs, get the bits that one call at a time gets (deterministic mode, so that the bits
-// are defined). Token counts cover the decode layer and the sorted prefill path, and the two threads
+// weights and inputs, get the bits that one call at a time gets (every path sums a token's k slots in
+// slot order; deterministic mode on as well, as a caller who needs the bits would set it). Token counts cover the decode layer and the sorted prefill path, and the two threads
 // walk them in opposite orders so that different paths run side by side.
 #include <gtest/gtest.h>
 

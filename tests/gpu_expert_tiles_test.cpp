@@ -370,57 +370,6 @@ TEST(SanitizeGpuExpertTiles, TileLayoutGivesTheMlxLayoutsBits) {
   }
 }
 
-// The warp-specialized build's combine form (the down GEMM adding weight * y into each token's fp32
-// row; launch_down_combine) against the two-CTA kernel's: the same products summed by atomics in
-// another order (fp32 rounding apart), with the MLX layout and the tile layout, on one CTA per SM and
-// on one CTA. 600 sorted rows of 150 tokens x 4 slots in a shuffled slot order; experts of 160
-// (a full tile and a 32-row tail), 7, 129, 96 and 208 rows; N = 320 (a half column block).
-TEST(SanitizeGpuExpertTiles, WarpSpecializedCombineMatchesTheTwoCtaBuild) {
-  EXPERTQMM_REQUIRE_GPU();
-  CountersGuard guard;
-  for (const DType dtype : {DType::bf16, DType::f16}) {
-    const int64_t E = 6, N = 320, K = 384, tokens = 150;
-    const int top_k = 4;
-    std::vector<int32_t> rhs;
-    for (auto [expert, rows] : {std::pair<int, int>{0, 160}, {1, 7}, {2, 129}, {3, 96}, {5, 208}}) rhs.insert(rhs.end(), rows, expert);
-    ASSERT_EQ(static_cast<int64_t>(rhs.size()), tokens * top_k);
-    std::vector<int32_t> lhs(rhs.size()), slot(rhs.size());
-    std::iota(lhs.begin(), lhs.end(), 0);  // down reads the hidden rows in sorted order
-    std::iota(slot.begin(), slot.end(), 0);
-    std::shuffle(slot.begin(), slot.end(), test::rng());
-    test::GatherCall c = test::batched_call(test::random_codes(E, N, K, 4, 64, dtype), dtype,
-                                            static_cast<int64_t>(rhs.size()), 1, lhs, rhs);
-    c.sorted = true;
-    if (!cuda::wgmma_available()) GTEST_SKIP() << "no sm_90a kernels on this device";
-    ASSERT_TRUE(cuda::down_combine_fits(c.problem())) << c.describe("expert_tiles_wgmma");
-    const Tensor slot_dev = test::ids_tensor(slot, {static_cast<int64_t>(slot.size())}, Device::cuda);
-    const Tensor weights = test::random_tensor({static_cast<int64_t>(slot.size())}, dtype, 1.0f, Device::cuda);
-    auto combine = [&](const test::GatherCall& call, RouteSwitch ws_build, int max_ctas) {
-      test::WsBuildGuard build(ws_build, max_ctas);
-      detail::GatherQmmProblem p = call.problem();
-      const Tensor plan = tile_plan_of(p);
-      p.tile_plan = plan.data();
-      Tensor acc = test::from_float(std::vector<float>(tokens * N, 0.f), {tokens, N}, DType::f32, Device::cuda);
-      cuda::launch_down_combine(p, slot_dev.data_as<const int32_t>(), weights.data(), top_k, acc.data_as<float>());
-      cuda_check();
-      return test::to_float(acc);
-    };
-    const std::vector<float> two_cta = combine(c, RouteSwitch::off, 0);
-    test::GatherCall tiled = c;
-    tiled.q_dev.tiled = tile_weight(c.q_dev);
-    for (const test::GatherCall* call : {&c, &tiled})
-      for (int max_ctas : {0, 1}) {
-        const std::string what = detail::cat(dtype_name(dtype), call == &tiled ? " tile layout" : " MLX layout",
-                                             " max CTAs ", max_ctas);
-        const uint64_t launches_before = cuda::wgmma_ws_launches(), tiled_before = cuda::wgmma_ws_tiled_launches();
-        const std::vector<float> ws = combine(*call, RouteSwitch::on, max_ctas);
-        EXPECT_EQ(cuda::wgmma_ws_launches() - launches_before, 1u) << what << ": the warp-specialized kernel did not run";
-        EXPECT_EQ(cuda::wgmma_ws_tiled_launches() - tiled_before, call == &tiled ? 1u : 0u) << what;
-        EXPECT_LE(test::rel_error(ws, two_cta), 1e-5) << what << " " << test::seed_note();
-      }
-  }
-}
-
 // Every field changed alone sends the call to the generic routes with the named fallback class,
 // and the answer stays right.
 TEST(SanitizeGpuExpertTiles, OneFieldSelectorMisses) {

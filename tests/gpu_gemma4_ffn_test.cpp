@@ -200,8 +200,7 @@ TEST(GpuGemma4Ffn, ChainedLaunchesGiveTheSameBytes) {
 #ifdef EXPERTQMM_HAVE_CUDA
   test::ChainedLaunchGuard on(RouteSwitch::on);
   test::expect_block_capture_replays(
-      [&](Tensor& out, const Tensor& h, Workspace& ws) { gemma4_ffn_into(out, h, w, ws); }, 256,
-      w.moe.router.top_k, {6, 1}, 6,
+      [&](Tensor& out, const Tensor& h, Workspace& ws) { gemma4_ffn_into(out, h, w, ws); }, 256, {6, 1}, 6,
       [](cudaGraph_t, const std::string&) {});
 #endif
 }
@@ -250,8 +249,7 @@ TEST(GpuGemma4Ffn, OneLayerCapturedInACudaGraphReplaysTheSameOutput) {
   for (int bits : {8, 0}) {
     const Gemma4FfnWeights w = synthetic_gemma4_layer(small_config(bits, bits), 0, 5).to(Device::cuda);
     test::expect_block_capture_replays(
-        [&](Tensor& out, const Tensor& h, Workspace& ws) { gemma4_ffn_into(out, h, w, ws); }, 256,
-        w.moe.router.top_k, {100, 6}, 6,
+        [&](Tensor& out, const Tensor& h, Workspace& ws) { gemma4_ffn_into(out, h, w, ws); }, 256, {100, 6}, 6,
         two_branches);
   }
 #endif

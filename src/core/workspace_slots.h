@@ -17,7 +17,7 @@ enum WorkspaceSlot : int {
   // threads and streams) never share one.
   kSlotCounters = 12,
   kSlotFfnArena = 13,     // gemma4_ffn_into / qwen3_moe_ffn_into: the dense MLP, norm and residual buffers
-  kSlotRouterArena = 14,  // route_into's scratch; then the MoE layer's fp32 combine accumulator or down window
+  kSlotRouterArena = 14,  // route_into's scratch; then the MoE layer's down window (LayerPlan)
   kSlotLayerArena = 15,   // the MoE layer plan's buffers (cuda/layer_plan.h)
   kSlotCount = 16,
 };

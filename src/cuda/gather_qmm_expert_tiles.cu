@@ -281,24 +281,4 @@ void launch_expert_tiles_columns(const detail::GatherQmmProblem& p, int64_t begi
   run_expert_tiles(p, out, nullptr, TileKernel::automatic, RowWindow{begin, count}, count_retraction);
 }
 
-bool down_combine_fits(const detail::GatherQmmProblem& down) {
-  return down.mode == QuantMode::affine && wgmma_tiles_fit(down);  // the combine form is affine only
-}
-
-void launch_down_combine(const detail::GatherQmmProblem& down, const int32_t* slot_of_row, const void* weights,
-                         int top_k, float* acc) {
-  EXPERTQMM_CHECK(down.tile_plan != nullptr && is_aligned(acc, 16), "gather_qmm",
-                  "the down GEMM with the combine needs the layer's tile plan and a 16-byte aligned accumulator");
-  WgmmaTileArgs args;
-  args.tile = make_tile_args(down, nullptr);
-  args.combine_slot = slot_of_row;
-  args.combine_weight = static_cast<const uint16_t*>(weights);
-  args.combine_out = acc;
-  args.top_k = top_k;
-  args.retractions = retraction_counter(detail::Primitive::gather_qmm);
-  args.calls = 1;
-  const TilePlanView v = plan_view(down, down.tile_plan);
-  launch_expert_tiles_wgmma(args, WgmmaForm::combine, down.dtype, v.tiles, v.header, v.tile_slots);
-}
-
 }  // namespace expertqmm::cuda

@@ -9,10 +9,8 @@
 // out^T = W x^T per tile: the CTA's 128 weight rows are wgmma's M (two warpgroups of 64), the
 // tile's tokens (16, 32, 64 or 128: the plan tile's class) are N, K runs in 64-wide k tiles.
 //
-// Three forms (one kernel template, WgmmaForm):
+// Two forms (one kernel template, WgmmaForm):
 //   plain    out[row, n] = sum_k x[lhs[row], k] * W[expert, n, k], CTA rows n0 .. n0 + 127
-//   combine  the plain GEMM whose epilogue adds weight * T(y) of each row into its token's fp32
-//            output row (the MoE layer's weighted combine; atomics, so the summation order varies)
 //   glu      hidden[row, c] = act(T(gate)) * T(up) (one rounding), warpgroup 0 the gate rows
 //          c0 .. c0 + 63 and warpgroup 1 the up rows c0 .. c0 + 63 of two weight tensors: the GLU
 //          product in the epilogue, so the [rows, 2I] gate/up output never exists (DESIGN.md
@@ -356,9 +354,6 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
   __syncthreads();
 
   // 16-byte stores of 8 outputs: plain 16 chunks per row (128 columns), glu 8 (64 columns).
-  // combine: out is the fp32 (tokens, N) accumulator; sorted row r is flat slot s = slot[r] of
-  // token s / top_k and adds weight[s] * y (y rounded to T first, as the down GEMM's output is)
-  // with vector atomics, in whatever order the tiles of the token's k experts finish.
   constexpr int kChunksPerRow = kGlu ? 8 : 16;
   const int col0 = col_block * (kGlu ? 64 : kCtaRows);
   T* out = static_cast<T*>(a.out);
@@ -368,12 +363,6 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
     if (tok < store_begin || tok >= store_end || row_offset[tok] < 0 || col >= a.N) continue;
     const T* src = out_s + tok * L::kOutStride + chunk * 8;
     uint4 v = *reinterpret_cast<const uint4*>(src);
-    if constexpr (kForm == WgmmaForm::combine) {
-      const int32_t slot = p.combine_slot[row0 + tok];
-      const float w = device::Elem<T>::to_float(reinterpret_cast<const T*>(p.combine_weight)[slot]);
-      device::combine_add8<T>(p.combine_out + static_cast<int64_t>(slot / p.top_k) * a.N + col, w, v);
-      continue;
-    }
     if constexpr (kGlu) v = device::glu8<kAct, T>(v, *reinterpret_cast<const uint4*>(src + 64));
     *reinterpret_cast<uint4*>(out + (row0 + tok) * a.N + col) = v;
   }
@@ -493,34 +482,27 @@ const WgmmaVariant kVariants[] = {
     {DType::bf16, WgmmaForm::plain, 128, false, launch_variant<__nv_bfloat16, WgmmaForm::plain, 128>},
     {DType::bf16, WgmmaForm::geglu, 128, false, launch_variant<__nv_bfloat16, WgmmaForm::geglu, 128>},
     {DType::bf16, WgmmaForm::swiglu, 128, false, launch_variant<__nv_bfloat16, WgmmaForm::swiglu, 128>},
-    {DType::bf16, WgmmaForm::combine, 128, false, launch_variant<__nv_bfloat16, WgmmaForm::combine, 128>},
     {DType::f16, WgmmaForm::plain, 128, false, launch_variant<__half, WgmmaForm::plain, 128>},
     {DType::f16, WgmmaForm::geglu, 128, false, launch_variant<__half, WgmmaForm::geglu, 128>},
     {DType::f16, WgmmaForm::swiglu, 128, false, launch_variant<__half, WgmmaForm::swiglu, 128>},
-    {DType::f16, WgmmaForm::combine, 128, false, launch_variant<__half, WgmmaForm::combine, 128>},
     {DType::bf16, WgmmaForm::plain, 64, false, launch_variant<__nv_bfloat16, WgmmaForm::plain, 64>},
     {DType::bf16, WgmmaForm::geglu, 64, false, launch_variant<__nv_bfloat16, WgmmaForm::geglu, 64>},
     {DType::bf16, WgmmaForm::swiglu, 64, false, launch_variant<__nv_bfloat16, WgmmaForm::swiglu, 64>},
-    {DType::bf16, WgmmaForm::combine, 64, false, launch_variant<__nv_bfloat16, WgmmaForm::combine, 64>},
     {DType::f16, WgmmaForm::plain, 64, false, launch_variant<__half, WgmmaForm::plain, 64>},
     {DType::f16, WgmmaForm::geglu, 64, false, launch_variant<__half, WgmmaForm::geglu, 64>},
     {DType::f16, WgmmaForm::swiglu, 64, false, launch_variant<__half, WgmmaForm::swiglu, 64>},
-    {DType::f16, WgmmaForm::combine, 64, false, launch_variant<__half, WgmmaForm::combine, 64>},
     {DType::bf16, WgmmaForm::plain, 32, false, launch_variant<__nv_bfloat16, WgmmaForm::plain, 32>},
     {DType::bf16, WgmmaForm::geglu, 32, false, launch_variant<__nv_bfloat16, WgmmaForm::geglu, 32>},
     {DType::bf16, WgmmaForm::swiglu, 32, false, launch_variant<__nv_bfloat16, WgmmaForm::swiglu, 32>},
-    {DType::bf16, WgmmaForm::combine, 32, false, launch_variant<__nv_bfloat16, WgmmaForm::combine, 32>},
     {DType::f16, WgmmaForm::plain, 32, false, launch_variant<__half, WgmmaForm::plain, 32>},
     {DType::f16, WgmmaForm::geglu, 32, false, launch_variant<__half, WgmmaForm::geglu, 32>},
     {DType::f16, WgmmaForm::swiglu, 32, false, launch_variant<__half, WgmmaForm::swiglu, 32>},
-    {DType::f16, WgmmaForm::combine, 32, false, launch_variant<__half, WgmmaForm::combine, 32>},
     {DType::bf16, WgmmaForm::plain, 128, true, launch_variant<__nv_bfloat16, WgmmaForm::plain, 128, true>},
     {DType::bf16, WgmmaForm::plain, 64, true, launch_variant<__nv_bfloat16, WgmmaForm::plain, 64, true>},
     {DType::bf16, WgmmaForm::plain, 32, true, launch_variant<__nv_bfloat16, WgmmaForm::plain, 32, true>},
     {DType::bf16, WgmmaForm::plain, 128, false, launch_variant<__nv_bfloat16, WgmmaForm::plain, 128, false, 8>, 8},
     {DType::bf16, WgmmaForm::geglu, 128, false, launch_variant<__nv_bfloat16, WgmmaForm::geglu, 128, false, 8>, 8},
     {DType::bf16, WgmmaForm::swiglu, 128, false, launch_variant<__nv_bfloat16, WgmmaForm::swiglu, 128, false, 8>, 8},
-    {DType::bf16, WgmmaForm::combine, 128, false, launch_variant<__nv_bfloat16, WgmmaForm::combine, 128, false, 8>, 8},
 };
 constexpr int kWide8BitTokens = 128;  // the one 8-bit build
 
@@ -578,7 +560,7 @@ void launch_expert_tiles_wgmma(const WgmmaTileArgs& p, WgmmaForm form, DType dty
       }
     return false;
   };
-  if (wgmma_ws_takes(form, dtype, bits, fp, max_tokens)) {
+  if (wgmma_ws_takes(dtype, bits, fp, max_tokens)) {
     launch_expert_tiles_ws(p, form, dtype, tiles, header);
     // A retracted plan: the narrowest two-CTA build walks its rows (nothing else runs).
     WgmmaTileArgs fallback = p;

@@ -4,8 +4,8 @@
 // waits for them, a CTA-wide barrier and its wgmmas once per 64-wide k tile; here no barrier spans
 // the CTA in the k loop and each consumer's dequantization of tile kt + 1 overlaps its wgmmas of kt.
 //
-// Forms as the two-CTA kernel's: plain, GLU (gate rows and up rows in one item, the product in the
-// epilogue) and combine (the down GEMM adding weight * y into its token's fp32 row with atomics).
+// Forms as the two-CTA kernel's: plain and GLU (gate rows and up rows in one item, the product in the
+// epilogue).
 //
 // out^T = W x^T per work item, as in the two-CTA kernel: 128 weight rows (wgmma's M, 64 per consumer
 // warpgroup) x the tile's tokens (N: 128, or 32 for tiles of at most 32 rows, or 128 + 32 for a full
@@ -443,14 +443,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (col >= a.N || !row_ok[tok]) continue;
         const T* src = staging + tok * Layout::kOutStride + chunk * 8;
         uint4 v = *reinterpret_cast<const uint4*>(src);
-        if constexpr (kForm == WgmmaForm::combine) {
-          // The two-CTA kernel's combine: sorted row r is flat slot s = slot[r] of token s / top_k and
-          // adds weight[s] * y (y rounded to T) to the fp32 row with vector atomics.
-          const int32_t slot = p.combine_slot[row0 + tok];
-          const float w = device::Elem<T>::to_float(reinterpret_cast<const T*>(p.combine_weight)[slot]);
-          device::combine_add8<T>(p.combine_out + static_cast<int64_t>(slot / p.top_k) * a.N + col, w, v);
-          continue;
-        }
         if constexpr (kGlu) v = device::glu8<kAct, T>(v, *reinterpret_cast<const uint4*>(src + 64));
         *reinterpret_cast<uint4*>(out + (row0 + tok) * a.N + col) = v;
       }
@@ -499,7 +491,7 @@ void set_wgmma_ws_max_ctas(int ctas) { g_max_ctas.store(ctas > 0 ? ctas : 0); }
 uint64_t wgmma_ws_launches() { return g_launches.load(); }
 uint64_t wgmma_ws_tiled_launches() { return g_tiled_launches.load(); }
 
-bool wgmma_ws_takes(WgmmaForm form, DType dtype, int bits, bool fp, int max_tokens) {
+bool wgmma_ws_takes(DType dtype, int bits, bool fp, int max_tokens) {
   return wgmma_ws_setting() == RouteSwitch::on && bits == 4 && !fp &&
          max_tokens == kTokens && (dtype == DType::bf16 || dtype == DType::f16);
 }
@@ -517,9 +509,6 @@ void launch_expert_tiles_ws(const WgmmaTileArgs& p, WgmmaForm form, DType dtype,
     case WgmmaForm::swiglu:
       return bf16 ? launch_ws<__nv_bfloat16, WgmmaForm::swiglu>(p, tiles, header)
                   : launch_ws<__half, WgmmaForm::swiglu>(p, tiles, header);
-    case WgmmaForm::combine:
-      return bf16 ? launch_ws<__nv_bfloat16, WgmmaForm::combine>(p, tiles, header)
-                  : launch_ws<__half, WgmmaForm::combine>(p, tiles, header);
   }
   throw Error("gather_qmm", detail::cat("expert_tiles_ws has no kernel for dtype=", dtype_name(dtype),
                                         " form=", static_cast<int>(form)));

@@ -40,9 +40,10 @@ RouteSupport supports_expert_tiles_wgmma(const detail::GatherQmmProblem& p);
 constexpr int64_t kTileColumnsAlign = 128;
 void launch_expert_tiles_columns(const detail::GatherQmmProblem& p, int64_t begin, int64_t count, void* out,
                                  bool count_retraction);
-// The fused forms of the wgmma kernels (gather_qmm_expert_tiles.cu). The layer plan (layer_plan.cu)
-// decides these fusions, once, and counts their GEMMs through the route selector; these launch what
-// it decided.
+// The fused form of the wgmma kernels (gather_qmm_expert_tiles.cu). The layer plan (layer_plan.cu)
+// decides this fusion, once, and counts its GEMMs through the route selector; this launches what it
+// decided.
+
 // Whether gate and up can run as one wgmma launch with the GLU product in its epilogue: the same
 // shapes, dtype and quantization, affine, and wgmma_tiles_fit for both (the plan has already chosen
 // the expert tile route for both).
@@ -51,14 +52,6 @@ bool gate_up_glu_fits(const detail::GatherQmmProblem& gate, const detail::Gather
 // contiguous and 16-byte aligned; gate and up share one prebuilt tile_plan.
 void launch_gate_up_glu(const detail::GatherQmmProblem& gate, const detail::GatherQmmProblem& up, Activation act,
                         void* hidden);
-
-// Whether the down GEMM can carry the weighted combine in its epilogue (affine and wgmma_tiles_fit).
-bool down_combine_fits(const detail::GatherQmmProblem& down);
-// acc[t, :] += w[s] * T(hidden[r] down[rhs[r]]^T) for sorted row r of flat slot s = slot_of_row[r],
-// t = s / top_k. acc: (T, N) fp32, zeroed by the caller, 16-byte aligned; weights: (T * top_k,) in
-// down.dtype. Needs down.tile_plan.
-void launch_down_combine(const detail::GatherQmmProblem& down, const int32_t* slot_of_row, const void* weights,
-                         int top_k, float* acc);
 
 // True when this build carries sm_90a code and the current device is compute capability 9.0
 // (queried once; EXPERTQMM_WGMMA=0 in the environment turns the kernels off, for comparison).

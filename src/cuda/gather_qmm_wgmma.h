@@ -11,7 +11,7 @@
 
 namespace expertqmm::cuda {
 
-enum class WgmmaForm : uint8_t { plain, geglu, swiglu, combine };
+enum class WgmmaForm : uint8_t { plain, geglu, swiglu };
 constexpr bool is_glu(WgmmaForm f) { return f == WgmmaForm::geglu || f == WgmmaForm::swiglu; }
 
 // The problem as the kernel reads it. plain: tile describes the one GEMM. geglu / swiglu: tile
@@ -20,12 +20,6 @@ constexpr bool is_glu(WgmmaForm f) { return f == WgmmaForm::geglu || f == WgmmaF
 struct WgmmaTileArgs {
   device::TileArgs tile;
   device::QuantView up;  // glu forms: the up weights (geometry as tile.q)
-  // combine only: slot[r] the flat (token, slot) index of sorted row r, weight (tokens * top_k,)
-  // raw T bits, out (tokens, N) fp32, zeroed by the caller.
-  const int32_t* combine_slot = nullptr;
-  const uint16_t* combine_weight = nullptr;
-  float* combine_out = nullptr;
-  int top_k = 1;
   unsigned long long* retractions = nullptr;  // += calls when the plan turns out retracted
   int calls = 1;                              // gather_qmm calls this launch serves (glu: 2)
   // The two-CTA kernel does nothing with a valid plan (the warp-specialized kernel ran it) and
@@ -49,12 +43,12 @@ void launch_expert_tiles_wgmma(const WgmmaTileArgs& p, WgmmaForm form, DType dty
                                const detail::TilePlanHeader* header, int64_t tile_slots, bool fp = false);
 
 // The warp-specialized build (gather_qmm_expert_tiles_ws.cu; EXPERTQMM_WGMMA_WS=1): whether it takes
-// the launch that launch_expert_tiles_wgmma would give the build of `max_tokens` (every form, 4-bit
+// the launch that launch_expert_tiles_wgmma would give the build of `max_tokens` (both forms, 4-bit
 // affine bf16 / f16, the 128-token build), and its launch, which leaves a retracted plan alone.
-bool wgmma_ws_takes(WgmmaForm form, DType dtype, int bits, bool fp, int max_tokens);
+bool wgmma_ws_takes(DType dtype, int bits, bool fp, int max_tokens);
 void launch_expert_tiles_ws(const WgmmaTileArgs& p, WgmmaForm form, DType dtype, const detail::ExpertTile* tiles,
                             const detail::TilePlanHeader* header);
 
-// The fused launches (gate/up with the GLU product, down with the combine): gather_qmm_routes.h.
+// The fused launch (gate/up with the GLU product): gather_qmm_routes.h.
 
 }  // namespace expertqmm::cuda

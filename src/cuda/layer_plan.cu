@@ -188,11 +188,10 @@ void reserve_fixed(LayerPlan& p, const SwitchGLUWeights& w, bool routes, DType r
 
 // Picks every GEMM's route (the selector counts each once), the tile plan and the fusions, then
 // reserves what they need. x: the layer input; ids: see layer_gemms. combines: the caller combines
-// the down output per token (moe_layer_into), so it may run in column windows; try_combine: and it
-// can hand the down GEMM route weights in the output dtype. own_y: the down output needs an arena
-// buffer (not when the caller's output takes it as it is).
+// the down output per token (moe_layer_into), so it may run in column windows. own_y: the down
+// output needs an arena buffer (not when the caller's output takes it as it is).
 void plan_experts(LayerPlan& p, const Tensor& x, const int32_t* ids, const SwitchGLUWeights& w, bool combines,
-                  bool try_combine, bool own_y, ArenaLayout& layout) {
+                  bool own_y, ArenaLayout& layout) {
   const ExpertShape& s = p.shape;
   p.mode = product_mode();  // read once: the plan and the launches agree
   LayerGemms g = layer_gemms(p, x, ids, w, nominal_base());
@@ -211,10 +210,7 @@ void plan_experts(LayerPlan& p, const Tensor& x, const int32_t* ids, const Switc
                   p.tiles && p.gate_route.on_tiles() && gate_up_glu_fits(g.gate.q, g.up.q);
   }
   p.down_route = select_layer_route(g.down);
-  p.combine_fused = try_combine && !deterministic() && s.sorted && !s.down_dense && !p.cast_hidden && !p.cast_down &&
-                    p.tiles && p.down_route.on_tiles() && down_combine_fits(g.down.q);
   if (p.glu_fused) p.up_route = p.gate_route = GemmRoute{};
-  if (p.combine_fused) p.down_route = GemmRoute{};
 
   ExpertScratch& sc = p.scratch;
   if (p.tiles) sc.tile_plan = layout.reserve(tile_plan_bytes(s.n, static_cast<int>(s.E)));
@@ -226,11 +222,11 @@ void plan_experts(LayerPlan& p, const Tensor& x, const int32_t* ids, const Switc
   }
   if (p.mode == ProductMode::separate) sc.intermediate = layout.reserve(bytes_of(s.n * s.I, s.hidden_dtype));
   // Windows need the expert tile route for down (launch_expert_tiles_columns) and the shared plan.
-  if (combines && !p.combine_fused && s.sorted && !s.down_dense && p.tiles && p.down_route.on_tiles())
+  if (combines && s.sorted && !s.down_dense && p.tiles && p.down_route.on_tiles())
     p.down_window_cols = down_window_cols(s.n, s.D, s.out_dtype);
-  // moe_layer_into's down output (one window or whole) or the fused combine's accumulator goes into
-  // the router's slot, dead once the routing is written: the layer then holds its hidden rows and
-  // one window (~61 MB at T = 2048 with the workspace's growth margin). plan_moe_layer sizes the slot.
+  // moe_layer_into's down output (one window or whole) goes into the router's slot, dead once the
+  // routing is written: the layer then holds its hidden rows and one window (~61 MB at T = 2048 with
+  // the workspace's growth margin). plan_moe_layer sizes the slot.
   if (own_y && !combines) sc.y = layout.reserve(bytes_of(s.n * s.D, s.out_dtype));
 }
 
@@ -343,12 +339,10 @@ LayerPlan plan_moe_layer(const Tensor& out, const Tensor& h, const Tensor& x, co
   }
   ArenaLayout layout;
   reserve_fixed(p, w.experts, /*routes=*/true, h.dtype(), layout);
-  plan_experts(p, x, nullptr, w.experts, /*combines=*/true, /*try_combine=*/h.dtype() == s.out_dtype, /*own_y=*/true,
-               layout);
+  plan_experts(p, x, nullptr, w.experts, /*combines=*/true, /*own_y=*/true, layout);
   p.scratch.bytes = layout.bytes();
-  const size_t after_routing = p.combine_fused ? bytes_of(s.T * s.D, DType::f32)
-                                               : y_request_bytes(s.n, s.D, s.out_dtype, p.down_window_cols);
-  p.router_slot_bytes = std::max(route_scratch_bytes(h, w.router), after_routing);
+  p.router_slot_bytes =
+      std::max(route_scratch_bytes(h, w.router), y_request_bytes(s.n, s.D, s.out_dtype, p.down_window_cols));
   return p;
 }
 
@@ -359,8 +353,7 @@ LayerPlan plan_switch_glu(const Tensor& x, const Tensor& indices, const SwitchGL
   ArenaLayout layout;
   reserve_fixed(p, w, /*routes=*/false, DType::bf16, layout);
   // Unsorted rows are already in (token, slot) order: the down GEMM then writes straight into out.
-  plan_experts(p, x, indices.data_as<const int32_t>(), w, /*combines=*/false, /*try_combine=*/false,
-               /*own_y=*/p.shape.sorted, layout);
+  plan_experts(p, x, indices.data_as<const int32_t>(), w, /*combines=*/false, /*own_y=*/p.shape.sorted, layout);
   p.scratch.bytes = layout.bytes();
   return p;
 }

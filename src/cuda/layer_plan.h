@@ -1,16 +1,14 @@
 // The plan of one MoE layer call on CUDA (moe_layer_into, switch_glu), made once from the problem
 // before anything is launched (FlashInfer's plan/run split: the plan is data):
 //   - the path: the three-kernel decode layer (moe_decode_layer.cu), or the experts path
-//     route -> sort -> tile plan -> gate/up (+GLU) -> down (+combine) (moe.cu);
+//     route -> sort -> tile plan -> gate/up (+GLU) -> down -> combine (moe.cu);
 //   - on the experts path, the route of each GEMM (picked and counted by the route selector of its
 //     kind, once per GEMM whether or not it is then fused: gather_qmm.cu for a quantized projection,
 //     gather_mm.cu for a 16-bit one), the casts, and the fusions, only between quantized GEMMs:
-//     gate/up with the GLU product in one wgmma launch, the weighted combine in the down GEMM (or,
-//     in deterministic mode, down and the slot-order combine per window of output columns where
-//     the whole down output would be large);
+//     gate/up with the GLU product in one wgmma launch; down and the slot-order combine per window
+//     of output columns where the whole down output would be large;
 //   - every scratch buffer, as an offset into the layer arena (workspace slot kSlotLayerArena), and
-//     the fp32 combine accumulator's or the down window's size (slot kSlotRouterArena, free once the
-//     routing is written).
+//     the down window's size (slot kSlotRouterArena, free once the routing is written).
 // moe.cu runs the plan and decides nothing. docs/design.md ("The layer") shows the data flow.
 #pragma once
 #include <cstddef>
@@ -97,14 +95,13 @@ struct LayerPlan {
   bool cast_x = false, cast_gate_up = false, cast_hidden = false, cast_down = false;
   bool tiles = false;          // a tile plan is built once and shared by the GEMMs on the tile route
   bool glu_fused = false;      // gate, up and the GLU product in one wgmma launch
-  bool combine_fused = false;  // the down GEMM adds w * y into an fp32 [T, D] accumulator
   // > 0: the down GEMM and the slot-order combine run per window of this many output columns (the
   // last one narrower), so y holds [n, down_window_cols] instead of [n, D] (moe_layer_into only).
   int64_t down_window_cols = 0;
   // moe_layer_into: workspace slot kSlotRouterArena holds route_into's scratch, then (dead once the
-  // routing is written) the fp32 accumulator [T, D] of the fused combine or the down output y (one
-  // window, or [n, D]): router_slot_bytes is the largest, fetched once before routing. It grows with
-  // T, so a workspace warmed at the largest call serves every smaller one without allocating.
+  // routing is written) the down output y (one window, or [n, D]): router_slot_bytes is the larger,
+  // fetched once before routing. It grows with T, so a workspace warmed at the largest call serves
+  // every smaller one without allocating.
   size_t router_slot_bytes = 0;
   // The selector's route of each GEMM that runs on its own (empty for those the plan fused, and for
   // gate_up / up+gate of the other weight layout).

@@ -3,8 +3,8 @@
 // synchronization and, once the workspace has grown to a size, no allocation, so that a call can be
 // captured in a CUDA graph:
 //   route(h) -> [T*k >= 64: stable sort of the (token, slot) rows by expert -> tile plan] -> gate/up
-//   (separate, or one fused gate_up; with the GLU product in one launch where planned) -> down (with
-//   the weighted combine where planned) -> combine read through inv_order, or unsort (switch_glu);
+//   (separate, or one fused gate_up; with the GLU product in one launch where planned) -> down ->
+//   combine read through inv_order (slot order: the same bits every run), or unsort (switch_glu);
 //   down and the combine per window of output columns where the plan made windows.
 // Nothing here decides: every branch reads the plan.
 // x is never copied: the gate/up GEMMs gather their x rows through lhs = token_of_row (order / k
@@ -41,13 +41,12 @@ void cast_params(const QuantizedWeight& q, DType dtype, const Arena& a, size_t s
 }
 
 // The expert half. ids: the flat expert ids of the n rows. The down output goes to the arena's y
-// (sorted switch_glu: in sorted row order; inv_order maps flat slot -> y row), to y_out (unsorted
+// (sorted switch_glu: in sorted row order; inv_order maps flat slot -> y row) or to y_out (unsorted
 // switch_glu: already in flat slot order; moe_layer_into: the router's slot, rows in sorted order
-// when sorted), or into the fp32 accumulator acc (combine fused); with down windows down is left to
-// the caller, which runs it per window. Returns the GEMMs it built.
+// when sorted); with down windows down is left to the caller, which runs it per window. Returns the
+// GEMMs it built.
 LayerGemms run_experts(const LayerPlan& p, const Tensor& x, const int32_t* ids, const int32_t* user_ids,
-                 const SwitchGLUWeights& w, const Arena& a, void* y_out, const void* route_weights, float* acc,
-                 Workspace& ws) {
+                 const SwitchGLUWeights& w, const Arena& a, void* y_out, Workspace& ws) {
   cudaStream_t stream = current_stream();
   const ExpertShape& s = p.shape;
   const ExpertScratch& sc = p.scratch;
@@ -100,12 +99,6 @@ LayerGemms run_experts(const LayerPlan& p, const Tensor& x, const int32_t* ids, 
 
   // down
   if (p.cast_hidden) launch_cast(s.hidden_dtype, hidden, s.out_dtype, a.at(sc.hidden_cast), s.n * s.I, stream);
-  if (p.combine_fused) {
-    // acc[t] = sum over the token's slots of w * y, added inside the down GEMM.
-    EXPERTQMM_CUDA_CHECK(cudaMemsetAsync(acc, 0, bytes_of(s.T * s.D, DType::f32), stream));
-    launch_down_combine(g.down.q, a.i32(sc.order), route_weights, static_cast<int>(s.k), acc);
-    return g;
-  }
   if (p.down_window_cols == 0) run_layer_gemm(p.down_route, g.down, sc.y != kNotReserved ? a.at(sc.y) : y_out, &ws);
   return g;
 }
@@ -135,7 +128,7 @@ void switch_glu_into(Tensor& out, const Tensor& x, const Tensor& indices, const 
   const int32_t* flat = flat_ids(ids);
   const LayerPlan p = plan_switch_glu(xc, ids, weights);
   const Arena a{ws.get(detail::kSlotLayerArena, p.scratch.bytes)};
-  run_experts(p, xc, flat, flat, weights, a, out.data(), nullptr, nullptr, ws);
+  run_experts(p, xc, flat, flat, weights, a, out.data(), ws);
   if (p.shape.sorted) {
     const int64_t row_bytes = static_cast<int64_t>(bytes_of(p.shape.D, p.shape.out_dtype));
     // out row i = y row inv_order[i]
@@ -182,18 +175,12 @@ void moe_layer_into_chained(Tensor& out, const Tensor& h, const Tensor& x, const
   void* route_weights = a.at(p.scratch.route_weights);
   // The router's slot at its largest use, fetched before route_into, which then finds it large
   // enough: nothing reallocates it while the router's kernels may still read it.
-  void* router_slot = ws.get(detail::kSlotRouterArena, p.router_slot_bytes);
-  auto* acc = p.combine_fused ? static_cast<float*>(router_slot) : nullptr;
-  void* y = router_slot;  // the down output when the combine is not fused
+  void* y = ws.get(detail::kSlotRouterArena, p.router_slot_bytes);
 
   route_into(h, weights.router, route_indices, route_weights, ws);
-  const LayerGemms g = run_experts(p, x, route_indices, nullptr, weights.experts, a, y, route_weights, acc, ws);
+  const LayerGemms g = run_experts(p, x, route_indices, nullptr, weights.experts, a, y, ws);
   const ExpertShape& s = p.shape;
   cudaStream_t stream = current_stream();
-  if (p.combine_fused) {  // the down GEMM summed into the fp32 accumulator: one rounding to out
-    launch_cast(DType::f32, acc, out.dtype(), out.data(), s.T * s.D, stream);
-    return;
-  }
   // Combine in token order, reading the down output in sorted order through inv_order; with down
   // windows, down then the combine per window of columns, y holding one window.
   const bool windows = p.down_window_cols > 0;

@@ -16,8 +16,6 @@
 
 #include <cstdint>
 
-#include "cuda/device/elem.cuh"
-
 namespace expertqmm::cuda::device {
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -59,28 +57,6 @@ __device__ __forceinline__ void wgmma_wait() {
 #if EXPERTQMM_WGMMA_ENABLED
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 #endif
-}
-
-// dst[0..3] += v[0..3] with fp32 atomics: one 16-byte vector reduction on sm_90 and up (dst
-// 16-byte aligned), four scalar ones elsewhere.
-__device__ __forceinline__ void atomic_add_f32x4(float* dst, const float* v) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  atomicAdd(reinterpret_cast<float4*>(dst), make_float4(v[0], v[1], v[2], v[3]));
-#else
-  for (int i = 0; i < 4; ++i) atomicAdd(dst + i, v[i]);
-#endif
-}
-
-// The combine epilogue's 8 outputs of one row: dst[0..7] += w * y[0..7], y the row's outputs as T
-// (rounded as the down GEMM's output is), each product rounded once, two vector atomics.
-template <class T>
-__device__ __forceinline__ void combine_add8(float* dst, float w, const uint4& y) {
-  const T* yv = reinterpret_cast<const T*>(&y);
-  float prod[8];
-#pragma unroll
-  for (int e = 0; e < 8; ++e) prod[e] = __fmul_rn(w, Elem<T>::to_float(yv[e]));
-  atomic_add_f32x4(dst, prod);
-  atomic_add_f32x4(dst + 4, prod + 4);
 }
 
 // Keeps the compiler from moving reads or writes of a register across this point: wgmma reads
