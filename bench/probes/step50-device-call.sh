@@ -2,7 +2,8 @@
 # The device call of the seventeenth session (bench/NOTES.md step 50), run by `run` from the
 # repository root with carry ["out/prebuilt.tar.xz", "out/commit"] after `scripts/gpu-check
 # --pack-prebuilt build` and `git rev-parse --short HEAD > out/commit` here. TOTAL: its seconds
-# (default 480). In order: the tests the first device run in four sessions failed (now fixed); ncu
+# (default 480). In order: the tests the first device run in four sessions failed (now fixed); the
+# probe's three variants (two-CTA, warp-specialized, warp-specialized on the tile layout); ncu
 # (--set full plus every warp stall ratio) on the expert GEMM kernels of one 2048-token Gemma layer
 # with the two-CTA kernel (EXPERTQMM_WGMMA_WS=0), the warp-specialized one (=1) and that on the tile
 # layout (=1 --tiled), to say why the warp-specialized build lost; the layer bench at every token
@@ -19,6 +20,9 @@ timeout 120 $B/tests/expertqmm_gpu_tests \
   --gtest_filter='*WarpSpecialized*:*TileLayout*:*TiledExperts*:*ColumnWindows*:*mxfp4*picks_expert_tiles*:GpuMoe.*' \
   > $W/tests.log 2>&1; echo "tests rc $? t=$SECONDS"
 grep -E "^\[  (FAILED|PASSED|SKIPPED)|Failure" $W/tests.log | head -20
+pack
+for v in route route_ws route_ws_tiled; do timeout 40 $B/ws_tiles_probe $v > $W/probe-$v.json 2>&1; echo "probe $v rc $?"; done
+grep -h gemm $W/probe-*.json
 pack
 stalls='regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio'
 for cfg in "0 wgmma" "1 ws" "1 ws --tiled"; do
