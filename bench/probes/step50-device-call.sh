@@ -12,6 +12,8 @@
 W=/tmp/step50
 mkdir -p $W
 pack() { tar czf $OUT/step50.tgz -C /tmp step50; }
+left() { [ $((${TOTAL:-480} - SECONDS)) -gt ${1:-40} ]; }  # time left for a stage of ~$1 s
+cap() { local l=$((${TOTAL:-480} - SECONDS - 10)); echo $((l < $1 ? l : $1)); }  # a stage's timeout
 export EXPERTQMM_COMMIT=$(cat out/commit 2>/dev/null || echo unknown)
 B=build-gpu-check
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader | tee $W/gpu.txt
@@ -21,14 +23,12 @@ timeout 120 $B/tests/expertqmm_gpu_tests \
   > $W/tests.log 2>&1; echo "tests rc $? t=$SECONDS"
 grep -E "^\[  (FAILED|PASSED|SKIPPED)|Failure" $W/tests.log | head -20
 pack
-for v in route route_ws route_ws_tiled; do timeout 40 $B/ws_tiles_probe $v > $W/probe-$v.json 2>&1; echo "probe $v rc $?"; done
-grep -h gemm $W/probe-*.json
-pack
 stalls='regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio'
-for cfg in "0 wgmma" "1 ws" "1 ws --tiled"; do
+for cfg in "0 wgmma" "1 ws --tiled" "1 ws"; do
+  left || break
   set -- $cfg
   name=ws$1${3:+-tiled}
-  EXPERTQMM_WGMMA_WS=$1 timeout 100 ncu --set full --metrics "$stalls" --clock-control none --import-source no \
+  EXPERTQMM_WGMMA_WS=$1 timeout $(cap 100) ncu --set full --metrics "$stalls" --clock-control none --import-source no \
     -k "regex:expert_tiles_$2_kernel" --launch-count 5 --print-kernel-base demangled \
     $B/expertqmm bench --preset gemma4-26b-a4b --tokens 2048 --routing uniform --product fused --replays 1 \
     --ungated ${3:-} > $W/ncu-$name.txt 2>&1
@@ -37,10 +37,18 @@ for cfg in "0 wgmma" "1 ws" "1 ws --tiled"; do
     $W/ncu-$name.txt | head -40
   pack
 done
-timeout 90 $B/expertqmm bench --preset gemma4-26b-a4b --tokens 1,8,32,128,512,1024,2048 --routing uniform \
+left && {
+for v in route route_ws route_ws_tiled; do timeout $(cap 40) $B/ws_tiles_probe $v > $W/probe-$v.json 2>&1; echo "probe $v rc $?"; done
+grep -h gemm $W/probe-*.json
+pack
+}
+left && {
+timeout $(cap 90) $B/expertqmm bench --preset gemma4-26b-a4b --tokens 1,8,32,128,512,1024,2048 --routing uniform \
   --product fused --replays 30 --json $W/bench-gemma4-26b-a4b.json > $W/bench.log 2>&1; echo "bench rc $? t=$SECONDS"
 grep -E "^tokens|^ +(fused|floor)" $W/bench.log | head -20
 pack
+}
+left 60 || exit 0  # gpu-check needs a minute at least
 export GPU_CHECK_PREBUILT=out/prebuilt.tar.xz
 export GPU_CHECK_SKIP="bench bench-extra torch cutlass model python bench-python bench-mlx"
 export GPU_TEST_SHARDS=14
