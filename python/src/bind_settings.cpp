@@ -70,7 +70,7 @@ void bind_settings(nb::module_& m) {
         "Pin the wgmma expert-tile GEMM's token width (32, 64, 128; 0: the measured table).");
   m.def("wgmma_width", &wgmma_width, "The pinned wgmma width (0: none).");
   m.def("set_deterministic", &set_deterministic, arg("on"),
-        "The same output bits on every run (EXPERTQMM_DETERMINISTIC).");
+        "Only kernels with the same output bits on every run (EXPERTQMM_DETERMINISTIC); every path is today, so no effect yet.");
   m.def("deterministic", &deterministic, "Whether deterministic mode is on.");
   m.def("set_product_mode", [](const std::string& s) {
     EXPERTQMM_CHECK(s == "fused" || s == "separate", "set_product_mode", "must be 'fused' or 'separate', got '", s, "'");

@@ -69,7 +69,7 @@ const Variable kVariables[] = {
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.chained_launch = parse_switch(n, v); },
      [] { return std::string(switch_text(chained_launch_setting())); },
      &g_chained_launch, [](const EnvSettings& e) { return switch_override(e.chained_launch); }},
-    {"EXPERTQMM_DETERMINISTIC", "0|1", "1: the same output bits every run (combine in slot order; unset: 0)",
+    {"EXPERTQMM_DETERMINISTIC", "0|1", "1: only kernels with the same output bits every run (every path is today: no effect; unset: 0)",
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.deterministic = parse_switch(n, v); },
      [] { return std::string(deterministic() ? "1" : "0"); },
      &g_deterministic, [](const EnvSettings& e) { return e.deterministic == RouteSwitch::on ? 1 : 0; }},

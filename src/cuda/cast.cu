@@ -17,8 +17,8 @@ __global__ void cast_kernel(const typename Elem<From>::storage* __restrict__ src
 }
 
 // The same cast, 8 values per thread: (n8, 8) values, src and dst aligned to 8 values, so each
-// thread moves them with 16-byte loads and stores (the layer's last step, the fp32 accumulator to
-// the output dtype: 2-byte scalar stores ran at ~1.5 TB/s, bench/NOTES.md step 7b).
+// thread moves them with 16-byte loads and stores (2-byte scalar stores ran at ~1.5 TB/s,
+// bench/NOTES.md step 7b).
 template <DType From, DType To>
 __global__ void cast8_kernel(const typename Elem<From>::storage* __restrict__ src,
                              typename Elem<To>::storage* __restrict__ dst, int64_t n8) {

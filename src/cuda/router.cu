@@ -163,7 +163,7 @@ RouterScratch router_scratch(const Tensor& h, const RouterWeights& router) {
   }
   r.logits_off = layout.reserve(static_cast<size_t>(T * r.E) * dtype_size(r.logit_dtype));
   // The projection's split-K slices (rhs_tiles at many tokens) live here too: the MoE layer reuses
-  // the slot once routed (its down output, or the fused combine's accumulator), so they cost no peak
+  // the slot once routed (its down output), so they cost no peak
   // memory.
   r.split_bytes = r.quantized ? gather_qmm_split_k_bytes(T, r.E, H) : 0;
   if (r.split_bytes) r.split_off = layout.reserve(r.split_bytes);

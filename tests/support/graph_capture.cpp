@@ -4,12 +4,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cmath>
 #include <exception>
 #include <vector>
 
 #include "expertqmm/backend.h"
-#include "expertqmm/settings.h"
 #include "support/test_util.h"
 
 namespace expertqmm::test {
