@@ -9,9 +9,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <numeric>
-#include <random>
 #include <cstdlib>
+#include <exception>
 #include <string>
 #include <vector>
 
@@ -39,7 +38,11 @@ struct CountersGuard {
   }
   ~CountersGuard() {
     set_expert_tiles(RouteSwitch::automatic);
-    diagnostics::reset();
+    try {
+      diagnostics::reset();  // reads the device's count: a sticky CUDA error throws
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "diagnostics::reset: " << e.what();
+    }
   }
 };
 
@@ -124,11 +127,12 @@ TEST(SanitizeGpuExpertTiles, EightBitBuildFromThirtyTwoRowsPerExpert) {
 // The layer's down GEMM in column windows (launch_expert_tiles_columns, moe_layer_into from
 // kDownWindowBytes of down output): each window's output is the whole GEMM's columns, bit for bit,
 // through the kernel the route picks, in every form a window offsets differently: 4-bit bf16 group
-// 64 and f16 group 128 (wgmma on sm_90a), 8-bit at 9 rows per expert (mma.sync; the route's least rows), mxfp4 and mxfp8
-// (uint8 scale codes, viewed as uint16 pairs by make_tile_args), and the warp-specialized build on the
-// weight's tile layout (each window starts at its own 64-row blocks); with a last window narrower than
-// the others and windows that are not the first. A mis-sorted plan (the generic algorithm) gives the same
-// columns, and only the window told to count it adds a retraction. Misaligned windows are refused.
+// 64 and f16 group 128 (wgmma on sm_90a), 8-bit at 9 rows per expert (mma.sync; the route's least
+// rows), mxfp4 and mxfp8 (uint8 scale codes, viewed as uint16 pairs by make_tile_args), and the
+// weight's tile layout in the warp-specialized build and in the two-CTA kernel (each window starts
+// at its own 64-row blocks); with a last window narrower than the others and windows that are not
+// the first. A mis-sorted plan (the generic algorithm) gives the same columns, and only the window
+// told to count it adds a retraction. Misaligned windows are refused.
 TEST(SanitizeGpuExpertTiles, ColumnWindowsHoldTheWholeGemmsColumns) {
   EXPERTQMM_REQUIRE_GPU();
   CountersGuard guard;
@@ -138,11 +142,13 @@ TEST(SanitizeGpuExpertTiles, ColumnWindowsHoldTheWholeGemmsColumns) {
     DType dtype;
     QuantMode mode;
     int64_t rows;
-    bool ws_tiled = false;  // the warp-specialized build reading the weight's tile layout
+    bool tiled = false;  // the weight's tile layout
+    bool ws = false;     // the warp-specialized build (else the two-CTA kernel, as by default)
   };
   const Form forms[] = {{4, 64, DType::bf16, QuantMode::affine, 300},   {4, 128, DType::f16, QuantMode::affine, 300},
                         {8, 64, DType::bf16, QuantMode::affine, 72},    {4, 32, DType::bf16, QuantMode::mxfp4, 300},
-                        {8, 32, DType::bf16, QuantMode::mxfp8, 300},    {4, 64, DType::bf16, QuantMode::affine, 300, true}};
+                        {8, 32, DType::bf16, QuantMode::mxfp8, 300},    {4, 64, DType::bf16, QuantMode::affine, 300, true, true},
+                        {4, 128, DType::f16, QuantMode::affine, 300, true, false}};
   for (const Form& f : forms) {
     for (bool mis_sorted : {false, true}) {
       const int64_t E = 8, N = 2 * kStep + 64, K = 256;
@@ -150,11 +156,12 @@ TEST(SanitizeGpuExpertTiles, ColumnWindowsHoldTheWholeGemmsColumns) {
       std::vector<int32_t> ids = sorted_ids(f.rows, E);
       if (mis_sorted) std::swap(ids.front(), ids.back());
       test::GatherCall c = test::rows_call(q, f.dtype, ids, true);
-      if (f.ws_tiled) c.q_dev.tiled = tile_weight(c.q_dev);
-      const test::WsBuildGuard build(f.ws_tiled ? RouteSwitch::on : RouteSwitch::off, 0);
-      const uint64_t tiled_before = cuda::wgmma_ws_tiled_launches();
+      if (f.tiled) c.q_dev.tiled = tile_weight(c.q_dev);
+      const test::WsBuildGuard build(f.ws ? RouteSwitch::on : RouteSwitch::off, 0);
+      auto tiled_launches = [&] { return f.ws ? cuda::wgmma_ws_tiled_launches() : cuda::wgmma_tiled_launches(); };
+      const uint64_t tiled_before = tiled_launches();
       const std::string what = detail::cat(quant_mode_name(f.mode), " ", f.bits, "-bit g", f.group, " ",
-                                           dtype_name(f.dtype), f.ws_tiled ? " warp-specialized tile layout" : "",
+                                           dtype_name(f.dtype), f.tiled ? " tile layout" : "", f.ws ? " warp-specialized" : "",
                                            mis_sorted ? " mis-sorted" : "");
       detail::GatherQmmProblem p = c.problem();
       const std::vector<float> whole = test::run_route(c, "expert_tiles");
@@ -175,8 +182,8 @@ TEST(SanitizeGpuExpertTiles, ColumnWindowsHoldTheWholeGemmsColumns) {
         EXPECT_EQ(differing, 0u) << what << ", columns [" << begin << ", " << begin + count << ")";
       }
       EXPECT_EQ(retracted() - retracted_before, mis_sorted ? 1u : 0u) << what;
-      if (f.ws_tiled && cuda::wgmma_available())  // the whole GEMM and its three windows
-        EXPECT_EQ(cuda::wgmma_ws_tiled_launches() - tiled_before, 4u) << what << ": the tile-layout build did not run";
+      if (f.tiled && cuda::wgmma_available())  // the whole GEMM and its three windows
+        EXPECT_EQ(tiled_launches() - tiled_before, 4u) << what << ": the tile-layout build did not run";
       Tensor out = Tensor::empty({p.B, kStep}, f.dtype, Device::cuda);
       EXPECT_THROW(cuda::launch_expert_tiles_columns(p, 64, kStep, out.data(), false), Error) << what;  // off a step
       EXPECT_THROW(cuda::launch_expert_tiles_columns(p, 0, 64, out.data(), false), Error) << what;      // ends inside
@@ -294,7 +301,8 @@ TEST(SanitizeGpuExpertTiles, WarpSpecializedGluMatchesTheTwoCtaBuild) {
 
 // The weights' tile layout (docs/tile-layout.md) in the warp-specialized build gives the MLX
 // layout's bits, plain and GLU forms, on one CTA per SM and on one CTA (the ring wraps; each stage's
-// bulk copies are counted on its barrier again); tile_weight of the device weight (the CUDA backend's
+// bulk copies are counted on its barrier again), and so does the two-CTA kernel in its three builds;
+// tile_weight of the device weight (the CUDA backend's
 // kernels) equals the host's, and its untile_weight gives the MLX tensors back.
 // Plain: N = 320, five 64-row blocks, so the last item's second block is missing; GLU: N = 288, the
 // last block half rows past N. bf16 at group 64 with K = 320 (odd k tiles), f16 at group 128, K = 384.
@@ -366,6 +374,29 @@ TEST(SanitizeGpuExpertTiles, TileLayoutGivesTheMlxLayoutsBits) {
       const std::vector<float> plain_foreign = test::run_route(foreign, "expert_tiles_wgmma");
       EXPECT_EQ(cuda::wgmma_ws_tiled_launches() - tiled_before, 2u) << what << ": a foreign layout was read";
       EXPECT_EQ(differing(plain_foreign, plain_mlx), 0u) << what;
+    }
+    // The two-CTA kernel on the same layouts, in each of its builds (n128, and n64 / n32 pinned: their
+    // taller tiles run as pieces): the MLX layout's bits, the foreign layout ignored.
+    const int width_before = wgmma_width();
+    for (int width : {0, 64, 32}) {
+      const std::string what = detail::cat(dtype_name(f.dtype), " g", f.group, " K ", f.K, " two-CTA width ", width);
+      test::WsBuildGuard off(RouteSwitch::off, 0);
+      set_wgmma_width(width);
+      const uint64_t tiled_before = cuda::wgmma_tiled_launches();
+      const std::vector<float> plain_tiled = test::run_route(plain, "expert_tiles_wgmma");
+      const std::vector<float> glu_tiled = glu(gate, up);
+      EXPECT_EQ(cuda::wgmma_tiled_launches() - tiled_before, 2u) << what << ": the tile-layout build did not run";
+      const std::vector<float> plain_mlx = test::run_route(untiled(plain), "expert_tiles_wgmma");
+      const std::vector<float> glu_mlx = glu(untiled(gate), untiled(up));
+      test::GatherCall foreign = plain;
+      foreign.q_dev.tiled = gate.q_dev.tiled;
+      const std::vector<float> plain_foreign = test::run_route(foreign, "expert_tiles_wgmma");
+      set_wgmma_width(width_before);
+      EXPECT_EQ(cuda::wgmma_tiled_launches() - tiled_before, 2u) << what << ": the MLX layout or a foreign one was read";
+      EXPECT_EQ(differing(plain_tiled, plain_mlx), 0u) << what << " plain " << test::seed_note();
+      EXPECT_EQ(differing(glu_tiled, glu_mlx), 0u) << what << " " << activation_name(f.act) << " " << test::seed_note();
+      EXPECT_EQ(differing(plain_foreign, plain_mlx), 0u) << what;
+      EXPECT_LE(test::reference_error(plain, plain_tiled), 1e-2) << what;
     }
   }
 }

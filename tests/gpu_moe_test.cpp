@@ -79,9 +79,9 @@ TEST(GpuMoe, WarpSpecializedBuildGivesTheLayersAnswer) {
 #endif
 }
 
-// MoeWeights::tile_experts (docs/tile-layout.md) in the layer with the warp-specialized build: gate/up
-// (GLU epilogue) and down read it, through the layer plan, and give the MLX layout's bits. The tile
-// layout is counted in nbytes.
+// MoeWeights::tile_experts (docs/tile-layout.md) in the layer, with the two-CTA kernel and with the
+// warp-specialized build: gate/up (GLU epilogue) and down read it, through the layer plan, and give
+// the MLX layout's bits. The tile layout is counted in nbytes.
 TEST(GpuMoe, TiledExpertsGiveTheMlxLayoutsBits) {
   EXPERTQMM_REQUIRE_GPU();
 #ifdef EXPERTQMM_HAVE_CUDA
@@ -93,22 +93,28 @@ TEST(GpuMoe, TiledExpertsGiveTheMlxLayoutsBits) {
   EXPECT_GT(tiled.nbytes(), l.gpu.nbytes());
   const int64_t T = 300, D = l.cpu.experts.down.w.size(1);
   const Tensor h = test::random_tensor({T, D}, DType::bf16, 1.0f, Device::cuda);
-  auto run_layer = [&](const MoeWeights& w) {
-    const test::WsBuildGuard build(RouteSwitch::on, 0);
-    Workspace ws;
-    Tensor out = Tensor::empty({T, D}, DType::bf16, Device::cuda);
-    moe_layer_into(out, h, h, w, ws);
-    cuda_check();
-    return test::to_float(out);
-  };
-  const uint64_t tiled_before = cuda::wgmma_ws_tiled_launches();
-  const std::vector<float> with_tiles = run_layer(tiled);
-  EXPECT_EQ(cuda::wgmma_ws_tiled_launches() - tiled_before, 2u) << "gate/up and down should have read the tile layout";
-  const std::vector<float> mlx = run_layer(l.gpu);
-  EXPECT_EQ(cuda::wgmma_ws_tiled_launches() - tiled_before, 2u) << "the MLX layout read a tile layout";
-  size_t differing = 0;
-  for (size_t i = 0; i < mlx.size(); ++i) differing += !(with_tiles[i] == mlx[i]);
-  EXPECT_EQ(differing, 0u) << test::seed_note();
+  for (const RouteSwitch build : {RouteSwitch::off, RouteSwitch::on}) {
+    const std::string what = build == RouteSwitch::on ? "warp-specialized" : "two-CTA";
+    auto run_layer = [&](const MoeWeights& w) {
+      const test::WsBuildGuard guard(build, 0);
+      Workspace ws;
+      Tensor out = Tensor::empty({T, D}, DType::bf16, Device::cuda);
+      moe_layer_into(out, h, h, w, ws);
+      cuda_check();
+      return test::to_float(out);
+    };
+    auto tiled_launches = [&] {
+      return build == RouteSwitch::on ? cuda::wgmma_ws_tiled_launches() : cuda::wgmma_tiled_launches();
+    };
+    const uint64_t tiled_before = tiled_launches();
+    const std::vector<float> with_tiles = run_layer(tiled);
+    EXPECT_EQ(tiled_launches() - tiled_before, 2u) << what << ": gate/up and down should have read the tile layout";
+    const std::vector<float> mlx = run_layer(l.gpu);
+    EXPECT_EQ(tiled_launches() - tiled_before, 2u) << what << ": the MLX layout read a tile layout";
+    size_t differing = 0;
+    for (size_t i = 0; i < mlx.size(); ++i) differing += !(with_tiles[i] == mlx[i]);
+    EXPECT_EQ(differing, 0u) << what << " " << test::seed_note();
+  }
 #endif
 }
 

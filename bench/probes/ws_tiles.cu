@@ -7,16 +7,16 @@
 // bf16 scales and biases), rows sorted by expert from a uniform top-8 routing of T tokens:
 //   gate/up  out [T*8, 1408] = x[lhs] [T*8, 2816] @ W^T   (x rows gathered by token, as the layer does)
 //   down     out [T*8, 2816] = h [T*8, 704] @ W^T          (the GLU rows in sorted order)
-// Variants: route (gather_qmm: tile plan + the two-CTA wgmma kernel), route_ws (the same call with the
-// warp-specialized build: "+ws" in the JSON) and route_ws_tiled (that build reading the weight's tile
-// layout: "+ws+tiled"). Each output is checked against a plain fp32 kernel on the same dequantized
+// Variants: route (gather_qmm: tile plan + the two-CTA wgmma kernel), route_tiled (that kernel reading
+// the weight's tile layout, step 51: "+tiled" in the JSON), route_ws (the same call with the
+// warp-specialized build: "+ws") and route_ws_tiled (that build on the tile layout: "+ws+tiled"). Each output is checked against a plain fp32 kernel on the same dequantized
 // weights (bf16(fma(q, s, b)), MLX's tile dequantization) before it is timed with the bench protocol
 // (one launch captured as a graph, L2 flushed before each of 50 replays, median). Step 47's own
 // warp-specialized kernels (n128 / n256, one-shot / persistent) lost to the route build everywhere
 // (NOTES "Steps 46-49 measured") and were removed.
 //
 // Built as ws_tiles_probe with the CUDA build (sm_90a only does the work); run by hand or by
-// gpu-check's bench-extra stage: prints JSON.
+// bench/probes/step51-device-call.sh: prints JSON.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -37,7 +37,6 @@
 #include "replay_timing.h"
 
 namespace timing = expertqmm::timing;
-namespace device = expertqmm::cuda::device;
 using namespace expertqmm;
 using bf16 = __nv_bfloat16;
 
@@ -120,10 +119,15 @@ double rel_error(const bf16* out_d, const float* ref_d, int64_t n) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  // argv[1]: one variant only (route, route_ws, route_ws_tiled), so that a script can give each its
+  // argv[1]: one variant only (route, route_tiled, route_ws, route_ws_tiled), so that a script can give each its
   // own time limit; none: all.
   const std::string only = argc > 1 ? argv[1] : "";
   auto wanted = [&](const std::string& v) { return only.empty() || only == v; };
+  if (!only.empty() && only != "route" && only != "route_tiled" && only != "route_ws" && only != "route_ws_tiled") {
+    std::fprintf(stderr, "ws_tiles_probe: unknown variant '%s' (route, route_tiled, route_ws, route_ws_tiled)\n",
+                 only.c_str());
+    return 2;
+  }
   constexpr int E = 128, top_k = 8;
   struct Gemm {
     const char* name;
@@ -187,15 +191,15 @@ int main(int argc, char** argv) {
         first_row = false;
         std::fflush(stdout);
       };
-      // The route; the same call with the warp-specialized build (persistent, n128 + n32 tails merged),
-      // which the selector takes for the 128-token build (above 32 rows per expert); and that build on
-      // the weight's tile layout.
+      // The route, on MLX's layout and on the tile layout; the same call with the warp-specialized
+      // build (persistent, n128 + n32 tails merged), which the selector takes for the 128-token build
+      // (above 32 rows per expert), on both layouts.
       struct Variant {
         const char* name;
         bool ws, tiled;
       };
-      for (const Variant v : {Variant{"route", false, false}, Variant{"route_ws", true, false},
-                              Variant{"route_ws_tiled", true, true}}) {
+      for (const Variant v : {Variant{"route", false, false}, Variant{"route_tiled", false, true},
+                              Variant{"route_ws", true, false}, Variant{"route_ws_tiled", true, true}}) {
         if (!wanted(v.name)) continue;
         set_wgmma_ws(v.ws ? RouteSwitch::on : RouteSwitch::off);
         detail::GatherQmmProblem p =

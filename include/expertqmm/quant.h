@@ -53,9 +53,9 @@ QuantSpec default_quant_spec(QuantMode mode);
 struct TiledWeight {
   Tensor codes;
   Tensor params;
-  int64_t rows = 0;                  // the weight's N (rows past it in the last block are padding)
   int group_size = 64;               // the weight's (64 or 128)
   DType param_dtype = DType::bf16;   // the scales' and biases' (bf16 or f16)
+  int64_t rows = 0;                  // the weight's N (rows past it in the last block are padding)
   bool defined() const { return codes.defined(); }
 };
 
@@ -72,7 +72,7 @@ struct QuantizedWeight {
   int group_size = 64;
   QuantMode mode = QuantMode::affine;
   Tensor global_scale;
-  // Optional: tile_weight(*this), which the warp-specialized wgmma kernels read instead of w, scales
+  // Optional: tile_weight(*this), which the wgmma expert kernels read instead of w, scales
   // and biases; make it again after changing them (a layout of another shape (E, N, K, group size,
   // dtype) is ignored, one of the same shape is trusted).
   TiledWeight tiled;

@@ -23,21 +23,28 @@
 // staged as one word, make_tile_args' view), K % 64 == 0, N % 8 == 0, and everything
 // supports_tile_operands checks. mxfp8's E4M3 codes run on the mma.sync kernel.
 //
+// Each 4-bit affine build comes twice: on MLX's layout and on the experts' tile layout (kTiled, where
+// the weight carries one: fewer copies and shared loads per k tile; bench/NOTES.md step 51).
+//
 // Three builds per form: n128 (the plan's full 128-row tiles in one wgmma width, n96 for those of
 // at most 96 rows), n64 and n32 (taller tiles as pieces of 64 or 32 rows; fewer accumulators, less
 // shared memory, n32 at 3 CTAs per SM), chosen by mean rows per expert (kWidths); 8-bit codes n128 only.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <atomic>
 #include <string>
 
 #include "core/route_counters.h"
+#include "core/tile_layout.h"
 #include "core/tile_plan.h"
 #include "cuda/device/glu.cuh"
+#include "cuda/device/tile_fragments.cuh"
 #include "cuda/device/tile_gemm.cuh"
 #include "cuda/device/wgmma.cuh"
 #include "cuda/gather_qmm_routes.h"
 #include "cuda/gather_qmm_wgmma.h"
+#include "cuda/gather_qmm_ws_hooks.h"
 #include "cuda/runtime.cuh"
 #include "expertqmm/settings.h"
 
@@ -52,6 +59,7 @@ using device::TileArgs;
 constexpr int kThreads = 256;    // two warpgroups
 constexpr int kCtaRows = 128;    // weight rows per CTA, 64 per warpgroup
 constexpr int kBK = 64;          // k per pipeline stage (one quantization group at group size 64)
+std::atomic<uint64_t> g_tiled_launches{0};  // wgmma_tiled_launches()
 static_assert(kTileColumnsAlign % kCtaRows == 0, "a column window (launch_expert_tiles_columns) starts at a CTA's rows");
 
 // Pipeline depth and residency per build (widest wgmma n32, n64 or n128), as data: stages, the
@@ -128,13 +136,15 @@ struct Layout {
 //
 // Work split: every thread issues an equal share of each stage's cp.async copies (x: kTokens rows x
 // 8 chunks; weights: 128 rows x 2 chunks (4-bit) or 4 (8-bit), thread i row i / 2 and its chunks
-// (i % 2) * kWChunks / 2 ..; scale and bias words: one per thread).
+// (i % 2) * kWChunks / 2 ..; scale and bias words: one per thread). kTiled (4-bit affine on the
+// tile layout, docs/tile-layout.md): the weights are the CTA's two 64-row blocks, one 16-byte copy of
+// codes per thread and 16 bytes of parameters for threads 0-31, into the same stage bytes.
 // Warp w of warpgroup q owns smem weight rows 64q + 16(w % 4) .. +15; lane (g, t) dequantizes rows
 // 64q + 16(w % 4) + g and + 8 (the A fragment rows), 16 values per row per k tile (4-bit: from two
 // 16-byte shared loads per row; 8-bit: two 4-byte loads per row and k16 step, halfword t % 2 of
 // words 4s + t / 2 and 4s + 2 + t / 2): 4 wgmma A fragments, one per k16 step; then the warpgroup
 // issues its 4 wgmmas (64 x kTokens x 16) as one group and waits for it before the next k tile.
-template <class T, int kTokens, WgmmaForm kForm, class L, bool kFp>
+template <class T, int kTokens, WgmmaForm kForm, class L, bool kFp, bool kTiled>
 __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, int64_t row0, int load_rows,
                                            int store_begin, int store_end, int col_block, unsigned char* smem) {
   constexpr bool kGlu = is_glu(kForm);
@@ -199,6 +209,26 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
   const uint16_t* param_src =
       param_valid ? param_base + param_expert + static_cast<int64_t>(param_n) * a.q.groups_per_row : a.q.scales;
   const unsigned param_dst = L::kXBytes + L::kWBytes + tid * 4;  // ss (128,) then bs (128,)
+  // kTiled (docs/tile-layout.md): the CTA's two 64-row blocks instead (plain: blocks 2 cb and 2 cb + 1;
+  // glu: the gate's and the up's block cb; a block past N (a window's width) is not read). Thread tid
+  // copies 16 bytes of block tid / 128's codes; threads 0-31 16 bytes of block tid / 16's parameters.
+  const int code_block = tid >> 7, param_block = (tid >> 4) & 1;
+  auto tile_block = [&](int b) { return kGlu ? col_block : 2 * col_block + b; };
+  const int64_t row_blocks = (a.expert_rows + detail::kTileRows - 1) / detail::kTileRows;
+  const bool code_valid = kTiled && tile_block(code_block) * detail::kTileRows < a.N;
+  const bool tile_param_valid = kTiled && tid < 32 && tile_block(param_block) * detail::kTileRows < a.N;
+  const uint32_t* code_src = a.q.w;  // never read where not valid
+  const uint32_t* tile_param_src = a.q.w;
+  if constexpr (kTiled) {
+    const device::QuantView& cq = kGlu && code_block ? p.up : a.q;
+    const device::QuantView& pq = kGlu && param_block ? p.up : a.q;
+    if (code_valid)
+      code_src = cq.tiled_codes + (expert * row_blocks + tile_block(code_block)) * (a.K / kBK) * detail::kTileWords +
+                 (tid & 127) * 4;
+    if (tile_param_valid)
+      tile_param_src = pq.tiled_params + (expert * row_blocks + tile_block(param_block)) * a.q.groups_per_row *
+                                             detail::kTileRows + (tid & 15) * 4;
+  }
 
   auto load_stage = [&](unsigned char* stage, int kt) {
 #pragma unroll
@@ -208,17 +238,26 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
       const unsigned row = c >> 3, chunk = c & 7;
       device::cp_async_16(stage + row * 128 + ((chunk ^ (row & 7)) << 4), x_src[i] + kt * kBK, (x_valid >> i) & 1);
     }
+    if constexpr (kTiled) {
+      device::cp_async_16(stage + L::kXBytes + code_block * detail::kTileWords * 4 + (tid & 127) * 16,
+                          code_src + (code_valid ? kt * detail::kTileWords : 0), code_valid);
+      const int group = (kt * kBK) >> a.q.group_shift;
+      if (tid < 32)
+        device::cp_async_16(stage + L::kXBytes + L::kWBytes + param_block * detail::kTileRows * 4 + (tid & 15) * 16,
+                            tile_param_src + (tile_param_valid ? group * detail::kTileRows : 0), tile_param_valid);
+    } else {
 #pragma unroll
-    for (int j = 0; j < kWCopies; ++j)
-      device::cp_async_16(stage + w_dst(j), w_src + kt * kWordsPerRow + (w_valid ? 4 * j : 0), w_valid);
-    // The group element el sits in the aligned word at el & ~1: el odd -> read both halves; el even
-    // -> its 2 bytes only (the next element may lie past the end of the tensor).
-    // kFp, nvfp4: the k tile's 4 codes are the whole (aligned) word.
-    const uint16_t* el = param_src + ((kt * kBK) >> a.q.group_shift);
-    const int odd = static_cast<int>((reinterpret_cast<uintptr_t>(el) >> 1) & 1);
-    const bool whole_word = odd || (kFp && a.q.group_shift == 5);
-    if (param_valid) device::cp_async_4(stage + param_dst, el - odd, whole_word ? 4 : 2);
-    else device::cp_async_4(stage + param_dst, param_src, 0);
+      for (int j = 0; j < kWCopies; ++j)
+        device::cp_async_16(stage + w_dst(j), w_src + kt * kWordsPerRow + (w_valid ? 4 * j : 0), w_valid);
+      // The group element el sits in the aligned word at el & ~1: el odd -> read both halves; el even
+      // -> its 2 bytes only (the next element may lie past the end of the tensor).
+      // kFp, nvfp4: the k tile's 4 codes are the whole (aligned) word.
+      const uint16_t* el = param_src + ((kt * kBK) >> a.q.group_shift);
+      const int odd = static_cast<int>((reinterpret_cast<uintptr_t>(el) >> 1) & 1);
+      const bool whole_word = odd || (kFp && a.q.group_shift == 5);
+      if (param_valid) device::cp_async_4(stage + param_dst, el - odd, whole_word ? 4 : 2);
+      else device::cp_async_4(stage + param_dst, param_src, 0);
+    }
   };
 
   const int warp = tid >> 5, lane = tid & 31;
@@ -267,58 +306,62 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
     device::cp_async_commit();
 
     const unsigned char* base = stage_at(kt);
-    const uint32_t* ws = reinterpret_cast<const uint32_t*>(base + L::kXBytes);
-    const uint32_t* ss = ws + kCtaRows * kWordsPerRow;
-    const uint32_t* bs = ss + kCtaRows;
-    const int tile_parity = ((kt * kBK) >> a.q.group_shift) & 1;
-    const bool high_lo = (parity_lo ^ tile_parity) != 0, high_hi = (parity_hi ^ tile_parity) != 0;
-    const uint32_t s_lo = device::broadcast_half(ss[m_lo], high_lo), b_lo = device::broadcast_half(bs[m_lo], high_lo);
-    const uint32_t s_hi = device::broadcast_half(ss[m_hi], high_hi), b_hi = device::broadcast_half(bs[m_hi], high_hi);
-    // kFp: the rows' scale codes of this k tile, byte s for k16 step s (tile_gemm's col_codes).
-    uint32_t codes_lo = 0, codes_hi = 0;
-    if constexpr (kFp) {
-      codes_lo = e4m3_scales ? ss[m_lo] : __byte_perm(ss[m_lo], 0u, high_lo ? 0x3322u : 0x1100u);
-      codes_hi = e4m3_scales ? ss[m_hi] : __byte_perm(ss[m_hi], 0u, high_hi ? 0x3322u : 0x1100u);
-    }
     uint32_t afrag[4][4];  // k16 step s: rows m_lo, m_hi at k = 16s + 2t, +1, then at 16s + 8 + 2t, +1
-    if constexpr (L::kBits == 8) {
-      // Word w holds k = 4w .. 4w + 3: step s's k pairs are halfword t % 2 of words 4s + t / 2 and
-      // 4s + 2 + t / 2, both in chunk s.
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        const uint32_t* lo = ws + m_lo * kWordsPerRow + (L::w_chunk(m_lo, s) << 2) + (t >> 1);
-        const uint32_t* hi = ws + m_hi * kWordsPerRow + (L::w_chunk(m_hi, s) << 2) + (t >> 1);
-        afrag[s][0] = Dequant::bytes(lo[0], selector, s_lo, b_lo);
-        afrag[s][1] = Dequant::bytes(hi[0], selector, s_hi, b_hi);
-        afrag[s][2] = Dequant::bytes(lo[2], selector, s_lo, b_lo);
-        afrag[s][3] = Dequant::bytes(hi[2], selector, s_hi, b_hi);
-      }
+    if constexpr (kTiled) {
+      device::tile_layout_fragments<T>(base + L::kXBytes, base + L::kXBytes + L::kWBytes, m_lo, lane, afrag);
     } else {
-    // Row words: word i holds k = 8i .. 8i + 7; chunk 0 = words 0-3, chunk 1 = words 4-7.
-    auto chunk_of = [&](int m, int c) {
-      return *reinterpret_cast<const uint4*>(ws + m * kWordsPerRow + (L::w_chunk(m, c) << 2));
-    };
-    const uint4 lo0 = chunk_of(m_lo, 0), lo1 = chunk_of(m_lo, 1);
-    const uint4 hi0 = chunk_of(m_hi, 0), hi1 = chunk_of(m_hi, 1);
-    const uint32_t lo[8] = {lo0.x, lo0.y, lo0.z, lo0.w, lo1.x, lo1.y, lo1.z, lo1.w};
-    const uint32_t hi[8] = {hi0.x, hi0.y, hi0.z, hi0.w, hi1.x, hi1.y, hi1.z, hi1.w};
-#pragma unroll
-    for (int s = 0; s < 4; ++s) {
+      const uint32_t* ws = reinterpret_cast<const uint32_t*>(base + L::kXBytes);
+      const uint32_t* ss = ws + kCtaRows * kWordsPerRow;
+      const uint32_t* bs = ss + kCtaRows;
+      const int tile_parity = ((kt * kBK) >> a.q.group_shift) & 1;
+      const bool high_lo = (parity_lo ^ tile_parity) != 0, high_hi = (parity_hi ^ tile_parity) != 0;
+      const uint32_t s_lo = device::broadcast_half(ss[m_lo], high_lo), b_lo = device::broadcast_half(bs[m_lo], high_lo);
+      const uint32_t s_hi = device::broadcast_half(ss[m_hi], high_hi), b_hi = device::broadcast_half(bs[m_hi], high_hi);
+      // kFp: the rows' scale codes of this k tile, byte s for k16 step s (tile_gemm's col_codes).
+      uint32_t codes_lo = 0, codes_hi = 0;
       if constexpr (kFp) {
-        using Fp = device::FpDequantBf16;
-        const uint32_t sl = Fp::scale_pair((codes_lo >> (8 * s)) & 0xFFu, e4m3_scales);
-        const uint32_t sh = Fp::scale_pair((codes_hi >> (8 * s)) & 0xFFu, e4m3_scales);
-        afrag[s][0] = Fp::e2m1(lo[2 * s], selector, sl);
-        afrag[s][1] = Fp::e2m1(hi[2 * s], selector, sh);
-        afrag[s][2] = Fp::e2m1(lo[2 * s + 1], selector, sl);
-        afrag[s][3] = Fp::e2m1(hi[2 * s + 1], selector, sh);
-        continue;
+        codes_lo = e4m3_scales ? ss[m_lo] : __byte_perm(ss[m_lo], 0u, high_lo ? 0x3322u : 0x1100u);
+        codes_hi = e4m3_scales ? ss[m_hi] : __byte_perm(ss[m_hi], 0u, high_hi ? 0x3322u : 0x1100u);
       }
-      afrag[s][0] = Dequant::nibbles(lo[2 * s], selector, s_lo, b_lo);
-      afrag[s][1] = Dequant::nibbles(hi[2 * s], selector, s_hi, b_hi);
-      afrag[s][2] = Dequant::nibbles(lo[2 * s + 1], selector, s_lo, b_lo);
-      afrag[s][3] = Dequant::nibbles(hi[2 * s + 1], selector, s_hi, b_hi);
-    }
+      if constexpr (L::kBits == 8) {
+        // Word w holds k = 4w .. 4w + 3: step s's k pairs are halfword t % 2 of words 4s + t / 2 and
+        // 4s + 2 + t / 2, both in chunk s.
+  #pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          const uint32_t* lo = ws + m_lo * kWordsPerRow + (L::w_chunk(m_lo, s) << 2) + (t >> 1);
+          const uint32_t* hi = ws + m_hi * kWordsPerRow + (L::w_chunk(m_hi, s) << 2) + (t >> 1);
+          afrag[s][0] = Dequant::bytes(lo[0], selector, s_lo, b_lo);
+          afrag[s][1] = Dequant::bytes(hi[0], selector, s_hi, b_hi);
+          afrag[s][2] = Dequant::bytes(lo[2], selector, s_lo, b_lo);
+          afrag[s][3] = Dequant::bytes(hi[2], selector, s_hi, b_hi);
+        }
+      } else {
+        // Row words: word i holds k = 8i .. 8i + 7; chunk 0 = words 0-3, chunk 1 = words 4-7.
+        auto chunk_of = [&](int m, int c) {
+          return *reinterpret_cast<const uint4*>(ws + m * kWordsPerRow + (L::w_chunk(m, c) << 2));
+        };
+        const uint4 lo0 = chunk_of(m_lo, 0), lo1 = chunk_of(m_lo, 1);
+        const uint4 hi0 = chunk_of(m_hi, 0), hi1 = chunk_of(m_hi, 1);
+        const uint32_t lo[8] = {lo0.x, lo0.y, lo0.z, lo0.w, lo1.x, lo1.y, lo1.z, lo1.w};
+        const uint32_t hi[8] = {hi0.x, hi0.y, hi0.z, hi0.w, hi1.x, hi1.y, hi1.z, hi1.w};
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          if constexpr (kFp) {
+            using Fp = device::FpDequantBf16;
+            const uint32_t sl = Fp::scale_pair((codes_lo >> (8 * s)) & 0xFFu, e4m3_scales);
+            const uint32_t sh = Fp::scale_pair((codes_hi >> (8 * s)) & 0xFFu, e4m3_scales);
+            afrag[s][0] = Fp::e2m1(lo[2 * s], selector, sl);
+            afrag[s][1] = Fp::e2m1(hi[2 * s], selector, sh);
+            afrag[s][2] = Fp::e2m1(lo[2 * s + 1], selector, sl);
+            afrag[s][3] = Fp::e2m1(hi[2 * s + 1], selector, sh);
+            continue;
+          }
+          afrag[s][0] = Dequant::nibbles(lo[2 * s], selector, s_lo, b_lo);
+          afrag[s][1] = Dequant::nibbles(hi[2 * s], selector, s_hi, b_hi);
+          afrag[s][2] = Dequant::nibbles(lo[2 * s + 1], selector, s_lo, b_lo);
+          afrag[s][3] = Dequant::nibbles(hi[2 * s + 1], selector, s_hi, b_hi);
+        }
+      }
     }
     // The descriptor's address field counts 16 bytes.
     const uint64_t desc = smem_desc + ((kt % L::kStages) * L::kStageBytes >> 4);
@@ -375,7 +418,7 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
 // stride over the 16-row tiles of all rows and run each maximal run of equal ids as one n16 tile
 // (the rhs_tiles algorithm), so any order of ids still gives the right answer.
 // kFp: MLX's mxfp4 / nvfp4 codes (bf16, plain form; wgmma_tile's kFp).
-template <class T, WgmmaForm kForm, int kMaxTokens, bool kFp, int kBits>
+template <class T, WgmmaForm kForm, int kMaxTokens, bool kFp, int kBits, bool kTiled>
 __global__ void __launch_bounds__(kThreads, PipelineDepth<kMaxTokens, kBits>::kCtasPerSm)
     expert_tiles_wgmma_kernel(WgmmaTileArgs p, const ExpertTile* __restrict__ tiles,
                               const TilePlanHeader* __restrict__ header) {
@@ -399,31 +442,31 @@ __global__ void __launch_bounds__(kThreads, PipelineDepth<kMaxTokens, kBits>::kC
       // its weights (bench/NOTES.md step 7g).
       if constexpr (kMaxTokens == 128) {
         if (tile.bm == 128 && tile.rows <= 96) {
-          wgmma_tile<T, 96, kForm, L, kFp>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
+          wgmma_tile<T, 96, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
           continue;
         }
       }
       if (tile.bm >= kMaxTokens) {  // the widest wgmma; a taller tile runs as pieces of kMaxTokens rows
         for (int piece = 0; piece < tile.rows; piece += kMaxTokens) {
           const int rows = min(kMaxTokens, tile.rows - piece);
-          wgmma_tile<T, kMaxTokens, kForm, L, kFp>(p, tile.expert, tile.row_begin + piece, rows, 0, rows, blockIdx.x, smem);
+          wgmma_tile<T, kMaxTokens, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin + piece, rows, 0, rows, blockIdx.x, smem);
         }
         continue;
       }
       // Narrower tile classes (16, 32, 64) below the build's width.
       if constexpr (kMaxTokens > 64) {
         if (tile.bm == 64) {
-          wgmma_tile<T, 64, kForm, L, kFp>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
+          wgmma_tile<T, 64, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
           continue;
         }
       }
       if constexpr (kMaxTokens > 32) {
         if (tile.bm == 32) {
-          wgmma_tile<T, 32, kForm, L, kFp>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
+          wgmma_tile<T, 32, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
           continue;
         }
       }
-      wgmma_tile<T, 16, kForm, L, kFp>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
+      wgmma_tile<T, 16, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
     }
     return;
   }
@@ -432,7 +475,7 @@ __global__ void __launch_bounds__(kThreads, PipelineDepth<kMaxTokens, kBits>::kC
   for (int64_t tile = blockIdx.y; tile < row_tiles; tile += gridDim.y)
     device::for_each_expert_run<16>(p.tile, tile, tile_expert, [&](int expert, int64_t row0, int load_rows, int begin,
                                                                    int end) {
-      wgmma_tile<T, 16, kForm, L, kFp>(p, expert, row0, load_rows, begin, end, blockIdx.x, smem);
+      wgmma_tile<T, 16, kForm, L, kFp, kTiled>(p, expert, row0, load_rows, begin, end, blockIdx.x, smem);
     });
 #else
   // Compiled for an architecture without wgmma: never selected (wgmma_available), so never run.
@@ -443,12 +486,12 @@ __global__ void __launch_bounds__(kThreads, PipelineDepth<kMaxTokens, kBits>::kC
 #endif
 }
 
-template <class T, WgmmaForm kForm, int kMaxTokens, bool kFp = false, int kBits = 4>
+template <class T, WgmmaForm kForm, int kMaxTokens, bool kFp = false, int kBits = 4, bool kTiled = false>
 void launch_variant(const WgmmaTileArgs& p, const ExpertTile* tiles, const TilePlanHeader* header,
                     int64_t tile_slots) {
   constexpr int kSmem = Layout<kMaxTokens, kBits>::kAllocBytes;
   static const bool smem_configured = [] {
-    EXPERTQMM_CUDA_CHECK(cudaFuncSetAttribute(expert_tiles_wgmma_kernel<T, kForm, kMaxTokens, kFp, kBits>,
+    EXPERTQMM_CUDA_CHECK(cudaFuncSetAttribute(expert_tiles_wgmma_kernel<T, kForm, kMaxTokens, kFp, kBits, kTiled>,
                                               cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
     return true;
   }();
@@ -462,8 +505,10 @@ void launch_variant(const WgmmaTileArgs& p, const ExpertTile* tiles, const TileP
   const int64_t walk_rows = std::max<int64_t>(1, ceil_div(3 * device_sm_count(), col_blocks));
   const dim3 grid(static_cast<unsigned>(col_blocks),
                   static_cast<unsigned>(std::min<int64_t>(slots, p.retracted_only ? walk_rows : 65535)));
-  expert_tiles_wgmma_kernel<T, kForm, kMaxTokens, kFp, kBits><<<grid, kThreads, kSmem, current_stream()>>>(p, tiles, header);
+  expert_tiles_wgmma_kernel<T, kForm, kMaxTokens, kFp, kBits, kTiled><<<grid, kThreads, kSmem, current_stream()>>>(
+      p, tiles, header);
   EXPERTQMM_CUDA_CHECK_LAUNCH("expert_tiles_wgmma_kernel");
+  if (kTiled && !p.retracted_only) g_tiled_launches.fetch_add(1, std::memory_order_relaxed);
 }
 
 // The instantiations, as data: activation dtype x form x widest wgmma x code width. Narrower builds
@@ -477,6 +522,7 @@ struct WgmmaVariant {
   bool fp;  // mxfp4 / nvfp4 codes (bf16, plain form only: the layer's fusions stay affine)
   void (*launch)(const WgmmaTileArgs&, const ExpertTile*, const TilePlanHeader*, int64_t);
   int bits = 4;
+  bool tiled = false;  // reads the weights' tile layout (docs/tile-layout.md; 4-bit affine only)
 };
 const WgmmaVariant kVariants[] = {
     {DType::bf16, WgmmaForm::plain, 128, false, launch_variant<__nv_bfloat16, WgmmaForm::plain, 128>},
@@ -503,6 +549,25 @@ const WgmmaVariant kVariants[] = {
     {DType::bf16, WgmmaForm::plain, 128, false, launch_variant<__nv_bfloat16, WgmmaForm::plain, 128, false, 8>, 8},
     {DType::bf16, WgmmaForm::geglu, 128, false, launch_variant<__nv_bfloat16, WgmmaForm::geglu, 128, false, 8>, 8},
     {DType::bf16, WgmmaForm::swiglu, 128, false, launch_variant<__nv_bfloat16, WgmmaForm::swiglu, 128, false, 8>, 8},
+    // The 4-bit affine builds again, reading the tile layout.
+    {DType::bf16, WgmmaForm::plain, 128, false, launch_variant<__nv_bfloat16, WgmmaForm::plain, 128, false, 4, true>, 4, true},
+    {DType::bf16, WgmmaForm::geglu, 128, false, launch_variant<__nv_bfloat16, WgmmaForm::geglu, 128, false, 4, true>, 4, true},
+    {DType::bf16, WgmmaForm::swiglu, 128, false, launch_variant<__nv_bfloat16, WgmmaForm::swiglu, 128, false, 4, true>, 4, true},
+    {DType::f16, WgmmaForm::plain, 128, false, launch_variant<__half, WgmmaForm::plain, 128, false, 4, true>, 4, true},
+    {DType::f16, WgmmaForm::geglu, 128, false, launch_variant<__half, WgmmaForm::geglu, 128, false, 4, true>, 4, true},
+    {DType::f16, WgmmaForm::swiglu, 128, false, launch_variant<__half, WgmmaForm::swiglu, 128, false, 4, true>, 4, true},
+    {DType::bf16, WgmmaForm::plain, 64, false, launch_variant<__nv_bfloat16, WgmmaForm::plain, 64, false, 4, true>, 4, true},
+    {DType::bf16, WgmmaForm::geglu, 64, false, launch_variant<__nv_bfloat16, WgmmaForm::geglu, 64, false, 4, true>, 4, true},
+    {DType::bf16, WgmmaForm::swiglu, 64, false, launch_variant<__nv_bfloat16, WgmmaForm::swiglu, 64, false, 4, true>, 4, true},
+    {DType::f16, WgmmaForm::plain, 64, false, launch_variant<__half, WgmmaForm::plain, 64, false, 4, true>, 4, true},
+    {DType::f16, WgmmaForm::geglu, 64, false, launch_variant<__half, WgmmaForm::geglu, 64, false, 4, true>, 4, true},
+    {DType::f16, WgmmaForm::swiglu, 64, false, launch_variant<__half, WgmmaForm::swiglu, 64, false, 4, true>, 4, true},
+    {DType::bf16, WgmmaForm::plain, 32, false, launch_variant<__nv_bfloat16, WgmmaForm::plain, 32, false, 4, true>, 4, true},
+    {DType::bf16, WgmmaForm::geglu, 32, false, launch_variant<__nv_bfloat16, WgmmaForm::geglu, 32, false, 4, true>, 4, true},
+    {DType::bf16, WgmmaForm::swiglu, 32, false, launch_variant<__nv_bfloat16, WgmmaForm::swiglu, 32, false, 4, true>, 4, true},
+    {DType::f16, WgmmaForm::plain, 32, false, launch_variant<__half, WgmmaForm::plain, 32, false, 4, true>, 4, true},
+    {DType::f16, WgmmaForm::geglu, 32, false, launch_variant<__half, WgmmaForm::geglu, 32, false, 4, true>, 4, true},
+    {DType::f16, WgmmaForm::swiglu, 32, false, launch_variant<__half, WgmmaForm::swiglu, 32, false, 4, true>, 4, true},
 };
 constexpr int kWide8BitTokens = 128;  // the one 8-bit build
 
@@ -516,6 +581,8 @@ struct WidthChoice {
 constexpr WidthChoice kWidths[] = {{16, 32}, {32, 64}, {INT64_MAX / 1024, 128}};
 
 }  // namespace
+
+uint64_t wgmma_tiled_launches() { return g_tiled_launches.load(std::memory_order_relaxed); }
 
 bool wgmma_available() {
 #if defined(EXPERTQMM_HAVE_SM90A)
@@ -552,9 +619,13 @@ void launch_expert_tiles_wgmma(const WgmmaTileArgs& p, WgmmaForm form, DType dty
   for (const WidthChoice& w : kWidths)
     if (max_tokens == 0 && p.tile.rows <= w.max_rows_per_expert * p.tile.E) max_tokens = w.max_tokens;
   if (bits == 8) max_tokens = kWide8BitTokens;
+  // The tile layout where the weights (both, glu) carry one that quant_view found to be theirs.
+  const bool tiled = bits == 4 && !fp && p.tile.q.tiled_codes != nullptr &&
+                     (!is_glu(form) || p.up.tiled_codes != nullptr);
   auto launch_build = [&](const WgmmaTileArgs& args, int width) {
     for (const WgmmaVariant& v : kVariants)
-      if (v.dtype == dtype && v.form == form && v.max_tokens == width && v.fp == fp && v.bits == bits) {
+      if (v.dtype == dtype && v.form == form && v.max_tokens == width && v.fp == fp && v.bits == bits &&
+          v.tiled == tiled) {
         v.launch(args, tiles, header, tile_slots);
         return true;
       }

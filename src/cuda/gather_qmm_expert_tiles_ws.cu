@@ -50,6 +50,7 @@
 #include "cuda/device/elem.cuh"
 #include "cuda/device/glu.cuh"
 #include "cuda/device/mbarrier.cuh"
+#include "cuda/device/tile_fragments.cuh"
 #include "cuda/device/wgmma.cuh"
 #include "cuda/gather_qmm_wgmma.h"
 #include "cuda/gather_qmm_ws_hooks.h"
@@ -64,10 +65,11 @@ using detail::ExpertTile;
 using detail::TilePlanHeader;
 using device::TileArgs;
 
-constexpr int kProducerThreads = 128, kConsumerThreads = 256, kThreads = 384;
+// [[maybe_unused]]: the sm_80 pass compiles the kernel's body out.
+[[maybe_unused]] constexpr int kProducerThreads = 128, kConsumerThreads = 256, kThreads = 384;
 // 128 x 40 + 256 x 232 <= 64K registers (ptxas -v: no spill; the consumers at 224 spilled in the plain
 // form, and at 216 ptxas serialized the wgmmas, C7512).
-constexpr int kProducerRegs = 40, kConsumerRegs = 232;
+[[maybe_unused]] constexpr int kProducerRegs = 40, kConsumerRegs = 232;
 constexpr int kCtaRows = 128;     // weight rows per item, 64 per consumer warpgroup
 constexpr int kBK = 64;           // k per stage
 constexpr int kTokens = 128;      // the wide wgmma's N: a full plan tile
@@ -120,7 +122,7 @@ __device__ __forceinline__ bool is_tail_of(const ExpertTile& full, const ExpertT
   return full.rows == kTokens && tail.expert == full.expert && tail.rows <= kNarrowTokens &&
          tail.row_begin == full.row_begin + full.rows;
 }
-__device__ __forceinline__ ItemRows item_rows(const ExpertTile* tiles, int tile_count, int t) {
+[[maybe_unused]] __device__ __forceinline__ ItemRows item_rows(const ExpertTile* tiles, int tile_count, int t) {
   const ExpertTile tile = tiles[t];
   ItemRows r;
   if (t > 0 && is_tail_of(tiles[t - 1], tile)) {
@@ -151,25 +153,7 @@ __device__ __forceinline__ void consume_item(float (&acc)[kN / 2], float (&acc_t
     device::mbarrier_wait(&full[s], (ring / kStages) & 1);
     const unsigned char* wst = smem + s * Layout::kStageBytes + Layout::kXBytes;
     if constexpr (kTiled) {
-      // Lane (g, t) of slab m_lo / 16: its four code words (k16 = 0..3) in one load, its rows' (scale,
-      // bias) words in another (docs/tile-layout.md); pair i of word k16 is A register i.
-      const int block = m_lo >> 6, slab = (m_lo >> 4) & 3, g = m_lo & 7;
-      const int lane = g * 4 + static_cast<int>(threadIdx.x & 3);  // t = threadIdx.x & 3: consumers start at 128
-      const uint4 code = *reinterpret_cast<const uint4*>(wst + block * Layout::kTileCodeBytes + (slab * 32 + lane) * 16);
-      const uint2 prm = *reinterpret_cast<const uint2*>(wst + Layout::kWBytes + block * Layout::kTileParamBytes +
-                                                        (slab * 8 + g) * 8);
-      const uint32_t s_lo = device::broadcast_half(prm.x, false), b_lo = device::broadcast_half(prm.x, true);
-      const uint32_t s_hi = device::broadcast_half(prm.y, false), b_hi = device::broadcast_half(prm.y, true);
-      const uint32_t words[4] = {code.x, code.y, code.z, code.w};
-#pragma unroll
-      for (int k16 = 0; k16 < 4; ++k16) {
-        uint32_t pair[4];
-        device::biased_code_pairs<T>(words[k16], pair);
-        af[k16][0] = device::dequant_biased_pair<T>(pair[0], s_lo, b_lo);
-        af[k16][1] = device::dequant_biased_pair<T>(pair[1], s_hi, b_hi);
-        af[k16][2] = device::dequant_biased_pair<T>(pair[2], s_lo, b_lo);
-        af[k16][3] = device::dequant_biased_pair<T>(pair[3], s_hi, b_hi);
-      }
+      device::tile_layout_fragments<T>(wst, wst + Layout::kWBytes, m_lo, static_cast<int>(threadIdx.x & 31), af);
     } else {
       const uint32_t* ws = reinterpret_cast<const uint32_t*>(wst);
       const uint32_t* ss = ws + kCtaRows * 8;

@@ -1,5 +1,6 @@
-// Host-only handles on the warp-specialized wgmma build (gather_qmm_expert_tiles_ws.cu) for tests:
-// its own header pulls in device code, which a host compiler cannot read.
+// Host-only handles on the wgmma expert builds (gather_qmm_expert_tiles_ws.cu, the warp-specialized
+// one, and gather_qmm_expert_tiles_wgmma.cu, the two-CTA kernel) for tests: their own headers pull in
+// device code, which a host compiler cannot read.
 #pragma once
 #include <cstdint>
 
@@ -12,5 +13,8 @@ void set_wgmma_ws_max_ctas(int ctas);
 uint64_t wgmma_ws_launches();
 // Of those, the launches that read the weights' tile layout (docs/tile-layout.md).
 uint64_t wgmma_ws_tiled_launches();
+// Launches of the two-CTA kernel that read the tile layout (the retracted-plan walk launched after a
+// warp-specialized launch not counted).
+uint64_t wgmma_tiled_launches();
 
 }  // namespace expertqmm::cuda

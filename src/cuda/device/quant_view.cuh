@@ -20,8 +20,8 @@ struct QuantView {
   const uint8_t* fp_scales = nullptr;
   int fp_mode = 0;
   // Optional: the same weight in the tile layout (docs/tile-layout.md), codes [E, NB, K/64, 512]
-  // and params [E, NB, K/group_size, 64] uint32, params in the call's dtype; read only by the
-  // warp-specialized wgmma build.
+  // and params [E, NB, K/group_size, 64] uint32, params in the call's dtype; read by the wgmma
+  // expert kernels (both builds) instead of w, scales and biases.
   const uint32_t* tiled_codes = nullptr;
   const uint32_t* tiled_params = nullptr;
 };
