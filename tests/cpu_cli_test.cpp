@@ -157,6 +157,18 @@ TEST_F(Cli, FusedGateUpAndZipfRoutingPassOnCpu) {
   EXPECT_NE(field(zipf.output, "routing").find("zipf"), std::string::npos) << zipf.output;
 }
 
+// --tiled: the experts' tile layout made at load. The CPU backend reads MLX's layout whatever the
+// weights carry; on CUDA the wgmma expert kernels read the tile layout (the sorted path at 40 tokens).
+TEST_F(Cli, TiledExpertsPass) {
+  Result cpu = run_cli("run --preset tiny --tokens 40 --backend cpu --check-tokens 40 --tiled");
+  EXPECT_EQ(cpu.exit_code, 0) << cpu.output;
+  EXPECT_EQ(field(cpu.output, "status"), "PASS") << cpu.output;
+  if (!expertqmm::cuda_available()) GTEST_SKIP() << "SKIP: no CUDA device";
+  Result gpu = run_cli("run --preset gemma4-26b-a4b --tokens 512 --backend cuda --check-tokens 8 --tiled");
+  EXPECT_EQ(gpu.exit_code, 0) << gpu.output;
+  EXPECT_EQ(field(gpu.output, "status"), "PASS") << gpu.output;
+}
+
 // Qwen3-MoE's router kind and SwiGLU experts through the same CLI: both SwitchGLU paths and Zipf
 // routing (which steers a softmax_topk router) pass against the float64 reference.
 TEST_F(Cli, Qwen3TinyPassesOnCpu) {

@@ -66,14 +66,16 @@ int run_run(int argc, char** argv) {
     std::printf(
         "usage: expertqmm run --tokens N [--preset gemma4-26b-a4b] [--quant affine|mxfp4|mxfp8|nvfp4]\n"
         "                     [--backend auto|cpu|cuda] [--seed S] [--routing uniform|zipf] [--check-tokens C]\n"
+        "                     [--tiled]\n"
         "Runs expertqmm::moe_layer on synthetic weights of the preset and random bf16 tokens, times it,\n"
         "and checks C sampled tokens (default min(N, 4)) against a float64 reference: PASS when the\n"
         "relative error is <= 1e-2 (exit 0), else FAIL (exit 1). zipf routing samples the experts\n"
-        "(Zipf s=1.1) and calls switch_glu + weighted_combine instead of the router.\npresets:\n");
+        "(Zipf s=1.1) and calls switch_glu + weighted_combine instead of the router. --tiled adds the\n"
+        "experts' tile layout at load (MoeWeights::tile_experts, docs/tile-layout.md).\npresets:\n");
     for (const Preset& p : presets()) std::printf("  %-22s %s\n", p.name, p.description);
     return 0;
   }
-  args.check_known({"preset", "quant", "tokens", "backend", "seed", "routing", "check-tokens"});
+  args.check_known({"preset", "quant", "tokens", "backend", "seed", "routing", "check-tokens", "tiled"});
   const Preset preset = with_quant_option(find_preset(args.get("preset", "gemma4-26b-a4b")), args);
   args.get_required("tokens", "N");
   const int64_t T = args.get_int("tokens", 0, 1, kMaxTokens);
@@ -90,7 +92,8 @@ int run_run(int argc, char** argv) {
   host.experts = synthetic_experts(preset, seed);
   host.router = synthetic_router(preset, seed);
   const Tensor x_host = random_tokens(T, H, seed);
-  const MoeWeights weights = device == Device::cpu ? host : host.to(device);
+  MoeWeights weights = device == Device::cpu ? host : host.to(device);
+  if (args.get_flag("tiled")) weights.tile_experts();  // on the device: the CUDA backend's kernels
   const Tensor x = x_host.to(device);
 
   // Zipf routing bypasses the learned router: sampled indices and weights go straight into the
