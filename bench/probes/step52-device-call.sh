@@ -10,7 +10,7 @@
 #   probe    each expert GEMM alone: route, route_tiled
 #   ncu      --set full plus every warp stall ratio on the tiled gate/up kernel at 2048 tokens
 #   sanitize gpu-check (every GPU test, memcheck, racecheck)
-#   model    the 30-layer feed-forward block, --tiled and not, T = 1, 8, 512, 1024, 2048
+#   model    (MODEL=1) the 30-layer feed-forward block, --tiled and not, T = 1, 8, 512, 1024, 2048
 # Everything is written under /tmp/step52 and packed into $OUT/step52.tgz after each stage.
 W=/tmp/step52
 mkdir -p $W
@@ -67,14 +67,16 @@ left 150 && {
 export GPU_CHECK_PREBUILT=out/prebuilt.tar.xz
 export GPU_CHECK_SKIP="bench bench-extra torch cutlass model python bench-python bench-mlx"
 export GPU_TEST_SHARDS=14
-export GPU_CHECK_SECONDS=$((${TOTAL:-560} - SECONDS - 110 > 240 ? 240 : ${TOTAL:-560} - SECONDS - 110))
+# MODEL=1 keeps ~110 s for the model stage after it; otherwise gpu-check takes what is left.
+reserve=20; [ -n "${MODEL:-}" ] && reserve=110
+export GPU_CHECK_SECONDS=$((${TOTAL:-560} - SECONDS - reserve > 240 ? 240 : ${TOTAL:-560} - SECONDS - reserve))
 echo "gpu-check gets $GPU_CHECK_SECONDS s"
 OUT=$W/gpu-check scripts/gpu-check > $W/gpu-check.txt 2>&1
 grep -E "^(==|gpu-check)|FAILED|memcheck|racecheck|ERROR SUMMARY|hazard" $W/gpu-check.txt | tail -30
 pack
 }
 
-left 60 || exit 0
+[ -n "${MODEL:-}" ] && left 60 || exit 0
 M=/tmp/model-30
 timeout $(cap 80) $B/expertqmm write-checkpoint --preset gemma4-26b-a4b --layers 30 --out $M --force > $W/model.log 2>&1
 echo "checkpoint rc $? t=$SECONDS"
