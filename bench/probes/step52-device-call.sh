@@ -65,7 +65,7 @@ pack
 
 left 150 && {
 export GPU_CHECK_PREBUILT=out/prebuilt.tar.xz
-export GPU_CHECK_SKIP="bench bench-extra torch cutlass model python bench-python bench-mlx"
+export GPU_CHECK_SKIP="bench bench-extra torch cutlass model python bench-python bench-mlx ${EXTRA_SKIP:-}"  # EXTRA_SKIP=gpu-tests: sanitizers only
 export GPU_TEST_SHARDS=14
 # MODEL=1 keeps ~110 s for the model stage after it; otherwise gpu-check takes what is left.
 reserve=20; [ -n "${MODEL:-}" ] && reserve=110
