@@ -16,7 +16,7 @@
 // (NOTES "Steps 46-49 measured") and were removed.
 //
 // Built as ws_tiles_probe with the CUDA build (sm_90a only does the work); run by hand or by
-// bench/probes/step51-device-call.sh: prints JSON.
+// bench/probes/step52-device-call.sh: prints JSON.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
