@@ -16,6 +16,7 @@ W=/tmp/step52
 mkdir -p $W
 pack() { tar czf $OUT/.step52.tgz -C /tmp step52 && mv $OUT/.step52.tgz $OUT/step52.tgz; }
 left() { [ $((${TOTAL:-560} - SECONDS)) -gt ${1:-40} ]; }  # time left for a stage of ~$1 s
+want() { [[ " ${SKIP_STAGES:-} " != *" $1 "* ]]; }  # SKIP_STAGES: stages left out (ab52-mlx probe ncu ...)
 cap() { local l=$((${TOTAL:-560} - SECONDS - 10)); l=$((l < 1 ? 1 : l)); echo $((l < $1 ? l : $1)); }
 export EXPERTQMM_COMMIT=$(cat out/commit 2>/dev/null || echo unknown)
 B=build-gpu-check
@@ -43,17 +44,17 @@ ab() {
 }
 ab ab52-tiled 512,1024,2048 --tiled
 pack
-ab ab52-mlx 512,1024,2048
+want ab52-mlx && ab ab52-mlx 512,1024,2048
 pack
 
-left && {
+want probe && left && {
 for v in route route_tiled; do left 30 || break; timeout $(cap 40) $B/ws_tiles_probe $v > $W/probe-$v.json 2>&1; echo "probe $v rc $?"; done
 grep -h gemm $W/probe-*.json
 pack
 }
 
 stalls='regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio'
-left 60 && {
+want ncu && left 60 && {
 EXPERTQMM_WGMMA_WS=0 timeout $(cap 60) ncu --set full --metrics "$stalls" --clock-control none --import-source no \
   -k "regex:expert_tiles_wgmma_kernel" --launch-count 2 --print-kernel-base demangled \
   $B/expertqmm bench --preset gemma4-26b-a4b --tokens 2048 --routing uniform --product fused --replays 1 \
@@ -63,7 +64,7 @@ grep -E "^  [a-z_]+.*expert_tiles|Duration|Issue Slots Busy|No Eligible|L2 Cache
 pack
 }
 
-left 150 && {
+left ${SANITIZE_NEEDS:-150} && {
 export GPU_CHECK_PREBUILT=out/prebuilt.tar.xz
 export GPU_CHECK_SKIP="bench bench-extra torch cutlass model python bench-python bench-mlx ${EXTRA_SKIP:-}"  # EXTRA_SKIP=gpu-tests: sanitizers only
 export GPU_TEST_SHARDS=14
