@@ -39,7 +39,6 @@
 #include "core/tile_layout.h"
 #include "core/tile_plan.h"
 #include "cuda/device/glu.cuh"
-#include "cuda/device/mbarrier.cuh"
 #include "cuda/device/tile_fragments.cuh"
 #include "cuda/device/tile_gemm.cuh"
 #include "cuda/device/wgmma.cuh"
@@ -98,7 +97,6 @@ struct PipelineDepth<128, 8> {
 //                       rows);  ss, bs (128,) uint32: the word holding the row's group scale / bias
 //                       (see the parity below) }
 //   rows    (kMaxTokens,) int64 x offset of each tile row, -1 for rows to skip
-//   bars    full (kStages,) then empty (kStages,) mbarriers: the k-tile pipeline (wgmma_tile)
 // The epilogue reuses the stages as (kMaxTokens, 136) T: a row of 128 outputs padded by 8 so that the
 // four token rows a warp writes at once fall in different banks.
 // n128: 5 x 21 KB stages, n64: 6 x 13 KB (2 CTAs per SM each), n32: 6 x 9 KB (3 CTAs per SM);
@@ -117,8 +115,7 @@ struct Layout {
   static constexpr int kStageBytes = kXBytes + kWBytes + 2 * kParamBytes;
   static constexpr int kRowsOffset = kStages * kStageBytes;
   static constexpr int kOutStride = kCtaRows + 8;  // elements
-  static constexpr int kBarsOffset = kRowsOffset + kMaxTokens * 8;
-  static constexpr int kBytes = kBarsOffset + 2 * kStages * 8;
+  static constexpr int kBytes = kRowsOffset + kMaxTokens * 8;
   static constexpr int kAllocBytes = kBytes + 1024;  // room to align the dynamic base
   static constexpr int kCtasPerSm = Depth::kCtasPerSm;
   static_assert(kMaxTokens == 32 || kMaxTokens == 64 || kMaxTokens == 128, "the widest wgmma of a kernel: n32, n64 or n128");
@@ -147,11 +144,9 @@ struct Layout {
 // 16-byte shared loads per row; 8-bit: two 4-byte loads per row and k16 step, halfword t % 2 of
 // words 4s + t / 2 and 4s + 2 + t / 2): 4 wgmma A fragments, one per k16 step; then the warpgroup
 // issues its 4 wgmmas (64 x kTokens x 16) as one group and waits for it before the next k tile.
-// `ring` counts the kernel's k tiles so far (the pipeline's barrier phases run on across tiles).
 template <class T, int kTokens, WgmmaForm kForm, class L, bool kFp, bool kTiled>
 __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, int64_t row0, int load_rows,
-                                           int store_begin, int store_end, int col_block, unsigned char* smem,
-                                           int& ring) {
+                                           int store_begin, int store_end, int col_block, unsigned char* smem) {
   constexpr bool kGlu = is_glu(kForm);
   constexpr Activation kAct = kForm == WgmmaForm::swiglu ? Activation::swiglu : Activation::geglu;
   const TileArgs& a = p.tile;
@@ -292,39 +287,25 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
   // The four wgmmas of a tile are one commit group, waited for at the end of the tile. Keeping a
   // group in flight across tiles (wait_group 1 with two A buffers, or one group per k16 step
   // with wait_group 3) made ptxas serialize every wgmma (C7514; SASS: a wait after each HGMMA).
-  // Ring index j = ring + kt in slot j % kStages. full[slot] completes when all 256 threads' copies
-  // of j have landed (each thread's cp.async.mbarrier.arrive.noinc), empty[slot] when all 8 warps
-  // have retired their wgmmas on j. A warp loads its share of j + kPrefetch once it has finished j,
-  // into the slot of j + kPrefetch - kStages (j - 1 at kPrefetch = kStages - 1), so it waits for
-  // the slowest warp to finish that tile only: the two warpgroups, whose wgmmas queue one behind
-  // the other on the tensor pipe, run up to a k tile apart instead of meeting at a __syncthreads
-  // per k tile (the kernel's largest stall, bench/NOTES.md step 52).
+  // Slots are kt % kStages of the loop counter, so the compiler keeps them and the wgmma
+  // descriptors in uniform registers.
   constexpr int kPrefetch = L::kPrefetch;
   const int k_tiles = a.K / kBK;
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + L::kBarsOffset);
-  uint64_t* empty = full + L::kStages;
+  auto stage_at = [&](int kt) { return smem + (kt % L::kStages) * L::kStageBytes; };
   const uint64_t smem_desc = device::wgmma_desc_k128(smem);
-  int load_slot = ring % L::kStages;
-  uint32_t load_phase = (ring / L::kStages) & 1;
-  int load_j = ring;
-  auto load_next = [&](int kt) {  // ring index load_j = ring + kt; a slot's first use waits for nothing
-    if (load_j >= L::kStages) device::mbarrier_wait(&empty[load_slot], load_phase ^ 1u);
-    load_stage(smem + load_slot * L::kStageBytes, kt);
-    device::cp_async_mbarrier_arrive(&full[load_slot]);
-    ++load_j;
-    if (++load_slot == L::kStages) {
-      load_slot = 0;
-      load_phase ^= 1u;
-    }
-  };
-  for (int kt = 0; kt < kPrefetch && kt < k_tiles; ++kt) load_next(kt);
+#pragma unroll
+  for (int s = 0; s < kPrefetch; ++s) {
+    if (s < k_tiles) load_stage(stage_at(s), s);
+    device::cp_async_commit();
+  }
 
-  int slot = ring % L::kStages;
-  uint32_t phase = (ring / L::kStages) & 1;
   for (int kt = 0; kt < k_tiles; ++kt) {
-    device::mbarrier_wait(&full[slot], phase);  // tile kt landed, every thread's share
-    device::fence_proxy_async_shared();         // x came through cp.async (generic proxy); wgmma reads it (async)
-    const unsigned char* base = smem + slot * L::kStageBytes;
+    device::cp_async_wait<kPrefetch - 1>();
+    __syncthreads();  // tile kt visible; every warpgroup has retired its wgmmas on tile kt - 1
+    if (kt + kPrefetch < k_tiles) load_stage(stage_at(kt + kPrefetch), kt + kPrefetch);
+    device::cp_async_commit();
+
+    const unsigned char* base = stage_at(kt);
     uint32_t afrag[4][4];  // k16 step s: rows m_lo, m_hi at k = 16s + 2t, +1, then at 16s + 8 + 2t, +1
     if constexpr (kTiled) {
       device::tile_layout_fragments<T>(base + L::kXBytes, base + L::kXBytes + L::kWBytes, m_lo, lane, afrag);
@@ -383,7 +364,7 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
       }
     }
     // The descriptor's address field counts 16 bytes.
-    const uint64_t desc = smem_desc + ((slot * L::kStageBytes) >> 4);
+    const uint64_t desc = smem_desc + ((kt % L::kStages) * L::kStageBytes >> 4);
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) device::fence_operand(acc[i]);
     device::wgmma_fence();
@@ -391,22 +372,17 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
     for (int s = 0; s < 4; ++s)  // +32 bytes per k16 step: 2 in the descriptor's address field
       device::WgmmaRS<T, kTokens>::run(acc, afrag[s], desc + 2 * s);
     device::wgmma_commit();
-    // Retire this tile's wgmmas before its slot is released: the slot is reloaded once every warp
-    // has released it, and the A registers are rewritten by the next tile.
+    // Retire this tile's wgmmas before the next tile's barrier: the stage they read is reloaded
+    // once that barrier has passed, and their A registers are rewritten by the next tile.
     device::wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) device::fence_operand(acc[i]);
-    if (lane == 0) device::mbarrier_arrive(&empty[slot]);
-    if (kt + kPrefetch < k_tiles) load_next(kt + kPrefetch);
-    if (++slot == L::kStages) {
-      slot = 0;
-      phase ^= 1u;
-    }
   }
-  ring += k_tiles;
-  // Every tile loaded was waited for (full), so every copy has landed; the barrier makes every warp's
-  // last wgmmas retired before the epilogue reuses the stages.
-  __syncthreads();
+  device::wgmma_wait<0>();
+#pragma unroll
+  for (int i = 0; i < kAcc; ++i) device::fence_operand(acc[i]);
+  device::cp_async_wait<0>();
+  __syncthreads();  // every stage read: the epilogue reuses them
 
   // Stage the tile's outputs as T: out_s[token][m], m the smem weight row.
   T* out_s = reinterpret_cast<T*>(smem);
@@ -453,16 +429,6 @@ __global__ void __launch_bounds__(kThreads, PipelineDepth<kMaxTokens, kBits>::kC
   // (integer-cast pointers compile to generic loads).
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   unsigned char* smem = smem_raw + ((1024u - (raw & 1023u)) & 1023u);
-  if (threadIdx.x == 0) {
-    uint64_t* bars = reinterpret_cast<uint64_t*>(smem + L::kBarsOffset);
-    for (int s = 0; s < L::kStages; ++s) {
-      device::mbarrier_init(&bars[s], kThreads);                  // full: every thread's copies
-      device::mbarrier_init(&bars[L::kStages + s], kThreads / 32);  // empty: every warp's wgmmas
-    }
-    device::mbarrier_init_fence();
-  }
-  __syncthreads();
-  int ring = 0;  // k tiles this CTA has run (wgmma_tile)
   const int sorted = header->sorted;
   if (!sorted && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && p.retractions)
     atomicAdd(p.retractions, static_cast<unsigned long long>(p.calls));
@@ -476,31 +442,31 @@ __global__ void __launch_bounds__(kThreads, PipelineDepth<kMaxTokens, kBits>::kC
       // its weights (bench/NOTES.md step 7g).
       if constexpr (kMaxTokens == 128) {
         if (tile.bm == 128 && tile.rows <= 96) {
-          wgmma_tile<T, 96, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem, ring);
+          wgmma_tile<T, 96, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
           continue;
         }
       }
       if (tile.bm >= kMaxTokens) {  // the widest wgmma; a taller tile runs as pieces of kMaxTokens rows
         for (int piece = 0; piece < tile.rows; piece += kMaxTokens) {
           const int rows = min(kMaxTokens, tile.rows - piece);
-          wgmma_tile<T, kMaxTokens, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin + piece, rows, 0, rows, blockIdx.x, smem, ring);
+          wgmma_tile<T, kMaxTokens, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin + piece, rows, 0, rows, blockIdx.x, smem);
         }
         continue;
       }
       // Narrower tile classes (16, 32, 64) below the build's width.
       if constexpr (kMaxTokens > 64) {
         if (tile.bm == 64) {
-          wgmma_tile<T, 64, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem, ring);
+          wgmma_tile<T, 64, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
           continue;
         }
       }
       if constexpr (kMaxTokens > 32) {
         if (tile.bm == 32) {
-          wgmma_tile<T, 32, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem, ring);
+          wgmma_tile<T, 32, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
           continue;
         }
       }
-      wgmma_tile<T, 16, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem, ring);
+      wgmma_tile<T, 16, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
     }
     return;
   }
@@ -509,7 +475,7 @@ __global__ void __launch_bounds__(kThreads, PipelineDepth<kMaxTokens, kBits>::kC
   for (int64_t tile = blockIdx.y; tile < row_tiles; tile += gridDim.y)
     device::for_each_expert_run<16>(p.tile, tile, tile_expert, [&](int expert, int64_t row0, int load_rows, int begin,
                                                                    int end) {
-      wgmma_tile<T, 16, kForm, L, kFp, kTiled>(p, expert, row0, load_rows, begin, end, blockIdx.x, smem, ring);
+      wgmma_tile<T, 16, kForm, L, kFp, kTiled>(p, expert, row0, load_rows, begin, end, blockIdx.x, smem);
     });
 #else
   // Compiled for an architecture without wgmma: never selected (wgmma_available), so never run.
