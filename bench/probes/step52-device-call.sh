@@ -42,7 +42,7 @@ ab() {
   python3 scripts/ab_summary.py $W/$1 $W/bench-$1.json ab --label "base CLI (baseline) against $EXPERTQMM_COMMIT (current), EXPERTQMM_WGMMA_WS=0 ${3:-}" gemma4-26b-a4b
   echo "t=$SECONDS"
 }
-ab ab52-tiled 512,1024,2048 --tiled
+want ab52-tiled && ab ab52-tiled 512,1024,2048 --tiled
 pack
 want ab52-mlx && ab ab52-mlx 512,1024,2048
 pack
