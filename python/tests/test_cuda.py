@@ -39,6 +39,16 @@ def test_cuda_moe_block_matches_the_torch_bf16_reference(gemma4_block, T):
     assert err <= BF16_BOUND
 
 
+def test_cuda_tile_experts_gives_the_same_bits(gemma4_block):
+    _, tensors = gemma4_block
+    weights = expertqmm.MoeWeights.from_mlx(tensors, top_k=K)
+    x = torch.randn(512, H, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(5))
+    before = expertqmm.moe_layer(x, weights)
+    assert weights.tile_experts() == 3  # gate, up, down
+    after = expertqmm.moe_layer(x, weights)  # the wgmma kernels on the tile layout (bench/NOTES.md step 51)
+    assert torch.equal(before, after)
+
+
 def test_cuda_graph_capture_and_replay(gemma4_block):
     block, _ = gemma4_block
     T = 64
