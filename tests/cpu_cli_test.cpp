@@ -157,8 +157,8 @@ TEST_F(Cli, FusedGateUpAndZipfRoutingPassOnCpu) {
   EXPECT_NE(field(zipf.output, "routing").find("zipf"), std::string::npos) << zipf.output;
 }
 
-// --tiled: the experts' tile layout made at load. The CPU backend reads MLX's layout whatever the
-// weights carry; on CUDA the wgmma expert kernels read the tile layout (the sorted path at 40 tokens).
+// --tiled: the experts' tile layout made at load, on CUDA, where the wgmma expert kernels read it;
+// the CPU backend accepts the flag and reads MLX's layout.
 TEST_F(Cli, TiledExpertsPass) {
   Result cpu = run_cli("run --preset tiny --tokens 40 --backend cpu --check-tokens 40 --tiled");
   EXPECT_EQ(cpu.exit_code, 0) << cpu.output;

@@ -15,8 +15,8 @@
 // warp-specialized kernels (n128 / n256, one-shot / persistent) lost to the route build everywhere
 // (NOTES "Steps 46-49 measured") and were removed.
 //
-// Built as ws_tiles_probe with the CUDA build (sm_90a only does the work); run by hand or by
-// bench/probes/step52-device-call.sh: prints JSON.
+// Built as ws_tiles_probe with the CUDA build (sm_90a only does the work); run by hand (the device
+// calls of NOTES steps 47-52 did; they are in git history): prints JSON.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

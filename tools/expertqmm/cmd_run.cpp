@@ -93,7 +93,8 @@ int run_run(int argc, char** argv) {
   host.router = synthetic_router(preset, seed);
   const Tensor x_host = random_tokens(T, H, seed);
   MoeWeights weights = device == Device::cpu ? host : host.to(device);
-  if (args.get_flag("tiled")) weights.tile_experts();  // on the device: the CUDA backend's kernels
+  // Only the CUDA kernels read the tile layout: on the CPU it would be a second copy of the experts for nothing.
+  if (args.get_flag("tiled") && device == Device::cuda) weights.tile_experts();
   const Tensor x = x_host.to(device);
 
   // Zipf routing bypasses the learned router: sampled indices and weights go straight into the
