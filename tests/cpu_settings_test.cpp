@@ -69,6 +69,13 @@ TEST(Settings, WgmmaWsVariable) {
   for (const char* bad : kSwitchBad) expect_rejected("EXPERTQMM_WGMMA_WS", bad);
 }
 
+TEST(Settings, GroupRowsVariable) {
+  EXPECT_EQ(parse({}).group_rows, RouteSwitch::automatic);
+  EXPECT_EQ(parse({{"EXPERTQMM_GROUP_ROWS", "0"}}).group_rows, RouteSwitch::off);
+  EXPECT_EQ(parse({{"EXPERTQMM_GROUP_ROWS", "1"}}).group_rows, RouteSwitch::on);
+  for (const char* bad : kSwitchBad) expect_rejected("EXPERTQMM_GROUP_ROWS", bad);
+}
+
 TEST(Settings, DecodeRouteInGateUpVariable) {
   EXPECT_EQ(parse({}).decode_route_in_gate_up, RouteSwitch::automatic);
   EXPECT_EQ(parse({}).decode_down_groups, RouteSwitch::automatic);
@@ -129,7 +136,7 @@ TEST(Settings, ChainedLaunchScopeIsPerThreadAndRestores) {
 // Every variable of the table is parsed (a bad value of each is caught), and nothing else is.
 TEST(Settings, TableListsEveryVariableAndEachIsValidated) {
   const std::vector<SettingInfo> table = settings_table();
-  ASSERT_EQ(table.size(), 9u);
+  ASSERT_EQ(table.size(), 10u);
   for (const SettingInfo& row : table) {
     EXPECT_EQ(row.variable.rfind("EXPERTQMM_", 0), 0u) << row.variable;
     EXPECT_FALSE(row.values.empty() || row.current.empty() || row.what.empty()) << row.variable;

@@ -95,6 +95,13 @@ RouteSwitch wgmma_setting();
 void set_wgmma_ws(RouteSwitch s);
 RouteSwitch wgmma_ws_setting();
 
+// EXPERTQMM_GROUP_ROWS=0|1: unset / 1: the MoE layer's rows (128 tokens x k and more: the sorted
+// path) grouped by expert, with the expert tile plan, in one kernel where it fits (at most 256 experts
+// and 2^18 rows); the same bits as 0, CUB's stable sort, the inverse and the plan builder (five to
+// seven launches; bench/NOTES.md step 54).
+void set_group_rows(RouteSwitch s);
+RouteSwitch group_rows_setting();
+
 // EXPERTQMM_WGMMA_WIDTH=32|64|128 pins one build of the wgmma expert-tile GEMM (its token width);
 // 0 / unset: the measured table picks per call.
 void set_wgmma_width(int width);

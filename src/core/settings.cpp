@@ -35,7 +35,7 @@ int parse_wgmma_width(const char* variable, const std::optional<std::string>& va
 // API overrides: -1 = none (the environment decides), else the value.
 constexpr int kNone = -1;
 std::atomic<int> g_expert_tiles{kNone}, g_decode_layer{kNone}, g_decode_route_in_gate_up{kNone}, g_chained_launch{kNone}, g_deterministic{kNone}, g_wgmma{kNone},
-    g_wgmma_width{kNone}, g_decode_down_groups{kNone}, g_wgmma_ws{kNone};
+    g_wgmma_width{kNone}, g_decode_down_groups{kNone}, g_wgmma_ws{kNone}, g_group_rows{kNone};
 std::atomic<ProductMode> g_product_mode{ProductMode::fused};
 thread_local int t_chained_launch = kNone;  // ChainedLaunchScope's value on this thread
 
@@ -91,6 +91,11 @@ const Variable kVariables[] = {
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.decode_down_groups = parse_switch(n, v); },
      [] { return std::string(switch_text(decode_down_groups_setting())); },
      &g_decode_down_groups, [](const EnvSettings& e) { return switch_override(e.decode_down_groups); }},
+    {"EXPERTQMM_GROUP_ROWS", "0|1",
+     "the layer's rows grouped by expert, with the tile plan, in one kernel (up to 256 experts and 2^18 rows); 0: CUB's stable sort, the inverse and the plan builder (unset: 1)",
+     [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.group_rows = parse_switch(n, v); },
+     [] { return std::string(switch_text(group_rows_setting())); },
+     &g_group_rows, [](const EnvSettings& e) { return switch_override(e.group_rows); }},
 };
 
 // The environment, parsed on first use. A bad value is kept as its message and thrown on every read.
@@ -184,6 +189,9 @@ RouteSwitch wgmma_setting() { return read_switch(g_wgmma, env().wgmma); }
 
 void set_wgmma_ws(RouteSwitch s) { set_switch(g_wgmma_ws, s, "set_wgmma_ws"); }
 RouteSwitch wgmma_ws_setting() { return read_switch(g_wgmma_ws, env().wgmma_ws); }
+
+void set_group_rows(RouteSwitch s) { set_switch(g_group_rows, s, "set_group_rows"); }
+RouteSwitch group_rows_setting() { return read_switch(g_group_rows, env().group_rows); }
 
 void set_wgmma_width(int width) {
   EXPERTQMM_CHECK(width == 0 || width == 32 || width == 64 || width == 128, "set_wgmma_width", "width ", width,

@@ -20,6 +20,7 @@ struct EnvSettings {
   RouteSwitch wgmma = RouteSwitch::automatic;          // automatic = on where available
   int wgmma_width = 0;                                 // 0: the measured table
   RouteSwitch wgmma_ws = RouteSwitch::automatic;       // automatic = off (step 47, not yet measured)
+  RouteSwitch group_rows = RouteSwitch::automatic;     // automatic = on where the kernel fits
 };
 
 // Looks a variable up: the value, or nullopt when unset.

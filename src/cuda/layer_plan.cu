@@ -155,12 +155,15 @@ void reserve_fixed(LayerPlan& p, const SwitchGLUWeights& w, bool routes, DType r
   }
   sc.token_of_row = layout.reserve(bytes_of(s.n, DType::i32));
   if (s.sorted) {
+    p.group_rows = group_rows_setting() != RouteSwitch::off && group_rows_fits(s.n, s.E);
     sc.sorted_ids = layout.reserve(bytes_of(s.n, DType::i32));
-    sc.order = layout.reserve(bytes_of(s.n, DType::i32));
-    sc.positions = layout.reserve(bytes_of(s.n, DType::i32));
     sc.inv_order = layout.reserve(bytes_of(s.n, DType::i32));
-    sc.sort_temp_bytes = sort_temp_bytes(s.n, p.ids_unsigned);
-    sc.sort_temp = layout.reserve(sc.sort_temp_bytes);
+    if (!p.group_rows) {  // CUB's sort: its values in and out, and its temporary storage
+      sc.order = layout.reserve(bytes_of(s.n, DType::i32));
+      sc.positions = layout.reserve(bytes_of(s.n, DType::i32));
+      sc.sort_temp_bytes = sort_temp_bytes(s.n, p.ids_unsigned);
+      sc.sort_temp = layout.reserve(sc.sort_temp_bytes);
+    }
   }
   p.cast_x = s.x_dtype != s.hidden_dtype;
   if (p.cast_x) sc.x_cast = layout.reserve(bytes_of(s.T * s.D, s.hidden_dtype));

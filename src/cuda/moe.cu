@@ -2,7 +2,8 @@
 // (layer_plan.h) as a fixed sequence of launches on the current stream, with no host
 // synchronization and, once the workspace has grown to a size, no allocation, so that a call can be
 // captured in a CUDA graph:
-//   route(h) -> [T*k >= 64: stable sort of the (token, slot) rows by expert -> tile plan] -> gate/up
+//   route(h) -> [T*k >= 64: the (token, slot) rows grouped by expert (stable) and the tile plan, one
+//   kernel (group_rows.cu) or CUB's sort and the plan builder] -> gate/up
 //   (separate, or one fused gate_up; with the GLU product in one launch where planned) -> down ->
 //   combine read through inv_order (slot order: the same bits every run), or unsort (switch_glu);
 //   down and the combine per window of output columns where the plan made windows.
@@ -50,7 +51,12 @@ LayerGemms run_experts(const LayerPlan& p, const Tensor& x, const int32_t* ids, 
   cudaStream_t stream = current_stream();
   const ExpertShape& s = p.shape;
   const ExpertScratch& sc = p.scratch;
-  if (s.sorted) {
+  if (s.sorted && p.group_rows) {
+    // One kernel for the grouping and the plan; ids outside [0, E) (user ids) go last and retract
+    // the plan, so the GEMMs report them.
+    launch_group_rows(ids, s.n, static_cast<int>(s.k), static_cast<int>(s.E), a.i32(sc.sorted_ids), a.i32(sc.inv_order),
+                      a.i32(sc.token_of_row), p.tiles ? a.at(sc.tile_plan) : nullptr, stream);
+  } else if (s.sorted) {
     // Arbitrary user ids still give a permutation (out-of-range ids fault in the GEMMs); ids from
     // [0, E) need only id_bits(E) key bits.
     launch_sort_rows(ids, s.n, static_cast<int>(s.k), p.ids_unsigned, id_bits(s.E), a.i32(sc.sorted_ids),
@@ -76,7 +82,7 @@ LayerGemms run_experts(const LayerPlan& p, const Tensor& x, const int32_t* ids, 
   const LayerGemms g = layer_gemms(p, x, user_ids, w, a.base);
   // One tile plan per layer: the GEMMs share the sorted ids (built on the stream before the first;
   // the quantized and the 16-bit tile routes read the same plan).
-  if (p.tiles)
+  if (p.tiles && !p.group_rows)
     launch_build_tile_plan_at(a.i32(sc.sorted_ids), s.n, static_cast<int>(s.E), a.at(sc.tile_plan), stream);
 
   // gate/up (mlx-lm order: up first, then gate) -> product

@@ -9,6 +9,7 @@
 #include "cuda/device/elem.cuh"
 #include "core/workspace_slots.h"
 #include "cuda/gather_qmm_routes.h"
+#include "cuda/group_rows.h"
 #include "cuda/runtime.cuh"
 #include "expertqmm/moe.h"
 

@@ -1,0 +1,176 @@
+// The layer's rows grouped by expert in one kernel (bench/NOTES.md step 54): what the stable sort
+// (sort.cu: positions, CUB's radix sort, the inverse) and the tile plan builder (tile_plan.cu) give
+// in five to seven launches, for up to kGroupRowsMaxExperts experts and kGroupRowsMaxRows rows.
+// For ids in [0, E) every output is the stable sort's and the plan builder's, bit for bit (the
+// tests compare them): a counting sort is stable when each bucket's rows keep their flat order.
+#include "cuda/cuda_backend.h"
+#include "cuda/device/tile_plan_emit.cuh"
+#include "cuda/moe_internal.h"
+#include "cuda/tile_plan.cuh"
+
+namespace expertqmm::cuda {
+
+namespace {
+
+constexpr int kThreads = device::kPlanThreads;  // one CTA of 1024 threads
+constexpr int kWarps = kThreads / 32;
+constexpr int kBatch = 16;  // ids a lane loads before it uses any (one memory latency per 16 of its rows)
+
+struct GroupRowsSmem {
+  // Per warp and bucket (E buckets, then bucket E for ids outside [0, E)): the warp's count of the
+  // bucket's rows, then (after the scan) the next output position of the warp's rows in it.
+  int32_t offset[kWarps][kGroupRowsMaxExperts + 1];
+  int32_t first_row[kGroupRowsMaxExperts + 2];  // (E + 2,): first output row of each bucket, then n
+  device::TilePlanEmitSmem emit;                // the plan's emission; its scan buffers also scan the buckets
+};
+
+__device__ __forceinline__ unsigned lanes_below() {
+  unsigned m;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(m));
+  return m;
+}
+
+// Pointers and layout (n rows, row b = slot b % k of token b / k):
+//   ids          (n,) int32 flat expert ids; read twice
+//   sorted_ids   (n,) int32: the ids in output order (each expert's rows in flat order, experts
+//                ascending, ids outside [0, E) last in flat order, unchanged)
+//   inv_order    (n,) int32: output position of flat row b
+//   token_of_row (n,) int32: token of the row at each output position (flat row / k)
+//   tiles, header: the tile plan (tile_plan.h) of sorted_ids, or null for none; retracted
+//                (kPlanOutOfRange) when an id is outside [0, E)
+// Work split: ONE CTA of 1024 threads. Warp w owns the flat rows [w * chunk, (w + 1) * chunk),
+// chunk a multiple of 32; it walks them 32 at a time in order, lane l taking row base + l, each lane
+// loading kBatch of its rows before it uses any. Phase 1: the lanes with the same bucket find each
+// other (__match_any_sync) and the lowest adds their count to offset[w][bucket] (only the warp
+// writes its row of the table: no atomics). Phase 2: thread t < E + 1 turns bucket t's column into
+// warp-exclusive prefixes, a scan of the bucket totals over the CTA gives each bucket's first row,
+// and thread t adds it to the column. Phase 3: each row goes to offset[w][bucket] + (its rank among
+// the lanes of the same bucket in this pass), and the lowest of them advances the offset: rows keep
+// their flat order within a bucket, so the grouping is the stable sort. Phase 4: the plan, from
+// first_row (device::emit_tile_plan, the plan builder's own emission).
+__global__ void __launch_bounds__(kThreads, 1)
+    group_rows_kernel(const int32_t* __restrict__ ids, int n, int k, int E, int32_t* __restrict__ sorted_ids,
+                      int32_t* __restrict__ inv_order, int32_t* __restrict__ token_of_row,
+                      detail::ExpertTile* __restrict__ tiles, detail::TilePlanHeader* __restrict__ header) {
+  __shared__ GroupRowsSmem sm;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  for (int i = tid; i < kWarps * (kGroupRowsMaxExperts + 1); i += kThreads) (&sm.offset[0][0])[i] = 0;
+  __syncthreads();
+
+  const int chunk = (n + kThreads - 1) / kThreads * 32;
+  const int begin = min(n, warp * chunk), end = min(n, begin + chunk);
+  const unsigned below = lanes_below();
+  auto bucket_of = [&](int32_t id) { return id >= 0 && id < E ? id : E; };
+
+  // Phase 1: each warp's count per bucket.
+  int out_of_range = 0;
+  for (int base = begin; base < end; base += 32 * kBatch) {
+    int32_t id[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int i = base + 32 * u + lane;
+      id[u] = i < end ? __ldg(ids + i) : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if (base + 32 * u >= end) break;  // uniform over the warp
+      const bool live = base + 32 * u + lane < end;
+      const int b = live ? bucket_of(id[u]) : -1;
+      const unsigned peers = __match_any_sync(0xffffffffu, b);
+      if (live && (peers & below) == 0) sm.offset[warp][b] += __popc(peers);
+      out_of_range |= live && b == E;
+      __syncwarp();
+    }
+  }
+  out_of_range = __syncthreads_or(out_of_range);
+
+  // Phase 2: warp prefixes per bucket, the buckets' first rows, then each warp's first position.
+  const int buckets = E + 1;
+  int32_t total = 0;
+  if (tid < buckets) {
+    for (int w = 0; w < kWarps; ++w) {
+      const int32_t c = sm.offset[w][tid];
+      sm.offset[w][tid] = total;
+      total += c;
+    }
+  }
+  int buf = 0;
+  sm.emit.scan[buf][tid] = total;  // 0 past the buckets
+  __syncthreads();
+  for (int step = 1; step < kThreads; step <<= 1) {
+    int32_t v = sm.emit.scan[buf][tid];
+    if (tid >= step) v += sm.emit.scan[buf][tid - step];
+    sm.emit.scan[buf ^ 1][tid] = v;
+    buf ^= 1;
+    __syncthreads();
+  }
+  if (tid < buckets) {
+    const int32_t first = sm.emit.scan[buf][tid] - total;
+    sm.first_row[tid] = first;
+    for (int w = 0; w < kWarps; ++w) sm.offset[w][tid] += first;
+  }
+  if (tid == 0) sm.first_row[buckets] = n;
+  __syncthreads();
+
+  // Phase 3: each row to its output position, in flat order within its bucket.
+  for (int base = begin; base < end; base += 32 * kBatch) {
+    int32_t id[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int i = base + 32 * u + lane;
+      id[u] = i < end ? __ldg(ids + i) : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if (base + 32 * u >= end) break;  // uniform over the warp
+      const int i = base + 32 * u + lane;
+      const bool live = i < end;
+      const int b = live ? bucket_of(id[u]) : -1;
+      const unsigned peers = __match_any_sync(0xffffffffu, b);
+      const int pos = live ? sm.offset[warp][b] + __popc(peers & below) : 0;
+      __syncwarp();
+      if (live && (peers & below) == 0) sm.offset[warp][b] += __popc(peers);
+      __syncwarp();
+      if (live) {
+        sorted_ids[pos] = id[u];
+        inv_order[i] = pos;
+        token_of_row[pos] = i / k;
+      }
+    }
+  }
+  if (tiles == nullptr) return;
+  __syncthreads();  // the scan buffers are the emission's again
+
+  // Phase 4: the tile plan of the grouped rows.
+  if (out_of_range) {
+    device::retract_tile_plan(header, detail::kPlanOutOfRange, nullptr);
+    return;
+  }
+  device::emit_tile_plan(sm.first_row, E, tiles, header, sm.emit);
+}
+
+}  // namespace
+
+bool group_rows_fits(int64_t n, int64_t E) {
+  return n >= 1 && n <= kGroupRowsMaxRows && E >= 1 && E <= kGroupRowsMaxExperts;
+}
+
+void launch_group_rows(const int32_t* ids, int64_t n, int k, int E, int32_t* sorted_ids, int32_t* inv_order,
+                       int32_t* token_of_row, void* plan, cudaStream_t stream) {
+  constexpr const char* op = "group_rows";
+  EXPERTQMM_CHECK(group_rows_fits(n, E) && k >= 1, op, "n=", n, " rows over E=", E, " experts (k=", k,
+                  ") outside the kernel's limits: 1 <= n <= ", kGroupRowsMaxRows, ", 1 <= E <= ", kGroupRowsMaxExperts);
+  EXPERTQMM_CHECK(ids && sorted_ids && inv_order && token_of_row, op, "null pointer among ids, sorted_ids, inv_order, token_of_row");
+  detail::ExpertTile* tiles = nullptr;
+  detail::TilePlanHeader* header = nullptr;
+  if (plan) {
+    const TilePlanView v = tile_plan_view(plan, n, E);
+    tiles = const_cast<detail::ExpertTile*>(v.tiles);
+    header = const_cast<detail::TilePlanHeader*>(v.header);
+  }
+  group_rows_kernel<<<1, kThreads, 0, stream>>>(ids, static_cast<int>(n), k, E, sorted_ids, inv_order, token_of_row,
+                                                tiles, header);
+  EXPERTQMM_CUDA_CHECK_LAUNCH(group_rows_kernel);
+}
+
+}  // namespace expertqmm::cuda
