@@ -30,6 +30,19 @@ __device__ __forceinline__ unsigned lanes_below() {
   return m;
 }
 
+// The lanes of the warp whose label equals this lane's, from one ballot per label bit (the
+// hardware's match.any costs about 30 times as much at 32 distinct labels: the first build of this
+// kernel used it and took 53 us at 16384 rows; bench/NOTES.md step 54).
+__device__ __forceinline__ unsigned same_label_lanes(int label, int label_bits) {
+  unsigned peers = 0xffffffffu;
+  for (int bit = 0; bit < label_bits; ++bit) {
+    const bool set = (label >> bit) & 1;
+    const unsigned ones = __ballot_sync(0xffffffffu, set);
+    peers &= set ? ones : ~ones;
+  }
+  return peers;
+}
+
 // Pointers and layout (n rows, row b = slot b % k of token b / k):
 //   ids          (n,) int32 flat expert ids; read twice
 //   sorted_ids   (n,) int32: the ids in output order (each expert's rows in flat order, experts
@@ -40,14 +53,16 @@ __device__ __forceinline__ unsigned lanes_below() {
 //                (kPlanOutOfRange) when an id is outside [0, E)
 // Work split: ONE CTA of 1024 threads. Warp w owns the flat rows [w * chunk, (w + 1) * chunk),
 // chunk a multiple of 32; it walks them 32 at a time in order, lane l taking row base + l, each lane
-// loading kBatch of its rows before it uses any. Phase 1: the lanes with the same bucket find each
-// other (__match_any_sync) and the lowest adds their count to offset[w][bucket] (only the warp
-// writes its row of the table: no atomics). Phase 2: thread t < E + 1 turns bucket t's column into
-// warp-exclusive prefixes, a scan of the bucket totals over the CTA gives each bucket's first row,
-// and thread t adds it to the column. Phase 3: each row goes to offset[w][bucket] + (its rank among
-// the lanes of the same bucket in this pass), and the lowest of them advances the offset: rows keep
-// their flat order within a bucket, so the grouping is the stable sort. Phase 4: the plan, from
-// first_row (device::emit_tile_plan, the plan builder's own emission).
+// loading kBatch of its rows before it uses any. Phase 1: each lane adds 1 to offset[w][bucket]
+// (a shared atomic: the count only, so the order does not matter). Phase 2: thread t < E + 1 turns
+// bucket t's column into warp-exclusive prefixes, a scan of the bucket totals over the CTA gives each
+// bucket's first row, and thread t adds it to the column; then the CTA writes sorted_ids of the
+// in-range buckets as runs (coalesced: position p finds its bucket by a binary search of first_row).
+// Phase 3: each row goes to offset[w][bucket] + (its rank among this pass's lanes of the same bucket:
+// same_label_lanes), and the lowest of those lanes advances the offset, so rows keep their flat order
+// within a bucket and the grouping is the stable sort; token_of_row is written at the position
+// (scattered), inv_order at the row (coalesced). Phase 4: the plan, from first_row
+// (device::emit_tile_plan, the plan builder's own emission).
 __global__ void __launch_bounds__(kThreads, 1)
     group_rows_kernel(const int32_t* __restrict__ ids, int n, int k, int E, int32_t* __restrict__ sorted_ids,
                       int32_t* __restrict__ inv_order, int32_t* __restrict__ token_of_row,
@@ -61,6 +76,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int begin = min(n, warp * chunk), end = min(n, begin + chunk);
   const unsigned below = lanes_below();
   auto bucket_of = [&](int32_t id) { return id >= 0 && id < E ? id : E; };
+  // Labels of buckets 0 .. E and of lanes past the end (all ones): label_bits covers E + 1.
+  int label_bits = 1;
+  while ((1 << label_bits) - 1 <= E) ++label_bits;
+  const int no_row = (1 << label_bits) - 1;
 
   // Phase 1: each warp's count per bucket.
   int out_of_range = 0;
@@ -73,13 +92,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      if (base + 32 * u >= end) break;  // uniform over the warp
-      const bool live = base + 32 * u + lane < end;
-      const int b = live ? bucket_of(id[u]) : -1;
-      const unsigned peers = __match_any_sync(0xffffffffu, b);
-      if (live && (peers & below) == 0) sm.offset[warp][b] += __popc(peers);
-      out_of_range |= live && b == E;
-      __syncwarp();
+      if (base + 32 * u + lane >= end) break;
+      const int b = bucket_of(id[u]);
+      atomicAdd(&sm.offset[warp][b], 1);
+      out_of_range |= b == E;
     }
   }
   out_of_range = __syncthreads_or(out_of_range);
@@ -111,6 +127,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   if (tid == 0) sm.first_row[buckets] = n;
   __syncthreads();
+  // sorted_ids of the in-range rows: runs of each expert, written in position order.
+  const int in_range = sm.first_row[E];
+  for (int pos = tid; pos < in_range; pos += kThreads) {
+    int lo = 0, hi = E - 1;  // the last expert whose first row is <= pos
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (sm.first_row[mid] <= pos) lo = mid;
+      else hi = mid - 1;
+    }
+    sorted_ids[pos] = lo;
+  }
 
   // Phase 3: each row to its output position, in flat order within its bucket.
   for (int base = begin; base < end; base += 32 * kBatch) {
@@ -125,14 +152,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (base + 32 * u >= end) break;  // uniform over the warp
       const int i = base + 32 * u + lane;
       const bool live = i < end;
-      const int b = live ? bucket_of(id[u]) : -1;
-      const unsigned peers = __match_any_sync(0xffffffffu, b);
+      const int b = live ? bucket_of(id[u]) : no_row;
+      const unsigned peers = same_label_lanes(b, label_bits);
       const int pos = live ? sm.offset[warp][b] + __popc(peers & below) : 0;
       __syncwarp();
       if (live && (peers & below) == 0) sm.offset[warp][b] += __popc(peers);
       __syncwarp();
       if (live) {
-        sorted_ids[pos] = id[u];
+        if (b == E) sorted_ids[pos] = id[u];  // out of range: the raw id, for the GEMMs to report
         inv_order[i] = pos;
         token_of_row[pos] = i / k;
       }
