@@ -24,6 +24,7 @@
 #include "core/device_memory.h"
 #include "cuda/check.cuh"
 #include "cuda/group_rows.h"
+#include "cuda/layer_plan_hooks.h"
 #include "cuda/tile_plan.cuh"
 #include "support/graph_capture.h"
 #endif
@@ -272,4 +273,29 @@ TEST(GpuGroupRows, LayerGivesTheSameBytesWithTheGroupingOnAndOff) {
     };
     EXPECT_EQ(switch_bytes(RouteSwitch::on), switch_bytes(RouteSwitch::off)) << "switch_glu " << what;
   }
+}
+
+// Which calls the plan groups with the kernel: unset, the sorted sizes up to kGroupRowsAutoMaxRows
+// rows (where it measured faster than CUB's path); 1, every size it fits; 0, none.
+TEST(GpuGroupRows, PlanTakesTheKernelWhereItMeasuredFaster) {
+  EXPERTQMM_REQUIRE_GPU();
+#ifdef EXPERTQMM_HAVE_CUDA
+  test::MoeGeometry geo;
+  geo.E = 128;
+  geo.k = 8;
+  const test::Layer l = test::make_layer(geo);
+  const int64_t D = l.cpu.experts.down.w.size(1);
+  auto planned = [&](int64_t T, RouteSwitch grouping) {
+    const test::SettingGuard<RouteSwitch, group_rows_setting, set_group_rows> guard(grouping);
+    const Tensor h = Tensor::empty({T, D}, DType::bf16, Device::cuda);
+    Tensor out = Tensor::empty({T, D}, DType::bf16, Device::cuda);
+    return cuda::planned_group_rows(out, h, h, l.gpu);
+  };
+  const int64_t at_limit = cuda::kGroupRowsAutoMaxRows / geo.k;  // T = 1024
+  EXPECT_TRUE(planned(32, RouteSwitch::automatic));
+  EXPECT_TRUE(planned(at_limit, RouteSwitch::automatic));
+  EXPECT_FALSE(planned(at_limit + 1, RouteSwitch::automatic));
+  EXPECT_TRUE(planned(2048, RouteSwitch::on));
+  EXPECT_FALSE(planned(32, RouteSwitch::off));
+#endif
 }

@@ -95,10 +95,11 @@ RouteSwitch wgmma_setting();
 void set_wgmma_ws(RouteSwitch s);
 RouteSwitch wgmma_ws_setting();
 
-// EXPERTQMM_GROUP_ROWS=0|1: unset / 1: the MoE layer's rows (128 tokens x k and more: the sorted
-// path) grouped by expert, with the expert tile plan, in one kernel where it fits (at most 256 experts
-// and 2^18 rows); the same bits as 0, CUB's stable sort, the inverse and the plan builder (five to
-// seven launches; bench/NOTES.md step 54).
+// EXPERTQMM_GROUP_ROWS=0|1: the MoE layer's rows (the sorted path, T * k >= 64) grouped by expert,
+// with the expert tile plan, in one kernel of one CTA (group_rows.cu); 0: CUB's stable sort, the
+// inverse and the plan builder (five to seven launches). The same bits either way. Unset: the kernel
+// up to 8192 rows (T = 1024 at k = 8), where it measured faster; 1: wherever it fits (256 experts,
+// 2^18 rows). bench/NOTES.md step 54.
 void set_group_rows(RouteSwitch s);
 RouteSwitch group_rows_setting();
 

@@ -7,6 +7,7 @@
 #include "core/route_counters.h"
 #include "cuda/gather_qmm.h"
 #include "cuda/gather_qmm_wgmma.h"
+#include "cuda/layer_plan_hooks.h"
 #include "cuda/tile_plan.cuh"
 
 namespace expertqmm::cuda {
@@ -155,7 +156,9 @@ void reserve_fixed(LayerPlan& p, const SwitchGLUWeights& w, bool routes, DType r
   }
   sc.token_of_row = layout.reserve(bytes_of(s.n, DType::i32));
   if (s.sorted) {
-    p.group_rows = group_rows_setting() != RouteSwitch::off && group_rows_fits(s.n, s.E);
+    const RouteSwitch grouping = group_rows_setting();
+    p.group_rows = group_rows_fits(s.n, s.E) &&
+                   (grouping == RouteSwitch::on || (grouping == RouteSwitch::automatic && s.n <= kGroupRowsAutoMaxRows));
     sc.sorted_ids = layout.reserve(bytes_of(s.n, DType::i32));
     sc.inv_order = layout.reserve(bytes_of(s.n, DType::i32));
     if (!p.group_rows) {  // CUB's sort: its values in and out, and its temporary storage
@@ -323,6 +326,10 @@ void set_down_window_bytes(size_t bytes) { g_down_window_bytes.store(bytes, std:
 
 int64_t planned_down_window_cols(const Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& w) {
   return plan_moe_layer(out, h, x, w).down_window_cols;
+}
+
+bool planned_group_rows(const Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& w) {
+  return plan_moe_layer(out, h, x, w).group_rows;
 }
 
 LayerPlan plan_moe_layer(const Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& w) {

@@ -17,4 +17,8 @@ void set_down_window_bytes(size_t bytes);
 // plan_moe_layer decides them (the selector counts the plan's routes, as a call would).
 int64_t planned_down_window_cols(const Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& w);
 
+// Whether moe_layer_into's plan groups this call's rows with group_rows.cu (the sorted path's one
+// kernel) rather than CUB's sort and the plan builder, as plan_moe_layer decides it.
+bool planned_group_rows(const Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& w);
+
 }  // namespace expertqmm::cuda
