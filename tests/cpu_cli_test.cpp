@@ -429,6 +429,8 @@ TEST_F(Cli, BenchOnCudaWritesJsonAndExport) {
   EXPECT_NE(json.find("\"bf16_tflops\""), std::string::npos) << json;
   for (const char* f : {"/export/weights.safetensors", "/export/case_T1.safetensors", "/export/case_T64.safetensors"})
     EXPECT_EQ(access((dir + f).c_str(), R_OK), 0) << f;
+  // The checked tokens travel with each case, for the torch peer's check of our output.
+  EXPECT_NE(read_file(dir + "/export/case_T64.safetensors").find("\"checked_tokens\""), std::string::npos);
 
   Result zipf = run_cli("bench --preset tiny --tokens 64 --routing zipf --replays 5 --json " + dir + "/zipf.json");
   EXPECT_EQ(zipf.exit_code, 0) << zipf.output;

@@ -9,7 +9,8 @@ times the whole layer in bf16: argsort, row gather, torch._grouped_mm for gate/u
 torch._grouped_mm for down, weighted index_add back to the tokens. The protocol is the bench's:
 one CUDA graph per weight copy (4 copies, replayed round robin), an L2 flush (2x the L2 size)
 before every replay outside the timed region, one event pair per replay, median / p10 / p90 over
-the replays after a warm-up. The output of 2 tokens is checked against float64.
+the replays after a warm-up. The output of the bench's checked tokens (2, none on a router
+near-tie) is checked against float64.
 
 Needs only torch (with torch._grouped_mm, sm90+) and safetensors.
 """
@@ -227,12 +228,15 @@ def run_export_dir(export_dir, replays, l2_bytes, device, only_tokens=None):
             graphs.append(g)
         med, p10, p90 = time_graphs(graphs, replays, flush)
 
-        tokens = [0, T - 1] if T > 1 else [0]
+        # The bench's checked tokens (none decided by a router near-tie, where the layer's own router
+        # may pick another expert than the exported routing); older exports: the first and last.
+        listed = meta.get("checked_tokens", "")
+        tokens = [int(t) for t in listed.split(",") if t] or ([0, T - 1] if T > 1 else [0])
         ref = reference_tokens(ew, x, idx, wts, tokens)
         ours = c.get("out")
         err = rel_error(outs[0][tokens], ref)
         err_ours = rel_error(ours[tokens], ref) if ours is not None else None
-        err_vs_ours = rel_error(outs[0], ours.double()) if ours is not None else None
+        err_vs_ours = rel_error(outs[0][tokens], ours[tokens].double()) if ours is not None else None
         row = {
             "export_dir": export_dir,
             "preset": ew.meta.get("preset", ""),
@@ -247,6 +251,7 @@ def run_export_dir(export_dir, replays, l2_bytes, device, only_tokens=None):
             "rel_error": finite_or_none(err),
             "rel_error_ours": finite_or_none(err_ours),
             "rel_error_torch_vs_ours": finite_or_none(err_vs_ours),
+            "checked_tokens": tokens,
         }
         rows.append(row)
         fmt = lambda v: "-" if v is None else f"{v:.2e}"

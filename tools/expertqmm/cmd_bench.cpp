@@ -476,12 +476,18 @@ int run_bench(int argc, char** argv) {
     if (!o.export_dir.empty()) {
       char name[64];
       std::snprintf(name, sizeof(name), "/case_T%ld.safetensors", T);
+      // The tokens the bench checked (none decided by a router near-tie): a peer that compares our
+      // output with its own reference on the exported routing checks these, since at a near-tie the
+      // layer's own router may pick another expert than route() exported.
+      std::string checked_list;
+      for (int64_t t : checked) checked_list += (checked_list.empty() ? "" : ",") + std::to_string(t);
       save_safetensors(o.export_dir + name,
                        {{"x", x_host},
                         {"indices", routing.indices.to(Device::cpu)},
                         {"weights", routing.weights.to(Device::cpu)},
                         {"out", exported_out}},
                        {{"tokens", std::to_string(T)},
+                        {"checked_tokens", checked_list},
                         {"routing", o.routing},
                         {"preset", p.name},
                         {"out_product", product_name(o.products[0])}});
