@@ -1,6 +1,7 @@
 // The layer's rows grouped by expert in one kernel (bench/NOTES.md step 54): what the stable sort
 // (sort.cu: positions, CUB's radix sort, the inverse) and the tile plan builder (tile_plan.cu) give
-// in five to seven launches, for up to kGroupRowsMaxExperts experts and kGroupRowsMaxRows rows.
+// in five to seven launches, for up to kGroupRowsMaxExperts experts and kGroupRowsMaxRows rows (the
+// layer takes it up to kGroupRowsAutoMaxRows, where it measured faster: one CTA does all the work).
 // For ids in [0, E) every output is the stable sort's and the plan builder's, bit for bit (the
 // tests compare them): a counting sort is stable when each bucket's rows keep their flat order.
 #include "cuda/cuda_backend.h"
@@ -30,9 +31,9 @@ __device__ __forceinline__ unsigned lanes_below() {
   return m;
 }
 
-// The lanes of the warp whose label equals this lane's, from one ballot per label bit (the
-// hardware's match.any costs about 30 times as much at 32 distinct labels: the first build of this
-// kernel used it and took 53 us at 16384 rows; bench/NOTES.md step 54).
+// The lanes of the warp whose label equals this lane's, from one ballot per label bit (the first
+// build of this kernel ranked with __match_any_sync and counted with it too: 53 us at 16384 rows,
+// 30 us with this and shared atomics for the counts; bench/NOTES.md step 54).
 __device__ __forceinline__ unsigned same_label_lanes(int label, int label_bits) {
   unsigned peers = 0xffffffffu;
   for (int bit = 0; bit < label_bits; ++bit) {
