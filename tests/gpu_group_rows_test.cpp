@@ -22,6 +22,7 @@
 #include <cuda_runtime.h>
 
 #include "core/device_memory.h"
+#include "support/device_buffer.h"
 #include "cuda/check.cuh"
 #include "cuda/group_rows.h"
 #include "cuda/layer_plan_hooks.h"
@@ -69,30 +70,20 @@ Grouping expected_grouping(const std::vector<int32_t>& ids, int E, int k) {
 }
 
 #ifdef EXPERTQMM_HAVE_CUDA
-cudaStream_t current_stream() { return static_cast<cudaStream_t>(cuda_stream()); }
-
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  explicit DeviceBuffer(size_t bytes) : ptr(detail::device_alloc(std::max<size_t>(bytes, 16))) {}
-  ~DeviceBuffer() { detail::device_free(ptr); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  int32_t* i32() const { return static_cast<int32_t*>(ptr); }
-};
 
 // Device buffers of one grouping, poisoned (0xFF) before each launch so that a missed write shows.
 struct GroupBuffers {
   int64_t n;
   int E;
   size_t plan_bytes;
-  DeviceBuffer ids, sorted_ids, inv_order, token_of_row, plan;
+  test::DeviceBuffer ids, sorted_ids, inv_order, token_of_row, plan;
   GroupBuffers(int64_t n_, int E_)
       : n(n_), E(E_), plan_bytes(cuda::tile_plan_bytes(n_, E_)), ids(n_ * 4), sorted_ids(n_ * 4), inv_order(n_ * 4),
         token_of_row(n_ * 4), plan(plan_bytes) {}
   void prepare(const std::vector<int32_t>& host_ids) {
-    cudaStream_t s = current_stream();
+    cudaStream_t s = test::library_stream();
     detail::copy_host_to_device(ids.ptr, host_ids.data(), n * 4);
-    for (const DeviceBuffer* b : {&sorted_ids, &inv_order, &token_of_row})
+    for (const test::DeviceBuffer* b : {&sorted_ids, &inv_order, &token_of_row})
       EXPERTQMM_CUDA_CHECK(cudaMemsetAsync(b->ptr, 0xFF, n * 4, s));
     EXPERTQMM_CUDA_CHECK(cudaMemsetAsync(plan.ptr, 0xFF, plan_bytes, s));
   }
@@ -100,7 +91,7 @@ struct GroupBuffers {
     cuda::launch_group_rows(ids.i32(), n, k, E, sorted_ids.i32(), inv_order.i32(), token_of_row.i32(),
                             with_plan ? plan.ptr : nullptr, s);
   }
-  std::vector<int32_t> read(const DeviceBuffer& b) const {
+  std::vector<int32_t> read(const test::DeviceBuffer& b) const {
     std::vector<int32_t> v(n);
     detail::copy_device_to_host(v.data(), b.ptr, n * 4);
     return v;
@@ -115,7 +106,7 @@ void expect_grouping(const std::vector<int32_t>& ids, int E, int k, const std::s
   const Grouping want = expected_grouping(ids, E, k);
   GroupBuffers b(n, E);
   b.prepare(ids);
-  b.launch(k, with_plan, current_stream());
+  b.launch(k, with_plan, test::library_stream());
   cuda_check();
   ASSERT_EQ(b.read(b.sorted_ids), want.sorted_ids);
   ASSERT_EQ(b.read(b.inv_order), want.inv_order);
@@ -205,10 +196,10 @@ TEST(GpuGroupRows, LimitsAreCheckedOnTheHost) {
   EXPECT_FALSE(cuda::group_rows_fits(0, 8));
   EXPECT_FALSE(cuda::group_rows_fits(cuda::kGroupRowsMaxRows + 1, 8));
   EXPECT_FALSE(cuda::group_rows_fits(64, cuda::kGroupRowsMaxExperts + 1));
-  DeviceBuffer buf(64 * 4);
-  test::expect_error([&] { cuda::launch_group_rows(buf.i32(), 64, 8, 257, buf.i32(), buf.i32(), buf.i32(), nullptr, current_stream()); },
+  test::DeviceBuffer buf(64 * 4);
+  test::expect_error([&] { cuda::launch_group_rows(buf.i32(), 64, 8, 257, buf.i32(), buf.i32(), buf.i32(), nullptr, test::library_stream()); },
                      "group_rows", "E=257");
-  test::expect_error([&] { cuda::launch_group_rows(nullptr, 64, 8, 8, buf.i32(), buf.i32(), buf.i32(), nullptr, current_stream()); },
+  test::expect_error([&] { cuda::launch_group_rows(nullptr, 64, 8, 8, buf.i32(), buf.i32(), buf.i32(), nullptr, test::library_stream()); },
                      "group_rows", "null pointer");
 #endif
 }

@@ -17,6 +17,7 @@
 #include <cuda_runtime.h>
 
 #include "core/device_memory.h"
+#include "support/device_buffer.h"
 #include "cuda/check.cuh"
 #include "cuda/tile_plan.cuh"
 #endif
@@ -35,31 +36,20 @@ struct GpuPlan {
 };
 
 #ifdef EXPERTQMM_HAVE_CUDA
-// The library's stream (cuda/runtime.cuh has device code, so it is not included from a .cpp).
-cudaStream_t current_stream() { return static_cast<cudaStream_t>(cuda_stream()); }
-
-// Owns one device allocation from the library's allocator.
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  explicit DeviceBuffer(size_t bytes) : ptr(detail::device_alloc(std::max<size_t>(bytes, 16))) {}
-  ~DeviceBuffer() { detail::device_free(ptr); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-};
 
 // Device buffers for one plan: ids, max_tiles + 1 tiles (one guard entry), header, counter.
 struct PlanBuffers {
   int64_t n;
   int E;
   int64_t capacity;
-  DeviceBuffer ids, tiles, header, counter;
+  test::DeviceBuffer ids, tiles, header, counter;
   PlanBuffers(int64_t n_, int E_)
       : n(n_), E(E_), capacity(detail::max_tiles(n_, E_) + 1), ids(n_ * sizeof(int32_t)),
         tiles(capacity * sizeof(ExpertTile)), header(sizeof(TilePlanHeader)), counter(sizeof(unsigned long long)) {}
 
   // Uploads ids, fills tiles and header with 0xFF (expert -1) and zeroes the counter.
   void prepare(const std::vector<int32_t>& host_ids) {
-    cudaStream_t s = current_stream();
+    cudaStream_t s = test::library_stream();
     if (n > 0) detail::copy_host_to_device(ids.ptr, host_ids.data(), n * sizeof(int32_t));
     EXPERTQMM_CUDA_CHECK(cudaMemsetAsync(tiles.ptr, 0xFF, capacity * sizeof(ExpertTile), s));
     EXPERTQMM_CUDA_CHECK(cudaMemsetAsync(header.ptr, 0xFF, sizeof(TilePlanHeader), s));
@@ -88,7 +78,7 @@ struct PlanBuffers {
 GpuPlan build_on_gpu(const std::vector<int32_t>& ids, int E) {
   PlanBuffers b(static_cast<int64_t>(ids.size()), E);
   b.prepare(ids);
-  b.launch(current_stream());
+  b.launch(test::library_stream());
   return b.read();
 }
 #else
@@ -246,7 +236,7 @@ TEST(GpuTilePlan, LaunchRejectsBadArguments) {
   auto* ids = static_cast<const int32_t*>(b.ids.ptr);
   auto* tiles = static_cast<ExpertTile*>(b.tiles.ptr);
   auto* header = static_cast<TilePlanHeader*>(b.header.ptr);
-  cudaStream_t s = current_stream();
+  cudaStream_t s = test::library_stream();
   EXPECT_THROW(cuda::launch_build_tile_plan(ids, 64, 0, tiles, header, s), Error);
   EXPECT_THROW(cuda::launch_build_tile_plan(ids, 64, 4097, tiles, header, s), Error);
   EXPECT_THROW(cuda::launch_build_tile_plan(ids, -1, 8, tiles, header, s), Error);

@@ -81,16 +81,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   int label_bits = 1;
   while ((1 << label_bits) - 1 <= E) ++label_bits;
   const int no_row = (1 << label_bits) - 1;
-
-  // Phase 1: each warp's count per bucket.
-  int out_of_range = 0;
-  for (int base = begin; base < end; base += 32 * kBatch) {
-    int32_t id[kBatch];
+  // The warp's next 32 * kBatch ids from row `base`, all loads issued before any is used.
+  auto load_ids = [&](int base, int32_t (&id)[kBatch]) {
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       const int i = base + 32 * u + lane;
       id[u] = i < end ? __ldg(ids + i) : 0;
     }
+  };
+
+  // Phase 1: each warp's count per bucket.
+  int out_of_range = 0;
+  for (int base = begin; base < end; base += 32 * kBatch) {
+    int32_t id[kBatch];
+    load_ids(base, id);
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       if (base + 32 * u + lane >= end) break;
@@ -143,11 +147,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Phase 3: each row to its output position, in flat order within its bucket.
   for (int base = begin; base < end; base += 32 * kBatch) {
     int32_t id[kBatch];
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int i = base + 32 * u + lane;
-      id[u] = i < end ? __ldg(ids + i) : 0;
-    }
+    load_ids(base, id);
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       if (base + 32 * u >= end) break;  // uniform over the warp
