@@ -117,11 +117,13 @@ struct RhsTilesVariant {
   int bits;
   bool fp;  // an fp mode's codes (mxfp4 / nvfp4: 4-bit, mxfp8: 8-bit)
   void (*launch)(const TileArgs&);
-  void (*launch_split_k)(const TileArgs&, device::SplitK);  // BM=16 only: the split-K form (see kSplitK)
+  // The split-K form (see kSplitK), for a grid too small for the GPU: BM=16 (every form) and BM=64 bf16
+  // (the router's projection at prefill: one weight dequantized per 64 rows instead of 16).
+  void (*launch_split_k)(const TileArgs&, device::SplitK);
 };
 const RhsTilesVariant kRhsTilesVariants[] = {
-    {64, 64, DType::bf16, 4, false, launch_rhs_tiles<RhsTiles64, __nv_bfloat16, 4>, nullptr},
-    {64, 64, DType::bf16, 8, false, launch_rhs_tiles<RhsTiles64, __nv_bfloat16, 8>, nullptr},
+    {64, 64, DType::bf16, 4, false, launch_rhs_tiles<RhsTiles64, __nv_bfloat16, 4>, launch_rhs_tiles_split_k<RhsTiles64, __nv_bfloat16, 4>},
+    {64, 64, DType::bf16, 8, false, launch_rhs_tiles<RhsTiles64, __nv_bfloat16, 8>, launch_rhs_tiles_split_k<RhsTiles64, __nv_bfloat16, 8>},
     {64, 64, DType::f16, 4, false, launch_rhs_tiles<RhsTiles64, __half, 4>, nullptr},
     {64, 64, DType::f16, 8, false, launch_rhs_tiles<RhsTiles64, __half, 8>, nullptr},
     {32, 32, DType::bf16, 4, false, launch_rhs_tiles<RhsTiles32, __nv_bfloat16, 4>, nullptr},
@@ -138,38 +140,55 @@ const RhsTilesVariant kRhsTilesVariants[] = {
      launch_rhs_tiles_split_k<RhsTiles16, __nv_bfloat16, 8, true>},
 };
 
-// Split-K of the BM=16 tiles when their grid is too small for the GPU (a few-column problem with
-// many rows, such as the router's projection: N = 128, K = 2816, T rows: T / 16 CTAs, each a chain
-// of 44 k tiles at ~0.6 us per tile, 27 us at T = 512 and 2048; bench/NOTES.md step 7c), as data:
-// slices to reach kSplitCtasPerSm CTAs per SM, each at least kSplitMinKTiles k tiles, at most
-// kSplitMaxSlices, and the fp32 slices at most kSplitMaxBytes of workspace.
-constexpr int64_t kSplitCtasPerSm = RhsTiles16::MIN_CTAS_PER_SM;  // the BM=16 kernel's residency
+// Split-K when a tile height's grid is too small for the GPU (a few-column problem with many rows,
+// such as the router's projection: N = 128, K = 2816, T rows: T / 16 BM=16 CTAs, each a chain of 44
+// k tiles at ~0.6 us per tile, 27 us at T = 512 and 2048; bench/NOTES.md step 7c), as data: slices
+// to reach the kernel's CTAs per SM (kSplitCtasPerSm16: the BM=16 kernel's residency;
+// kSplitCtasPerSm64: BM=64 runs uncapped at 2), each at least kSplitMinKTiles k tiles, at most
+// kSplitMaxSlices, and the fp32 slices at most kSplitMaxBytes of workspace. BM=64 splits where
+// every batch element has 64 rows (x [1, T, K]: the router at prefill, T >= 64), so that each
+// weight tile is dequantized once per 64 rows rather than 16 (bench/NOTES.md step 55).
+constexpr int64_t kSplitCtasPerSm16 = RhsTiles16::MIN_CTAS_PER_SM;
+constexpr int64_t kSplitCtasPerSm64 = 2;
 constexpr int64_t kSplitMinKTiles = 4;
 constexpr int64_t kSplitMaxSlices = 16;
-constexpr int64_t kSplitMaxBytes = int64_t{4} << 20;
+constexpr int64_t kSplitMaxBytes = int64_t{8} << 20;
+// BM=64 splits only problems of this many 128-column blocks (the router's N = 128); wider ones keep
+// the measured rule (BM=32 where BM=64's grid is small).
+constexpr int64_t kSplitTallMaxColBlocks = 1;
 
-}  // namespace
-
-int64_t rhs_tiles_split_slices(int64_t rows, int64_t N, int64_t K) {
-  const int64_t ctas = std::max<int64_t>(1, (rows + RhsTiles16::BM - 1) / RhsTiles16::BM * ((N + RhsTiles16::BN - 1) / RhsTiles16::BN));
-  const int64_t want = (kSplitCtasPerSm * device_sm_count() + ctas - 1) / ctas;
+int64_t split_slices(int64_t rows, int64_t N, int64_t K, int64_t bm, int64_t ctas_per_sm) {
+  const int64_t ctas = std::max<int64_t>(1, (rows + bm - 1) / bm * ((N + RhsTiles16::BN - 1) / RhsTiles16::BN));
+  const int64_t want = (ctas_per_sm * device_sm_count() + ctas - 1) / ctas;
   const int64_t by_bytes = kSplitMaxBytes / std::max<int64_t>(1, rows * N * 4);
   const int64_t slices = std::min({want, K / RhsTiles16::BK / kSplitMinKTiles, kSplitMaxSlices, by_bytes});
   const bool aligned = N % 4 == 0;  // split_k_sum_kernel's float4 slices
   return aligned && slices >= 2 ? slices : 1;
 }
 
+}  // namespace
+
+int64_t rhs_tiles_split_slices(int64_t rows, int64_t N, int64_t K, int bm) {
+  if (bm == 64) {  // only where BM=64's own grid leaves SMs idle, and only few-column problems
+    const int64_t col_blocks = (N + RhsTiles64::BN - 1) / RhsTiles64::BN;
+    if (col_blocks > kSplitTallMaxColBlocks || (rows + 63) / 64 * col_blocks >= device_sm_count()) return 1;
+  }
+  return split_slices(rows, N, K, bm, bm == 64 ? kSplitCtasPerSm64 : kSplitCtasPerSm16);
+}
+
 size_t gather_qmm_split_k_bytes(int64_t rows, int64_t N, int64_t K) {
-  const int64_t slices = rhs_tiles_split_slices(rows, N, K);
+  // Either tile height may split (run_rhs_tiles picks by the problem's dtype, bits and M): room for
+  // the larger.
+  const int64_t slices = std::max(rhs_tiles_split_slices(rows, N, K, 16), rhs_tiles_split_slices(rows, N, K, 64));
   return slices > 1 ? static_cast<size_t>(slices * rows * N) * sizeof(float) : 0;
 }
 
 namespace {
 
 // bm == 0: the table's choice for p.M, except that a taller tile whose grid would leave SMs idle
-// gives way to a shorter one (a few-column problem such as the router's projection: N = 128, so
-// BM=64 gives T / 64 CTAs, each over the whole K), and BM=16 splits K when even its grid is small
-// (rhs_tiles_split_slices; fp32 slices in p.split_k_scratch, else ws slot detail::kSlotSplitK, else a
+// splits K where rhs_tiles_split_slices lets it (BM=64 at N <= 128: the router's projection, T / 64
+// CTAs over the whole K) and otherwise gives way to a shorter one, and BM=16 splits K when even its
+// grid is small (fp32 slices in p.split_k_scratch, else ws slot detail::kSlotSplitK, else a
 // temporary); else the variant with that tile height, unsplit.
 void run_rhs_tiles(const detail::GatherQmmProblem& p, void* out, int bm, Workspace* ws) {
   const RouteSupport s = supports_rhs_tiles(p);
@@ -180,9 +199,10 @@ void run_rhs_tiles(const detail::GatherQmmProblem& p, void* out, int bm, Workspa
     if (v.dtype != p.dtype || v.bits != p.bits || v.fp != (p.mode != QuantMode::affine)) continue;
     if (bm == 0 ? p.M < v.min_m : v.bm != bm) continue;
     const int64_t ctas = (p.B * p.M + v.bm - 1) / v.bm * col_blocks;
-    if (bm == 0 && v.bm > 16 && ctas < device_sm_count()) continue;
+    const int64_t slices = bm == 0 && v.launch_split_k ? rhs_tiles_split_slices(p.B * p.M, p.N, p.K, v.bm) : 1;
+    // A tall tile whose grid leaves SMs idle splits K where it can, else gives way to a shorter one.
+    if (bm == 0 && v.bm > 16 && ctas < device_sm_count() && slices < 2) continue;
     const TileArgs args = make_tile_args(p, out);
-    const int64_t slices = bm == 0 && v.launch_split_k ? rhs_tiles_split_slices(p) : 1;
     if (slices > 1) {
       const size_t bytes = static_cast<size_t>(slices * p.B * p.M * p.N) * sizeof(float);
       Tensor temp;
