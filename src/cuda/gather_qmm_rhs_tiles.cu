@@ -153,9 +153,12 @@ constexpr int64_t kSplitCtasPerSm64 = 2;
 constexpr int64_t kSplitMinKTiles = 4;
 constexpr int64_t kSplitMaxSlices = 16;
 constexpr int64_t kSplitMaxBytes = int64_t{8} << 20;
-// BM=64 splits only problems of this many 128-column blocks (the router's N = 128); wider ones keep
-// the measured rule (BM=32 where BM=64's grid is small).
+// BM=64 splits only problems of this many 128-column blocks (the router's N = 128; wider ones keep
+// the measured rule: BM=32 where BM=64's grid is small) and at least this many 64-row tiles: on an
+// H100 the Gemma layer measured +1.8 / +1.8 / 0.0 / -1.1% at 1 / 2 / 8 / 32 tiles (64 / 128 / 512 /
+// 2048 tokens; bench/NOTES.md "Step 55 measured"), so it starts where it measured faster.
 constexpr int64_t kSplitTallMaxColBlocks = 1;
+constexpr int64_t kSplitTallMinRowTiles = 32;
 
 int64_t split_slices(int64_t rows, int64_t N, int64_t K, int64_t bm, int64_t ctas_per_sm) {
   const int64_t ctas = std::max<int64_t>(1, (rows + bm - 1) / bm * ((N + RhsTiles16::BN - 1) / RhsTiles16::BN));
@@ -171,7 +174,10 @@ int64_t split_slices(int64_t rows, int64_t N, int64_t K, int64_t bm, int64_t cta
 int64_t rhs_tiles_split_slices(int64_t rows, int64_t N, int64_t K, int bm) {
   if (bm == 64) {  // only where BM=64's own grid leaves SMs idle, and only few-column problems
     const int64_t col_blocks = (N + RhsTiles64::BN - 1) / RhsTiles64::BN;
-    if (col_blocks > kSplitTallMaxColBlocks || (rows + 63) / 64 * col_blocks >= device_sm_count()) return 1;
+    const int64_t row_tiles = (rows + 63) / 64;
+    if (col_blocks > kSplitTallMaxColBlocks || row_tiles < kSplitTallMinRowTiles ||
+        row_tiles * col_blocks >= device_sm_count())
+      return 1;
   }
   return split_slices(rows, N, K, bm, bm == 64 ? kSplitCtasPerSm64 : kSplitCtasPerSm16);
 }

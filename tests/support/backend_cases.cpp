@@ -275,13 +275,19 @@ void gather_qmm_rows(Table& t) {
       c.split_k = c.route == "rhs_tiles";
       add(t, small, c);
     }
-  // x [1, T, K] (the router's projection at prefill): rhs_tiles splits BM=64 tiles (M >= 64, N <= 128).
+  // x [1, T, K] (the router's projection at prefill): rhs_tiles splits BM=16 tiles at 300 rows and
+  // BM=64 tiles from 2048 (N <= 128).
   for (int bits : {4, 8})
     for (const char* r : {"rhs_tiles", "rhs_tiles_bm16"}) {
       GatherQmmCase c = batched_of(r, {DType::bf16, bits, 64, 1, 128, 2816}, 1, 300, 1);
       c.split_k = c.route == "rhs_tiles";
       add(t, small, c);
     }
+  for (int bits : {4, 8}) {
+    GatherQmmCase c = batched_of("rhs_tiles", {DType::bf16, bits, 64, 1, 128, 2816}, 1, 2048, 1);
+    c.split_k = true;
+    add(t, large, c);
+  }
   // Gemma 4 26B-A4B projections (gate/up 704 x 2816, fused gate_up 1408, down 2816 x 704; 4-bit g64)
   // over 8 experts: decode (one token, top-8: the selector takes qmv) and 512 sorted prefill rows.
   for (const auto& nk : {std::pair<int64_t, int64_t>{704, 2816}, {1408, 2816}, {2816, 704}}) {
