@@ -229,14 +229,13 @@ TEST(GpuGroupRows, CapturesIntoACudaGraph) {
 }
 
 // The layer with the grouping on and off: the same bytes (the rows reach the same GEMM tiles in
-// the same order), for moe_layer_into at sorted sizes and switch_glu, uniform and one-expert routing.
+// the same order), for moe_layer_into at sorted sizes (its router's ids) and switch_glu (ids that
+// repeat an expert within a token).
 TEST(GpuGroupRows, LayerGivesTheSameBytesWithTheGroupingOnAndOff) {
   EXPERTQMM_REQUIRE_GPU();
-  test::MoeGeometry geo;
+  test::MoeGeometry geo;  // GeGLU, separate gate and up
   geo.E = 128;
   geo.k = 8;
-  geo.fused = false;
-  geo.act = Activation::geglu;
   const test::Layer l = test::make_layer(geo);
   const int64_t D = l.cpu.experts.down.w.size(1);
   for (int64_t T : {32, 300}) {

@@ -145,14 +145,16 @@ const RhsTilesVariant kRhsTilesVariants[] = {
 // k tiles at ~0.6 us per tile, 27 us at T = 512 and 2048; bench/NOTES.md step 7c), as data: slices
 // to reach the kernel's CTAs per SM (kSplitCtasPerSm16: the BM=16 kernel's residency;
 // kSplitCtasPerSm64: BM=64 runs uncapped at 2), each at least kSplitMinKTiles k tiles, at most
-// kSplitMaxSlices, and the fp32 slices at most kSplitMaxBytes of workspace. BM=64 splits where
+// kSplitMaxSlices, and the fp32 slices at most kSplitMaxBytes16 / 64 of workspace (8 MB lets BM=64
+// reach 8 slices at 2048 rows of N = 128, as measured; BM=16 keeps its 4). BM=64 splits where
 // every batch element has 64 rows (x [1, T, K]: the router at prefill, T >= 64), so that each
 // weight tile is dequantized once per 64 rows rather than 16 (bench/NOTES.md step 55).
 constexpr int64_t kSplitCtasPerSm16 = RhsTiles16::MIN_CTAS_PER_SM;
 constexpr int64_t kSplitCtasPerSm64 = 2;
 constexpr int64_t kSplitMinKTiles = 4;
 constexpr int64_t kSplitMaxSlices = 16;
-constexpr int64_t kSplitMaxBytes = int64_t{8} << 20;
+constexpr int64_t kSplitMaxBytes16 = int64_t{4} << 20;
+constexpr int64_t kSplitMaxBytes64 = int64_t{8} << 20;
 // BM=64 splits only problems of this many 128-column blocks (the router's N = 128; wider ones keep
 // the measured rule: BM=32 where BM=64's grid is small) and at least this many 64-row tiles: on an
 // H100 the Gemma layer measured +1.8 / +1.8 / 0.0 / -1.1% at 1 / 2 / 8 / 32 tiles (64 / 128 / 512 /
@@ -160,10 +162,10 @@ constexpr int64_t kSplitMaxBytes = int64_t{8} << 20;
 constexpr int64_t kSplitTallMaxColBlocks = 1;
 constexpr int64_t kSplitTallMinRowTiles = 32;
 
-int64_t split_slices(int64_t rows, int64_t N, int64_t K, int64_t bm, int64_t ctas_per_sm) {
+int64_t split_slices(int64_t rows, int64_t N, int64_t K, int64_t bm, int64_t ctas_per_sm, int64_t max_bytes) {
   const int64_t ctas = std::max<int64_t>(1, (rows + bm - 1) / bm * ((N + RhsTiles16::BN - 1) / RhsTiles16::BN));
   const int64_t want = (ctas_per_sm * device_sm_count() + ctas - 1) / ctas;
-  const int64_t by_bytes = kSplitMaxBytes / std::max<int64_t>(1, rows * N * 4);
+  const int64_t by_bytes = max_bytes / std::max<int64_t>(1, rows * N * 4);
   const int64_t slices = std::min({want, K / RhsTiles16::BK / kSplitMinKTiles, kSplitMaxSlices, by_bytes});
   const bool aligned = N % 4 == 0;  // split_k_sum_kernel's float4 slices
   return aligned && slices >= 2 ? slices : 1;
@@ -179,7 +181,8 @@ int64_t rhs_tiles_split_slices(int64_t rows, int64_t N, int64_t K, int bm) {
         row_tiles * col_blocks >= device_sm_count())
       return 1;
   }
-  return split_slices(rows, N, K, bm, bm == 64 ? kSplitCtasPerSm64 : kSplitCtasPerSm16);
+  return bm == 64 ? split_slices(rows, N, K, bm, kSplitCtasPerSm64, kSplitMaxBytes64)
+                  : split_slices(rows, N, K, bm, kSplitCtasPerSm16, kSplitMaxBytes16);
 }
 
 size_t gather_qmm_split_k_bytes(int64_t rows, int64_t N, int64_t K) {

@@ -103,8 +103,8 @@ RouteSupport supports_rhs_tiles(const detail::GatherQmmProblem& p);
 void call_rhs_tiles(const detail::GatherQmmProblem& p, void* out, Workspace* ws);
 // K slices of rhs_tiles' tiles of height bm (16 or 64) for `rows` rows (1: unsplit): enough CTAs for
 // the GPU (a few-column problem with many rows, e.g. the router's projection), at least 4 k tiles
-// per slice, at most 16 slices and 8 MB of fp32 slices, N % 4 == 0; bm 64 only for N <= 128 and
-// at least 2048 rows (where it measured faster).
+// per slice, at most 16 slices and 4 MB (bm 16) / 8 MB (bm 64) of fp32 slices, N % 4 == 0; bm 64
+// only for N <= 128 and at least 2048 rows (where it measured faster).
 int64_t rhs_tiles_split_slices(int64_t rows, int64_t N, int64_t K, int bm);
 // rhs_tiles with a pinned tile height (16, 32 or 64) instead of the table's choice; for tests. The
 // fp modes have BM=16 kernels only: supports_rhs_tiles_tall (BM 32 / 64) refuses them.

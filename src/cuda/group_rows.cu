@@ -115,18 +115,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       total += c;
     }
   }
-  int buf = 0;
-  sm.emit.scan[buf][tid] = total;  // 0 past the buckets
-  __syncthreads();
-  for (int step = 1; step < kThreads; step <<= 1) {
-    int32_t v = sm.emit.scan[buf][tid];
-    if (tid >= step) v += sm.emit.scan[buf][tid - step];
-    sm.emit.scan[buf ^ 1][tid] = v;
-    buf ^= 1;
-    __syncthreads();
-  }
+  int32_t all_rows;  // n: every row has a bucket
+  // Each bucket's first output row (total is 0 past the buckets).
+  const int32_t first = device::cta_inclusive_scan(total, sm.emit, all_rows) - total;
   if (tid < buckets) {
-    const int32_t first = sm.emit.scan[buf][tid] - total;
     sm.first_row[tid] = first;
     for (int w = 0; w < kWarps; ++w) sm.offset[w][tid] += first;
   }

@@ -22,6 +22,25 @@ __device__ __forceinline__ int32_t tiles_of(int32_t rows) {
   return rows / detail::kTileRowsFull + (rows % detail::kTileRowsFull != 0);
 }
 
+// Inclusive sum of every thread's v over threads 0 .. threadIdx.x (a Hillis-Steele scan: 10 steps,
+// ping-pong buffers in sm.scan, one barrier each); cta_total gets the sum over the CTA. Every thread
+// of the CTA calls it; sm.scan may be rewritten only after a barrier that follows the call.
+__device__ __forceinline__ int32_t cta_inclusive_scan(int32_t v, TilePlanEmitSmem& sm, int32_t& cta_total) {
+  const int tid = threadIdx.x;
+  int buf = 0;
+  sm.scan[buf][tid] = v;
+  __syncthreads();
+  for (int offset = 1; offset < kPlanThreads; offset <<= 1) {
+    int32_t sum = sm.scan[buf][tid];
+    if (tid >= offset) sum += sm.scan[buf][tid - offset];
+    sm.scan[buf ^ 1][tid] = sum;
+    buf ^= 1;
+    __syncthreads();
+  }
+  cta_total = sm.scan[buf][kPlanThreads - 1];
+  return sm.scan[buf][tid];
+}
+
 // Writes the tiles of a valid plan and then its header (thread 0).
 //   first_row (E + 1,) shared: the first sorted row of each expert, then n (non-decreasing)
 //   tiles     (max_tiles(n, E),) ExpertTile; [0, tile_count) written
@@ -44,18 +63,8 @@ __device__ __forceinline__ void emit_tile_plan(const int32_t* first_row, int E, 
     const int expert = round_base + tid;
     const int32_t my_tiles = expert < E ? tiles_of(row_bound[tid + 1] - row_bound[tid]) : 0;
 
-    int buf = 0;
-    sm.scan[buf][tid] = my_tiles;
-    __syncthreads();
-    for (int offset = 1; offset < kPlanThreads; offset <<= 1) {
-      int32_t v = sm.scan[buf][tid];
-      if (tid >= offset) v += sm.scan[buf][tid - offset];
-      sm.scan[buf ^ 1][tid] = v;
-      buf ^= 1;
-      __syncthreads();
-    }
-    sm.first_slot[tid] = sm.scan[buf][tid] - my_tiles;
-    const int32_t round_tiles = sm.scan[buf][kPlanThreads - 1];
+    int32_t round_tiles;
+    sm.first_slot[tid] = cta_inclusive_scan(my_tiles, sm, round_tiles) - my_tiles;
     __syncthreads();
 
     for (int32_t slot = tid; slot < round_tiles; slot += kPlanThreads) {
