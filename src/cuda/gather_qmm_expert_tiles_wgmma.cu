@@ -61,6 +61,7 @@ constexpr int kCtaRows = 128;    // weight rows per CTA, 64 per warpgroup
 constexpr int kBK = 64;          // k per pipeline stage (one quantization group at group size 64)
 std::atomic<uint64_t> g_tiled_launches{0};  // wgmma_tiled_launches()
 static_assert(kTileColumnsAlign % kCtaRows == 0, "a column window (launch_expert_tiles_columns) starts at a CTA's rows");
+static_assert(kCtaRows == device::kCombineColumns, "the epilogue's combine counts one plain CTA's column block");
 
 // Pipeline depth and residency per build (widest wgmma n32, n64 or n128), as data: stages, the
 // prefetch distance (at most kStages - 1: the barrier at the top of k tile kt frees the slot tile
@@ -151,9 +152,19 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
   constexpr Activation kAct = kForm == WgmmaForm::swiglu ? Activation::swiglu : Activation::geglu;
   const TileArgs& a = p.tile;
   const int tid = threadIdx.x;
+  // The epilogue's combine (plain form, p.combine set): counts the stored rows, combines finished tokens.
+  auto combine_rows = [&] {
+    if constexpr (!kGlu) {
+      if (p.combine.counters)
+        device::combine_landed_rows<T, kThreads, kTokens>(p.combine, static_cast<const T*>(a.out), a.N, row0,
+                                                          store_begin, store_end, col_block,
+                                                          reinterpret_cast<int*>(smem), a.faults);
+    }
+  };
   if (expert < 0 || expert >= a.E) {
     if (tid == 0)
       record_fault(a.faults, kFaultExpertOutOfRange, static_cast<uint32_t>(expert), static_cast<uint32_t>(a.E));
+    combine_rows();  // the rows count as written (as the separate combine reads them): their tokens finish
     return;  // uniform: every thread sees the same expert
   }
 
@@ -410,6 +421,7 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
     *reinterpret_cast<uint4*>(out + (row0 + tok) * a.N + col) = v;
   }
   __syncthreads();  // row offsets and the staging are rewritten by the next tile
+  combine_rows();   // ends with a barrier too
 }
 
 // Grid (column blocks, min(tile slots, 65535)), 256 threads, L::kAllocBytes of dynamic shared
@@ -612,13 +624,27 @@ bool wgmma_tiles_fit(const detail::GatherQmmProblem& p) {
   return wgmma_builds_take(p) && (p.bits == 4 || wgmma_8bit_rows_enough(p) || wgmma_setting() == RouteSwitch::on);
 }
 
+namespace {
+
+// The build's widest wgmma for `rows` rows over E experts (kWidths; the pin; 8-bit codes' one build).
+int build_tokens(int64_t rows, int64_t E, int bits) {
+  int max_tokens = wgmma_width();  // EXPERTQMM_WGMMA_WIDTH / set_wgmma_width pins a build
+  for (const WidthChoice& w : kWidths)
+    if (max_tokens == 0 && rows <= w.max_rows_per_expert * E) max_tokens = w.max_tokens;
+  return bits == 8 ? kWide8BitTokens : max_tokens;
+}
+
+}  // namespace
+
+bool wgmma_combine_fits(const detail::GatherQmmProblem& p) {
+  const bool fp = p.mode != QuantMode::affine;
+  return wgmma_tiles_fit(p) && !wgmma_ws_takes(p.dtype, p.bits, fp, build_tokens(p.B, p.w_batch, p.bits));
+}
+
 void launch_expert_tiles_wgmma(const WgmmaTileArgs& p, WgmmaForm form, DType dtype, const ExpertTile* tiles,
                                const TilePlanHeader* header, int64_t tile_slots, bool fp) {
   const int bits = p.tile.q.words_per_row * 32 / p.tile.K;  // codes per row: K * bits / 32 words
-  int max_tokens = wgmma_width();  // EXPERTQMM_WGMMA_WIDTH / set_wgmma_width pins a build
-  for (const WidthChoice& w : kWidths)
-    if (max_tokens == 0 && p.tile.rows <= w.max_rows_per_expert * p.tile.E) max_tokens = w.max_tokens;
-  if (bits == 8) max_tokens = kWide8BitTokens;
+  const int max_tokens = build_tokens(p.tile.rows, p.tile.E, bits);
   // The tile layout where the weights (both, glu) carry one that quant_view found to be theirs.
   const bool tiled = bits == 4 && !fp && p.tile.q.tiled_codes != nullptr &&
                      (!is_glu(form) || p.up.tiled_codes != nullptr);
@@ -632,6 +658,9 @@ void launch_expert_tiles_wgmma(const WgmmaTileArgs& p, WgmmaForm form, DType dty
     return false;
   };
   if (wgmma_ws_takes(dtype, bits, fp, max_tokens)) {
+    // The layer plan gives the combine to the two-CTA kernel only (wgmma_combine_fits).
+    EXPERTQMM_CHECK(p.combine.counters == nullptr, "gather_qmm",
+                    "the warp-specialized build has no combine epilogue (the layer plan asked for one)");
     launch_expert_tiles_ws(p, form, dtype, tiles, header);
     // A retracted plan: the narrowest two-CTA build walks its rows (nothing else runs).
     WgmmaTileArgs fallback = p;

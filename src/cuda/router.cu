@@ -76,6 +76,71 @@ __global__ void router_rms_norm_kernel(const typename Elem<D>::storage* __restri
   }
 }
 
+// The same r for 16-bit h and scale with H % 8 == 0, H <= 32 * 8 * kWarpNormUnits, 16-byte aligned
+// rows: one warp per token, 8 tokens per CTA (many tokens: the one-CTA-per-token kernel above issued
+// 2-byte loads from 256 threads per row and ran at ~1.4 TB/s at 2048 tokens, bench/NOTES.md step 57).
+// Lane l owns the 8-value units u = l, l + 32, ... (16-byte loads, all in flight before the math);
+// per unit the squares are summed in index order, the units in u order, the lanes by xor shuffles;
+// then r = D(h * inv_rms * (scale * root_size)) per value, stored as one 16-byte unit.
+constexpr int kWarpNormUnits = 16;  // units per lane: H <= 4096
+
+template <DType D, DType S>
+__global__ void router_rms_norm_warp_kernel(const typename Elem<D>::storage* __restrict__ h, int64_t h_row_stride,
+                                            int64_t T, int64_t H, const typename Elem<S>::storage* __restrict__ scale,
+                                            float root_size, float eps, typename Elem<D>::storage* __restrict__ r) {
+  static_assert(sizeof(typename Elem<D>::storage) == 2 && sizeof(typename Elem<S>::storage) == 2, "16-bit h and scale");
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarpsPerCta + (threadIdx.x >> 5);
+  if (t >= T) return;  // uniform per warp
+  const int lane = threadIdx.x & 31;
+  const int units = static_cast<int>(H / 8);
+  const uint4* row = reinterpret_cast<const uint4*>(h + t * h_row_stride);
+  uint4 hv[kWarpNormUnits];
+#pragma unroll
+  for (int j = 0; j < kWarpNormUnits; ++j)
+    if (lane + 32 * j < units) hv[j] = row[lane + 32 * j];
+  float sum_sq = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kWarpNormUnits; ++j) {
+    if (lane + 32 * j >= units) break;
+    const uint16_t* v = reinterpret_cast<const uint16_t*>(&hv[j]);
+    float unit_sq = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float x = Elem<D>::load(v[i]);
+      unit_sq = __fadd_rn(unit_sq, __fmul_rn(x, x));
+    }
+    sum_sq = __fadd_rn(sum_sq, unit_sq);
+  }
+  for (int off = 16; off > 0; off >>= 1) sum_sq = __fadd_rn(sum_sq, __shfl_xor_sync(0xffffffffu, sum_sq, off));
+  const float inv_rms = __fdiv_rn(1.0f, __fsqrt_rn(__fadd_rn(__fdiv_rn(sum_sq, static_cast<float>(H)), eps)));
+  const uint4* scale_units = reinterpret_cast<const uint4*>(scale);
+  uint4* out = reinterpret_cast<uint4*>(r + t * H);
+#pragma unroll
+  for (int j = 0; j < kWarpNormUnits; ++j) {
+    const int u = lane + 32 * j;
+    if (u >= units) break;
+    const uint4 sv = scale_units[u];
+    const uint16_t* x = reinterpret_cast<const uint16_t*>(&hv[j]);
+    const uint16_t* w = reinterpret_cast<const uint16_t*>(&sv);
+    uint4 o;
+    uint16_t* ov = reinterpret_cast<uint16_t*>(&o);
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      ov[i] = Elem<D>::store(
+          __fmul_rn(__fmul_rn(Elem<D>::load(x[i]), inv_rms), __fmul_rn(Elem<S>::load(w[i]), root_size)));
+    out[u] = o;
+  }
+}
+
+// Whether the warp kernel takes the norm: 16-bit h and scale, whole 16-byte units, aligned rows.
+bool warp_norm_fits(const Tensor& h, const Tensor& scale, const void* r) {
+  const auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  const int64_t H = h.size(1);
+  return dtype_size(h.dtype()) == 2 && dtype_size(scale.dtype()) == 2 && H % 8 == 0 &&
+         H <= 32 * 8 * kWarpNormUnits && (h.size(0) <= 1 || h.stride(0) % 8 == 0) && aligned16(h.data()) &&
+         aligned16(scale.data()) && aligned16(r);
+}
+
 // Top-k over each token's logits, softmax over the k, times per_expert_scale.
 //   logits (T, E) of L;  per_expert_scale (E) of pes_dtype
 //   indices (T, k) int32, best first;  weights (T, k) of W
@@ -192,12 +257,23 @@ void route_into(const Tensor& h, const RouterWeights& router, int32_t* indices, 
   if (rs.gemma4) dispatch_float(rs.h_dtype, op, [&](auto tag) {
     const Tensor scale = router.scale.contiguous();
     constexpr DType D = decltype(tag)::value;
+    const bool warp_norm = warp_norm_fits(h, scale, r);
     dispatch_float(scale.dtype(), op, [&](auto stag) {
       constexpr DType S = decltype(stag)::value;
       using HS = typename Elem<D>::storage;
+      using SS = typename Elem<S>::storage;
+      if constexpr (sizeof(HS) == 2 && sizeof(SS) == 2) {
+        if (warp_norm) {
+          router_rms_norm_warp_kernel<D, S><<<ctas_for(T, kWarpsPerCta), kWarpsPerCta * 32, 0, stream>>>(
+              h.data_as<const HS>(), h.stride(0), T, H, scale.data_as<const SS>(), root_size, router.eps,
+              static_cast<HS*>(r));
+          EXPERTQMM_CUDA_CHECK_LAUNCH(router_rms_norm_warp_kernel);
+          return;
+        }
+      }
       router_rms_norm_kernel<D, S><<<static_cast<unsigned>(T), kNormThreads, 0, stream>>>(
-          h.data_as<const HS>(), h.stride(0), H, scale.data_as<const typename Elem<S>::storage>(), root_size,
-          router.eps, static_cast<HS*>(r));
+          h.data_as<const HS>(), h.stride(0), H, scale.data_as<const SS>(), root_size, router.eps,
+          static_cast<HS*>(r));
       EXPERTQMM_CUDA_CHECK_LAUNCH(router_rms_norm_kernel);
     });
   });
