@@ -152,19 +152,9 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
   constexpr Activation kAct = kForm == WgmmaForm::swiglu ? Activation::swiglu : Activation::geglu;
   const TileArgs& a = p.tile;
   const int tid = threadIdx.x;
-  // The epilogue's combine (plain form, p.combine set): counts the stored rows, combines finished tokens.
-  auto combine_rows = [&] {
-    if constexpr (!kGlu) {
-      if (p.combine.counters)
-        device::combine_landed_rows<T, kThreads, kTokens>(p.combine, static_cast<const T*>(a.out), a.N, row0,
-                                                          store_begin, store_end, col_block,
-                                                          reinterpret_cast<int*>(smem), a.faults);
-    }
-  };
   if (expert < 0 || expert >= a.E) {
     if (tid == 0)
       record_fault(a.faults, kFaultExpertOutOfRange, static_cast<uint32_t>(expert), static_cast<uint32_t>(a.E));
-    combine_rows();  // the rows count as written (as the separate combine reads them): their tokens finish
     return;  // uniform: every thread sees the same expert
   }
 
@@ -421,7 +411,6 @@ __device__ __forceinline__ void wgmma_tile(const WgmmaTileArgs& p, int expert, i
     *reinterpret_cast<uint4*>(out + (row0 + tok) * a.N + col) = v;
   }
   __syncthreads();  // row offsets and the staging are rewritten by the next tile
-  combine_rows();   // ends with a barrier too
 }
 
 // Grid (column blocks, min(tile slots, 65535)), 256 threads, L::kAllocBytes of dynamic shared
@@ -442,6 +431,18 @@ __global__ void __launch_bounds__(kThreads, PipelineDepth<kMaxTokens, kBits>::kC
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   unsigned char* smem = smem_raw + ((1024u - (raw & 1023u)) & 1023u);
   const int sorted = header->sorted;
+  // The epilogue's combine (plain form, p.combine set), once per plan tile or run: counts the rows
+  // just stored (also those of an out-of-range expert, which the combine kernel would have read as
+  // they were) and combines the tokens they finish. One call site per loop keeps its registers out
+  // of the k loop's.
+  auto combine = [&](int64_t row0, int begin, int end) {
+    if constexpr (!is_glu(kForm)) {
+      if (p.combine.counters)
+        device::combine_landed_rows<T, kThreads, kCtaRows>(p.combine, static_cast<const T*>(p.tile.out), p.tile.N,
+                                                           row0, begin, end, blockIdx.x,
+                                                           reinterpret_cast<int*>(smem), p.tile.faults);
+    }
+  };
   if (!sorted && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && p.retractions)
     atomicAdd(p.retractions, static_cast<unsigned long long>(p.calls));
   if (sorted) {
@@ -449,36 +450,39 @@ __global__ void __launch_bounds__(kThreads, PipelineDepth<kMaxTokens, kBits>::kC
     const int tile_count = header->tile_count;
     for (int i = blockIdx.y; i < tile_count; i += gridDim.y) {
       const ExpertTile tile = tiles[i];
-      // A 128-row class tile of at most 96 rows (an expert with 65-96 rows, e.g. ~half of them at
-      // T=1024) runs one n96 wgmma: 25% less tensor work than n128 for the same single pass over
-      // its weights (bench/NOTES.md step 7g).
-      if constexpr (kMaxTokens == 128) {
-        if (tile.bm == 128 && tile.rows <= 96) {
-          wgmma_tile<T, 96, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
-          continue;
+      [&] {
+        // A 128-row class tile of at most 96 rows (an expert with 65-96 rows, e.g. ~half of them at
+        // T=1024) runs one n96 wgmma: 25% less tensor work than n128 for the same single pass over
+        // its weights (bench/NOTES.md step 7g).
+        if constexpr (kMaxTokens == 128) {
+          if (tile.bm == 128 && tile.rows <= 96) {
+            wgmma_tile<T, 96, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
+            return;
+          }
         }
-      }
-      if (tile.bm >= kMaxTokens) {  // the widest wgmma; a taller tile runs as pieces of kMaxTokens rows
-        for (int piece = 0; piece < tile.rows; piece += kMaxTokens) {
-          const int rows = min(kMaxTokens, tile.rows - piece);
-          wgmma_tile<T, kMaxTokens, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin + piece, rows, 0, rows, blockIdx.x, smem);
+        if (tile.bm >= kMaxTokens) {  // the widest wgmma; a taller tile runs as pieces of kMaxTokens rows
+          for (int piece = 0; piece < tile.rows; piece += kMaxTokens) {
+            const int rows = min(kMaxTokens, tile.rows - piece);
+            wgmma_tile<T, kMaxTokens, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin + piece, rows, 0, rows, blockIdx.x, smem);
+          }
+          return;
         }
-        continue;
-      }
-      // Narrower tile classes (16, 32, 64) below the build's width.
-      if constexpr (kMaxTokens > 64) {
-        if (tile.bm == 64) {
-          wgmma_tile<T, 64, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
-          continue;
+        // Narrower tile classes (16, 32, 64) below the build's width.
+        if constexpr (kMaxTokens > 64) {
+          if (tile.bm == 64) {
+            wgmma_tile<T, 64, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
+            return;
+          }
         }
-      }
-      if constexpr (kMaxTokens > 32) {
-        if (tile.bm == 32) {
-          wgmma_tile<T, 32, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
-          continue;
+        if constexpr (kMaxTokens > 32) {
+          if (tile.bm == 32) {
+            wgmma_tile<T, 32, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
+            return;
+          }
         }
-      }
-      wgmma_tile<T, 16, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
+        wgmma_tile<T, 16, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
+      }();
+      combine(tile.row_begin, 0, tile.rows);  // a plan tile holds at most 128 rows
     }
     return;
   }
@@ -488,6 +492,7 @@ __global__ void __launch_bounds__(kThreads, PipelineDepth<kMaxTokens, kBits>::kC
     device::for_each_expert_run<16>(p.tile, tile, tile_expert, [&](int expert, int64_t row0, int load_rows, int begin,
                                                                    int end) {
       wgmma_tile<T, 16, kForm, L, kFp, kTiled>(p, expert, row0, load_rows, begin, end, blockIdx.x, smem);
+      combine(row0, begin, end);
     });
 #else
   // Compiled for an architecture without wgmma: never selected (wgmma_available), so never run.

@@ -40,7 +40,6 @@ struct TokenCombine {
 namespace device {
 
 constexpr int kCombineColumns = 128;  // columns per counter: the plain GEMM's CTA block
-constexpr int kCombineSlotBatch = 8;  // slots whose row ids, weights and y loads are issued together
 
 template <DType Y, int VEC>
 struct alignas(sizeof(typename cuda::Elem<Y>::storage) * VEC) CombinePack {
@@ -51,9 +50,9 @@ struct alignas(sizeof(typename cuda::Elem<Y>::storage) * VEC) CombinePack {
 // and sums in slot order (explicit round-to-nearest, no FMA: the CPU backend's sequence of
 // operations). Slot j reads y row slot_row[t*k + j] (identity t*k + j when slot_row is null); a row
 // outside [0, y_rows) is recorded as a fault (once, by the thread of column 0) and skipped. The
-// slots go 8 at a time: their row ids and weights, then their 8 loads in flight, then the math.
+// slots go kBatch at a time: their row ids and weights, then their loads in flight, then the math.
 // kBypassL1: y was written by other CTAs of the running kernel (loads at L2 scope).
-template <DType Y, int VEC, bool kBypassL1>
+template <DType Y, int VEC, bool kBypassL1, int kBatch = 8>
 __device__ __forceinline__ void weighted_rows_sum(const typename cuda::Elem<Y>::storage* __restrict__ y, int64_t y_rows,
                                                   int64_t y_ld, const int32_t* __restrict__ slot_row,
                                                   const void* __restrict__ w, DType w_dtype, int64_t t, int64_t k,
@@ -61,19 +60,19 @@ __device__ __forceinline__ void weighted_rows_sum(const typename cuda::Elem<Y>::
   using Pack = CombinePack<Y, VEC>;
 #pragma unroll
   for (int i = 0; i < VEC; ++i) acc[i] = 0.0f;
-  for (int64_t j0 = 0; j0 < k; j0 += kCombineSlotBatch) {
-    int64_t row[kCombineSlotBatch];
-    float wj[kCombineSlotBatch];
+  for (int64_t j0 = 0; j0 < k; j0 += kBatch) {
+    int64_t row[kBatch];
+    float wj[kBatch];
 #pragma unroll
-    for (int s = 0; s < kCombineSlotBatch; ++s) {
+    for (int s = 0; s < kBatch; ++s) {
       const int64_t slot = t * k + j0 + s;
       const bool live = j0 + s < k;
       row[s] = !live ? -1 : slot_row ? slot_row[slot] : slot;
       wj[s] = live ? load_any(w, w_dtype, slot) : 0.0f;
     }
-    Pack yv[kCombineSlotBatch];
+    Pack yv[kBatch];
 #pragma unroll
-    for (int s = 0; s < kCombineSlotBatch; ++s) {
+    for (int s = 0; s < kBatch; ++s) {
       if (row[s] < 0 || row[s] >= y_rows) continue;
       const Pack* src = reinterpret_cast<const Pack*>(y + row[s] * y_ld + c);
       if constexpr (kBypassL1 && sizeof(Pack) == 16) {
@@ -84,7 +83,7 @@ __device__ __forceinline__ void weighted_rows_sum(const typename cuda::Elem<Y>::
       }
     }
 #pragma unroll
-    for (int s = 0; s < kCombineSlotBatch; ++s) {
+    for (int s = 0; s < kBatch; ++s) {
       if (j0 + s >= k) break;
       if (row[s] < 0 || row[s] >= y_rows) {
         if (c == 0)
@@ -102,7 +101,10 @@ __device__ __forceinline__ void weighted_rows_sum(const typename cuda::Elem<Y>::
 // same arguments after the tile's stores and their barrier; `list` is kMaxRows + 1 ints of shared
 // memory nobody reads until the function's final barrier. y: the window's output, rows N apart.
 // Work split: the count, one thread per row; the combine, one thread per (listed token, 8-column
-// chunk): 16 chunks per token, 16 tokens per pass of 256 threads.
+// chunk): 16 chunks per token, 16 tokens per pass of 256 threads; 4 slots' loads in flight per
+// thread (8 left the kernel's plain builds spilling).
+// Called once per plan tile from the kernel's loop, not from each tile width's epilogue (inlined in
+// all five, the plain n128 build spilled 2.5-4 KB).
 template <class T, int kThreads, int kMaxRows>
 __device__ __forceinline__ void combine_landed_rows(const TokenCombine& c, const T* __restrict__ y, int N,
                                                     int64_t row0, int begin, int end, int col_block, int* list,
@@ -131,7 +133,7 @@ __device__ __forceinline__ void combine_landed_rows(const TokenCombine& c, const
     const int col = col_block * kCombineColumns + (i % kChunks) * 8;
     if (col >= N) continue;
     float acc[8];
-    weighted_rows_sum<Y, 8, true>(reinterpret_cast<const Storage*>(y), c.y_rows, N, c.slot_row, c.weights,
+    weighted_rows_sum<Y, 8, true, 4>(reinterpret_cast<const Storage*>(y), c.y_rows, N, c.slot_row, c.weights,
                                   c.weight_dtype, t, c.k, col, acc, faults);
     CombinePack<Y, 8> o;
 #pragma unroll
