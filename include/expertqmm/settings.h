@@ -88,7 +88,7 @@ void set_wgmma(RouteSwitch s);
 RouteSwitch wgmma_setting();
 
 // EXPERTQMM_WGMMA_WS=0|1: 1 runs the 4-bit affine wgmma expert GEMM's wide build (128 tokens; every
-// form, the down GEMM's combine included) as the warp-specialized kernel
+// form; the combine in down's epilogue stays with the two-CTA kernel) as the warp-specialized kernel
 // (gather_qmm_expert_tiles_ws.cu: a producer warpgroup feeding an mbarrier ring, persistent CTAs; it
 // reads a projection's tile layout where there is one); unset / 0: the two-CTA kernel (bench/NOTES.md
 // step 47: until measured).
