@@ -76,13 +76,6 @@ TEST(Settings, GroupRowsVariable) {
   for (const char* bad : kSwitchBad) expect_rejected("EXPERTQMM_GROUP_ROWS", bad);
 }
 
-TEST(Settings, CombineInDownVariable) {
-  EXPECT_EQ(parse({}).combine_in_down, RouteSwitch::automatic);
-  EXPECT_EQ(parse({{"EXPERTQMM_COMBINE_IN_DOWN", "0"}}).combine_in_down, RouteSwitch::off);
-  EXPECT_EQ(parse({{"EXPERTQMM_COMBINE_IN_DOWN", "1"}}).combine_in_down, RouteSwitch::on);
-  for (const char* bad : kSwitchBad) expect_rejected("EXPERTQMM_COMBINE_IN_DOWN", bad);
-}
-
 TEST(Settings, DecodeRouteInGateUpVariable) {
   EXPECT_EQ(parse({}).decode_route_in_gate_up, RouteSwitch::automatic);
   EXPECT_EQ(parse({}).decode_down_groups, RouteSwitch::automatic);
@@ -143,7 +136,7 @@ TEST(Settings, ChainedLaunchScopeIsPerThreadAndRestores) {
 // Every variable of the table is parsed (a bad value of each is caught), and nothing else is.
 TEST(Settings, TableListsEveryVariableAndEachIsValidated) {
   const std::vector<SettingInfo> table = settings_table();
-  ASSERT_EQ(table.size(), 11u);
+  ASSERT_EQ(table.size(), 10u);
   for (const SettingInfo& row : table) {
     EXPECT_EQ(row.variable.rfind("EXPERTQMM_", 0), 0u) << row.variable;
     EXPECT_FALSE(row.values.empty() || row.current.empty() || row.what.empty()) << row.variable;

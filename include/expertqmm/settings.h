@@ -88,7 +88,7 @@ void set_wgmma(RouteSwitch s);
 RouteSwitch wgmma_setting();
 
 // EXPERTQMM_WGMMA_WS=0|1: 1 runs the 4-bit affine wgmma expert GEMM's wide build (128 tokens; every
-// form; the combine in down's epilogue stays with the two-CTA kernel) as the warp-specialized kernel
+// form, the down GEMM's combine included) as the warp-specialized kernel
 // (gather_qmm_expert_tiles_ws.cu: a producer warpgroup feeding an mbarrier ring, persistent CTAs; it
 // reads a projection's tile layout where there is one); unset / 0: the two-CTA kernel (bench/NOTES.md
 // step 47: until measured).
@@ -102,14 +102,6 @@ RouteSwitch wgmma_ws_setting();
 // 2^18 rows). bench/NOTES.md step 54.
 void set_group_rows(RouteSwitch s);
 RouteSwitch group_rows_setting();
-// EXPERTQMM_COMBINE_IN_DOWN=0|1: the MoE layer's weighted slot-order combine inside the down GEMM's
-// epilogue (src/cuda/device/token_combine.cuh: per token and 128 columns, the CTA that writes the
-// last of its k rows combines them, while they are in the L2); 0: a combine kernel after each down
-// window. The same bits either way. Unset: on wherever the down GEMM runs on the two-CTA wgmma
-// kernel (sm_90a, the sorted path); 1 the same (other kernels have no such epilogue).
-// bench/NOTES.md step 56.
-void set_combine_in_down(RouteSwitch s);
-RouteSwitch combine_in_down_setting();
 
 // EXPERTQMM_WGMMA_WIDTH=32|64|128 pins one build of the wgmma expert-tile GEMM (its token width);
 // 0 / unset: the measured table picks per call.

@@ -35,8 +35,7 @@ int parse_wgmma_width(const char* variable, const std::optional<std::string>& va
 // API overrides: -1 = none (the environment decides), else the value.
 constexpr int kNone = -1;
 std::atomic<int> g_expert_tiles{kNone}, g_decode_layer{kNone}, g_decode_route_in_gate_up{kNone}, g_chained_launch{kNone}, g_deterministic{kNone}, g_wgmma{kNone},
-    g_wgmma_width{kNone}, g_decode_down_groups{kNone}, g_wgmma_ws{kNone}, g_group_rows{kNone},
-    g_combine_in_down{kNone};
+    g_wgmma_width{kNone}, g_decode_down_groups{kNone}, g_wgmma_ws{kNone}, g_group_rows{kNone};
 std::atomic<ProductMode> g_product_mode{ProductMode::fused};
 thread_local int t_chained_launch = kNone;  // ChainedLaunchScope's value on this thread
 
@@ -97,11 +96,6 @@ const Variable kVariables[] = {
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.group_rows = parse_switch(n, v); },
      [] { return std::string(switch_text(group_rows_setting())); },
      &g_group_rows, [](const EnvSettings& e) { return switch_override(e.group_rows); }},
-    {"EXPERTQMM_COMBINE_IN_DOWN", "0|1",
-     "the MoE layer's weighted combine in the down GEMM's epilogue (the CTA that writes a token's last row combines it; the same bits): 0 a combine kernel after down (unset: on where the down GEMM runs on the two-CTA wgmma kernel)",
-     [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.combine_in_down = parse_switch(n, v); },
-     [] { return std::string(switch_text(combine_in_down_setting())); },
-     &g_combine_in_down, [](const EnvSettings& e) { return switch_override(e.combine_in_down); }},
 };
 
 // The environment, parsed on first use. A bad value is kept as its message and thrown on every read.
@@ -198,9 +192,6 @@ RouteSwitch wgmma_ws_setting() { return read_switch(g_wgmma_ws, env().wgmma_ws);
 
 void set_group_rows(RouteSwitch s) { set_switch(g_group_rows, s, "set_group_rows"); }
 RouteSwitch group_rows_setting() { return read_switch(g_group_rows, env().group_rows); }
-
-void set_combine_in_down(RouteSwitch s) { set_switch(g_combine_in_down, s, "set_combine_in_down"); }
-RouteSwitch combine_in_down_setting() { return read_switch(g_combine_in_down, env().combine_in_down); }
 
 void set_wgmma_width(int width) {
   EXPERTQMM_CHECK(width == 0 || width == 32 || width == 64 || width == 128, "set_wgmma_width", "width ", width,

@@ -21,7 +21,6 @@ struct EnvSettings {
   int wgmma_width = 0;                                 // 0: the measured table
   RouteSwitch wgmma_ws = RouteSwitch::automatic;       // automatic = off (step 47, not yet measured)
   RouteSwitch group_rows = RouteSwitch::automatic;     // automatic = up to 8192 rows (measured)
-  RouteSwitch combine_in_down = RouteSwitch::automatic;  // automatic = on (step 56: predicted, A/B pending)
 };
 
 // Looks a variable up: the value, or nullopt when unset.

@@ -4,7 +4,6 @@
 // sequence of fp32 operations as the CPU backend), one rounding to the output dtype. In the MoE
 // path row(t, j) = inv_order[t*k + j] reads the down GEMM's output in sorted order, so no unsort.
 #include "cuda/cuda_backend.h"
-#include "cuda/device/token_combine.cuh"
 #include "cuda/moe_internal.h"
 
 namespace expertqmm::cuda {
@@ -12,6 +11,21 @@ namespace expertqmm::cuda {
 namespace {
 
 constexpr int kMaxThreads = 256;
+
+template <DType D, int VEC>
+struct alignas(sizeof(typename Elem<D>::storage) * VEC) Pack {
+  typename Elem<D>::storage v[VEC];
+};
+
+__device__ __forceinline__ float load_weight(const void* w, DType dtype, int64_t i) {
+  switch (dtype) {
+    case DType::bf16: return bf16_to_float(static_cast<const uint16_t*>(w)[i]);
+    case DType::f16: return f16_to_float(static_cast<const uint16_t*>(w)[i]);
+    default: return static_cast<const float*>(w)[i];
+  }
+}
+
+constexpr int kSlotBatch = 8;  // slots whose row ids, weights and y loads are all issued before any math
 
 // Weighted sum of k rows per token over D columns.
 //   y        (y_rows, D) of Y, rows y_ld apart; slot (t, j) reads row slot_row[t*k + j] (identity
@@ -33,11 +47,38 @@ __global__ void weighted_combine_kernel(const typename Elem<Y>::storage* __restr
   const int64_t c = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * VEC;
   if (c >= D) return;
   float acc[VEC];
-  device::weighted_rows_sum<Y, VEC, false>(y, y_rows, y_ld, slot_row, w, w_dtype, t, k, c, acc, faults);
-  device::CombinePack<O, VEC> o;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) acc[i] = 0.0f;
+  for (int64_t j0 = 0; j0 < k; j0 += kSlotBatch) {
+    int64_t row[kSlotBatch];
+    float wj[kSlotBatch];
+#pragma unroll
+    for (int s = 0; s < kSlotBatch; ++s) {
+      const int64_t slot = t * k + j0 + s;
+      const bool live = j0 + s < k;
+      row[s] = !live ? -1 : slot_row ? slot_row[slot] : slot;
+      wj[s] = live ? load_weight(w, w_dtype, slot) : 0.0f;
+    }
+    Pack<Y, VEC> yv[kSlotBatch];
+#pragma unroll
+    for (int s = 0; s < kSlotBatch; ++s)
+      if (row[s] >= 0 && row[s] < y_rows) yv[s] = *reinterpret_cast<const Pack<Y, VEC>*>(y + row[s] * y_ld + c);
+#pragma unroll
+    for (int s = 0; s < kSlotBatch; ++s) {
+      if (j0 + s >= k) break;
+      if (row[s] < 0 || row[s] >= y_rows) {
+        if (c == 0)
+          record_fault(faults, kFaultRowOutOfRange, static_cast<uint32_t>(row[s]), static_cast<uint32_t>(y_rows));
+        continue;
+      }
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(wj[s], Elem<Y>::load(yv[s].v[i])));
+    }
+  }
+  Pack<O, VEC> o;
 #pragma unroll
   for (int i = 0; i < VEC; ++i) o.v[i] = Elem<O>::store(acc[i]);
-  *reinterpret_cast<device::CombinePack<O, VEC>*>(out + t * out_ld + c) = o;
+  *reinterpret_cast<Pack<O, VEC>*>(out + t * out_ld + c) = o;
 }
 
 template <DType Y, DType O, int VEC>

@@ -196,11 +196,9 @@ TileArgs window_tile_args(const detail::GatherQmmProblem& p, void* out, RowWindo
 // wgmma_tiles_fit, else the mma.sync one. Retractions are counted by the GEMM kernels, once per
 // call (count_retraction: once per call of which this launch is the first).
 void run_expert_tiles(const detail::GatherQmmProblem& p, void* out, Workspace* ws, TileKernel kernel,
-                      RowWindow window = {}, bool count_retraction = true, const TokenCombine* combine = nullptr) {
+                      RowWindow window = {}, bool count_retraction = true) {
   if (kernel == TileKernel::automatic)
     kernel = wgmma_tiles_fit(p) && is_aligned(out, 16) ? TileKernel::wgmma : TileKernel::mma_sync;
-  EXPERTQMM_CHECK(combine == nullptr || kernel == TileKernel::wgmma, "gather_qmm",
-                  "the combine epilogue needs the wgmma kernel, which does not take ", p.describe());
   unsigned long long* retractions = count_retraction ? retraction_counter(detail::Primitive::gather_qmm) : nullptr;
   const ExpertTilesVariant* variant = nullptr;
   for (const ExpertTilesVariant& v : kExpertTilesVariants)
@@ -224,10 +222,6 @@ void run_expert_tiles(const detail::GatherQmmProblem& p, void* out, Workspace* w
     args.tile = window_tile_args(p, out, window);
     args.retractions = retractions;
     args.calls = 1;
-    if (combine) {
-      args.combine = *combine;
-      args.combine.col_block0 = static_cast<int>(window.begin / device::kCombineColumns);
-    }
     launch_expert_tiles_wgmma(args, WgmmaForm::plain, p.dtype, v.tiles, v.header, v.tile_slots,
                               p.mode != QuantMode::affine);
   } else {
@@ -278,13 +272,13 @@ void launch_gate_up_glu(const detail::GatherQmmProblem& gate, const detail::Gath
 }
 
 void launch_expert_tiles_columns(const detail::GatherQmmProblem& p, int64_t begin, int64_t count, void* out,
-                                 bool count_retraction, const TokenCombine* combine) {
+                                 bool count_retraction) {
   EXPERTQMM_CHECK(p.tile_plan != nullptr && begin >= 0 && count > 0 && begin + count <= p.N &&
                       begin % kTileColumnsAlign == 0 && (count % kTileColumnsAlign == 0 || begin + count == p.N) &&
                       is_aligned(out, 16),
                   "gather_qmm", "a column window [", begin, ", ", begin + count, ") of ", p.describe(),
                   " needs the layer's tile plan, ", kTileColumnsAlign, "-column steps and a 16-byte aligned output");
-  run_expert_tiles(p, out, nullptr, TileKernel::automatic, RowWindow{begin, count}, count_retraction, combine);
+  run_expert_tiles(p, out, nullptr, TileKernel::automatic, RowWindow{begin, count}, count_retraction);
 }
 
 }  // namespace expertqmm::cuda

@@ -61,7 +61,6 @@ constexpr int kCtaRows = 128;    // weight rows per CTA, 64 per warpgroup
 constexpr int kBK = 64;          // k per pipeline stage (one quantization group at group size 64)
 std::atomic<uint64_t> g_tiled_launches{0};  // wgmma_tiled_launches()
 static_assert(kTileColumnsAlign % kCtaRows == 0, "a column window (launch_expert_tiles_columns) starts at a CTA's rows");
-static_assert(kCtaRows == device::kCombineColumns, "the epilogue's combine counts one plain CTA's column block");
 
 // Pipeline depth and residency per build (widest wgmma n32, n64 or n128), as data: stages, the
 // prefetch distance (at most kStages - 1: the barrier at the top of k tile kt frees the slot tile
@@ -431,18 +430,6 @@ __global__ void __launch_bounds__(kThreads, PipelineDepth<kMaxTokens, kBits>::kC
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   unsigned char* smem = smem_raw + ((1024u - (raw & 1023u)) & 1023u);
   const int sorted = header->sorted;
-  // The epilogue's combine (plain form, p.combine set), once per plan tile or run: counts the rows
-  // just stored (also those of an out-of-range expert, which the combine kernel would have read as
-  // they were) and combines the tokens they finish. One call site per loop keeps its registers out
-  // of the k loop's.
-  auto combine = [&](int64_t row0, int begin, int end) {
-    if constexpr (!is_glu(kForm)) {
-      if (p.combine.counters)
-        device::combine_landed_rows<T, kThreads, kCtaRows>(p.combine, static_cast<const T*>(p.tile.out), p.tile.N,
-                                                           row0, begin, end, blockIdx.x,
-                                                           reinterpret_cast<int*>(smem), p.tile.faults);
-    }
-  };
   if (!sorted && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && p.retractions)
     atomicAdd(p.retractions, static_cast<unsigned long long>(p.calls));
   if (sorted) {
@@ -450,39 +437,36 @@ __global__ void __launch_bounds__(kThreads, PipelineDepth<kMaxTokens, kBits>::kC
     const int tile_count = header->tile_count;
     for (int i = blockIdx.y; i < tile_count; i += gridDim.y) {
       const ExpertTile tile = tiles[i];
-      [&] {
-        // A 128-row class tile of at most 96 rows (an expert with 65-96 rows, e.g. ~half of them at
-        // T=1024) runs one n96 wgmma: 25% less tensor work than n128 for the same single pass over
-        // its weights (bench/NOTES.md step 7g).
-        if constexpr (kMaxTokens == 128) {
-          if (tile.bm == 128 && tile.rows <= 96) {
-            wgmma_tile<T, 96, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
-            return;
-          }
+      // A 128-row class tile of at most 96 rows (an expert with 65-96 rows, e.g. ~half of them at
+      // T=1024) runs one n96 wgmma: 25% less tensor work than n128 for the same single pass over
+      // its weights (bench/NOTES.md step 7g).
+      if constexpr (kMaxTokens == 128) {
+        if (tile.bm == 128 && tile.rows <= 96) {
+          wgmma_tile<T, 96, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
+          continue;
         }
-        if (tile.bm >= kMaxTokens) {  // the widest wgmma; a taller tile runs as pieces of kMaxTokens rows
-          for (int piece = 0; piece < tile.rows; piece += kMaxTokens) {
-            const int rows = min(kMaxTokens, tile.rows - piece);
-            wgmma_tile<T, kMaxTokens, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin + piece, rows, 0, rows, blockIdx.x, smem);
-          }
-          return;
+      }
+      if (tile.bm >= kMaxTokens) {  // the widest wgmma; a taller tile runs as pieces of kMaxTokens rows
+        for (int piece = 0; piece < tile.rows; piece += kMaxTokens) {
+          const int rows = min(kMaxTokens, tile.rows - piece);
+          wgmma_tile<T, kMaxTokens, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin + piece, rows, 0, rows, blockIdx.x, smem);
         }
-        // Narrower tile classes (16, 32, 64) below the build's width.
-        if constexpr (kMaxTokens > 64) {
-          if (tile.bm == 64) {
-            wgmma_tile<T, 64, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
-            return;
-          }
+        continue;
+      }
+      // Narrower tile classes (16, 32, 64) below the build's width.
+      if constexpr (kMaxTokens > 64) {
+        if (tile.bm == 64) {
+          wgmma_tile<T, 64, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
+          continue;
         }
-        if constexpr (kMaxTokens > 32) {
-          if (tile.bm == 32) {
-            wgmma_tile<T, 32, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
-            return;
-          }
+      }
+      if constexpr (kMaxTokens > 32) {
+        if (tile.bm == 32) {
+          wgmma_tile<T, 32, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
+          continue;
         }
-        wgmma_tile<T, 16, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
-      }();
-      combine(tile.row_begin, 0, tile.rows);  // a plan tile holds at most 128 rows
+      }
+      wgmma_tile<T, 16, kForm, L, kFp, kTiled>(p, tile.expert, tile.row_begin, tile.rows, 0, tile.rows, blockIdx.x, smem);
     }
     return;
   }
@@ -492,7 +476,6 @@ __global__ void __launch_bounds__(kThreads, PipelineDepth<kMaxTokens, kBits>::kC
     device::for_each_expert_run<16>(p.tile, tile, tile_expert, [&](int expert, int64_t row0, int load_rows, int begin,
                                                                    int end) {
       wgmma_tile<T, 16, kForm, L, kFp, kTiled>(p, expert, row0, load_rows, begin, end, blockIdx.x, smem);
-      combine(row0, begin, end);
     });
 #else
   // Compiled for an architecture without wgmma: never selected (wgmma_available), so never run.
@@ -629,27 +612,13 @@ bool wgmma_tiles_fit(const detail::GatherQmmProblem& p) {
   return wgmma_builds_take(p) && (p.bits == 4 || wgmma_8bit_rows_enough(p) || wgmma_setting() == RouteSwitch::on);
 }
 
-namespace {
-
-// The build's widest wgmma for `rows` rows over E experts (kWidths; the pin; 8-bit codes' one build).
-int build_tokens(int64_t rows, int64_t E, int bits) {
-  int max_tokens = wgmma_width();  // EXPERTQMM_WGMMA_WIDTH / set_wgmma_width pins a build
-  for (const WidthChoice& w : kWidths)
-    if (max_tokens == 0 && rows <= w.max_rows_per_expert * E) max_tokens = w.max_tokens;
-  return bits == 8 ? kWide8BitTokens : max_tokens;
-}
-
-}  // namespace
-
-bool wgmma_combine_fits(const detail::GatherQmmProblem& p) {
-  const bool fp = p.mode != QuantMode::affine;
-  return wgmma_tiles_fit(p) && !wgmma_ws_takes(p.dtype, p.bits, fp, build_tokens(p.B, p.w_batch, p.bits));
-}
-
 void launch_expert_tiles_wgmma(const WgmmaTileArgs& p, WgmmaForm form, DType dtype, const ExpertTile* tiles,
                                const TilePlanHeader* header, int64_t tile_slots, bool fp) {
   const int bits = p.tile.q.words_per_row * 32 / p.tile.K;  // codes per row: K * bits / 32 words
-  const int max_tokens = build_tokens(p.tile.rows, p.tile.E, bits);
+  int max_tokens = wgmma_width();  // EXPERTQMM_WGMMA_WIDTH / set_wgmma_width pins a build
+  for (const WidthChoice& w : kWidths)
+    if (max_tokens == 0 && p.tile.rows <= w.max_rows_per_expert * p.tile.E) max_tokens = w.max_tokens;
+  if (bits == 8) max_tokens = kWide8BitTokens;
   // The tile layout where the weights (both, glu) carry one that quant_view found to be theirs.
   const bool tiled = bits == 4 && !fp && p.tile.q.tiled_codes != nullptr &&
                      (!is_glu(form) || p.up.tiled_codes != nullptr);
@@ -663,9 +632,6 @@ void launch_expert_tiles_wgmma(const WgmmaTileArgs& p, WgmmaForm form, DType dty
     return false;
   };
   if (wgmma_ws_takes(dtype, bits, fp, max_tokens)) {
-    // The layer plan gives the combine to the two-CTA kernel only (wgmma_combine_fits).
-    EXPERTQMM_CHECK(p.combine.counters == nullptr, "gather_qmm",
-                    "the warp-specialized build has no combine epilogue (the layer plan asked for one)");
     launch_expert_tiles_ws(p, form, dtype, tiles, header);
     // A retracted plan: the narrowest two-CTA build walks its rows (nothing else runs).
     WgmmaTileArgs fallback = p;

@@ -18,7 +18,6 @@ namespace expertqmm::cuda {
 namespace device {
 struct TileArgs;
 }
-struct TokenCombine;  // device/token_combine.cuh
 
 using GatherQmmRoute = Route<detail::GatherQmmProblem>;  // route_table.h
 
@@ -38,11 +37,9 @@ RouteSupport supports_expert_tiles_wgmma(const detail::GatherQmmProblem& p);
 // call_expert_tiles would pick. begin a multiple of kTileColumnsAlign (every tile kernel's column
 // block divides it, so a window's blocks are the whole GEMM's), count too unless the window ends at
 // N; out 16-byte aligned. count_retraction: this launch counts a retracted plan (the first window).
-// combine: the weighted combine in the epilogue (its window fields set here), on the wgmma kernel
-// only (wgmma_combine_fits; else an Error).
 constexpr int64_t kTileColumnsAlign = 128;
 void launch_expert_tiles_columns(const detail::GatherQmmProblem& p, int64_t begin, int64_t count, void* out,
-                                 bool count_retraction, const TokenCombine* combine = nullptr);
+                                 bool count_retraction);
 // The fused form of the wgmma kernels (gather_qmm_expert_tiles.cu). The layer plan (layer_plan.cu)
 // decides this fusion, once, and counts its GEMMs through the route selector; this launches what it
 // decided.

@@ -7,7 +7,6 @@
 #include "core/tile_plan.h"
 #include "cuda/gather_qmm_routes.h"  // wgmma_available
 #include "cuda/device/tile_gemm.cuh"
-#include "cuda/device/token_combine.cuh"
 #include "expertqmm/ops.h"
 
 namespace expertqmm::cuda {
@@ -26,9 +25,6 @@ struct WgmmaTileArgs {
   // The two-CTA kernel does nothing with a valid plan (the warp-specialized kernel ran it) and
   // walks a retracted one as always.
   bool retracted_only = false;
-  // plain form: the MoE layer's weighted combine in the epilogue (device/token_combine.cuh) where
-  // combine.counters is set; the two-CTA kernel only (wgmma_combine_fits).
-  TokenCombine combine;
 };
 
 // Whether a wgmma build can run p: wgmma_available(), bf16/f16 4-bit affine with group size 64 or
@@ -40,9 +36,6 @@ bool wgmma_builds_take(const detail::GatherQmmProblem& p);
 // codes from kWgmma8BitMinRowsPerExpert rows per expert (gather_qmm_routes.h) or at any size with
 // EXPERTQMM_WGMMA=1 (the test hook's route runs them at any size too).
 bool wgmma_tiles_fit(const detail::GatherQmmProblem& p);
-// Whether the plain GEMM p (a layer's down GEMM on its tile plan) runs on the two-CTA kernel, which
-// alone combines in its epilogue: wgmma_tiles_fit and not the warp-specialized build.
-bool wgmma_combine_fits(const detail::GatherQmmProblem& p);
 
 // Runs the plan (built by launch_build_tile_plan on the same stream) in the given form; fp: an
 // fp4 mode's codes (plain form, p.tile from make_tile_args).

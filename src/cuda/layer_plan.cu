@@ -228,11 +228,8 @@ void plan_experts(LayerPlan& p, const Tensor& x, const int32_t* ids, const Switc
   }
   if (p.mode == ProductMode::separate) sc.intermediate = layout.reserve(bytes_of(s.n * s.I, s.hidden_dtype));
   // Windows need the expert tile route for down (launch_expert_tiles_columns) and the shared plan.
-  if (combines && s.sorted && !s.down_dense && p.tiles && p.down_route.on_tiles()) {
+  if (combines && s.sorted && !s.down_dense && p.tiles && p.down_route.on_tiles())
     p.down_window_cols = down_window_cols(s.n, s.D, s.out_dtype);
-    // The combine in down's epilogue where the two-CTA wgmma kernel runs it (plan_moe_layer checks out).
-    p.combine_in_down = combine_in_down_setting() != RouteSwitch::off && wgmma_combine_fits(g.down.q);
-  }
   // moe_layer_into's down output (one window or whole) goes into the router's slot, dead once the
   // routing is written: the layer then holds its hidden rows and one window (~61 MB at T = 2048 with
   // the workspace's growth margin). plan_moe_layer sizes the slot.
@@ -335,10 +332,6 @@ bool planned_group_rows(const Tensor& out, const Tensor& h, const Tensor& x, con
   return plan_moe_layer(out, h, x, w).group_rows;
 }
 
-bool planned_combine_in_down(const Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& w) {
-  return plan_moe_layer(out, h, x, w).combine_in_down;
-}
-
 LayerPlan plan_moe_layer(const Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& w) {
   LayerPlan p;
   p.shape = expert_shape(x, w.router.top_k, w.experts);
@@ -357,11 +350,6 @@ LayerPlan plan_moe_layer(const Tensor& out, const Tensor& h, const Tensor& x, co
   ArenaLayout layout;
   reserve_fixed(p, w.experts, /*routes=*/true, h.dtype(), layout);
   plan_experts(p, x, nullptr, w.experts, /*combines=*/true, /*own_y=*/true, layout);
-  // The epilogue writes out in the GEMM's dtype with 16-byte stores; one counter per (token, 128 columns).
-  p.combine_in_down = p.combine_in_down && out.dtype() == s.out_dtype && s.D % 8 == 0 && is_aligned(out.data(), 16);
-  if (p.combine_in_down)
-    p.scratch.combine_counters =
-        layout.reserve(static_cast<size_t>(s.T * ceil_div(s.D, device::kCombineColumns)) * sizeof(unsigned));
   p.scratch.bytes = layout.bytes();
   p.router_slot_bytes =
       std::max(route_scratch_bytes(h, w.router), y_request_bytes(s.n, s.D, s.out_dtype, p.down_window_cols));

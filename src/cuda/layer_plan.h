@@ -81,7 +81,6 @@ struct ExpertScratch {
   size_t tile_plan = kNotReserved;                                     // header + tiles
   size_t gate_up_out = kNotReserved, gate_out = kNotReserved, up_out = kNotReserved, intermediate = kNotReserved;
   size_t y = kNotReserved;  // [n, D] down output of switch_glu (moe_layer_into's: LayerPlan::router_slot_bytes)
-  size_t combine_counters = kNotReserved;  // [T, ceil(D / 128)] uint32: LayerPlan::combine_in_down
   size_t bytes = 0;                                                    // the arena
 };
 
@@ -100,9 +99,6 @@ struct LayerPlan {
   // > 0: the down GEMM and the slot-order combine run per window of this many output columns (the
   // last one narrower), so y holds [n, down_window_cols] instead of [n, D] (moe_layer_into only).
   int64_t down_window_cols = 0;
-  // moe_layer_into: the down GEMM (every window) combines in its epilogue (device/token_combine.cuh),
-  // no combine kernel; its counters are zeroed once per call.
-  bool combine_in_down = false;
   // moe_layer_into: workspace slot kSlotRouterArena holds route_into's scratch, then (dead once the
   // routing is written) the down output y (one window, or [n, D]): router_slot_bytes is the larger,
   // fetched once before routing. It grows with T, so a workspace warmed at the largest call serves

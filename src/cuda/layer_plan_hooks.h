@@ -21,8 +21,4 @@ int64_t planned_down_window_cols(const Tensor& out, const Tensor& h, const Tenso
 // kernel) rather than CUB's sort and the plan builder, as plan_moe_layer decides it.
 bool planned_group_rows(const Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& w);
 
-// Whether moe_layer_into's plan combines in the down GEMM's epilogue (EXPERTQMM_COMBINE_IN_DOWN) for
-// this call, as plan_moe_layer decides it.
-bool planned_combine_in_down(const Tensor& out, const Tensor& h, const Tensor& x, const MoeWeights& w);
-
 }  // namespace expertqmm::cuda

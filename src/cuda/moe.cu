@@ -6,8 +6,7 @@
 //   kernel (group_rows.cu) or CUB's sort and the plan builder] -> gate/up
 //   (separate, or one fused gate_up; with the GLU product in one launch where planned) -> down ->
 //   combine read through inv_order (slot order: the same bits every run), or unsort (switch_glu);
-//   down and the combine per window of output columns where the plan made windows; the combine in
-//   down's epilogue where the plan put it there (device/token_combine.cuh), no combine kernel.
+//   down and the combine per window of output columns where the plan made windows.
 // Nothing here decides: every branch reads the plan.
 // x is never copied: the gate/up GEMMs gather their x rows through lhs = token_of_row (order / k
 // when sorted, b / k when not), which saves writing and re-reading a [T*k, D] copy of x (92 MB at
@@ -45,8 +44,8 @@ void cast_params(const QuantizedWeight& q, DType dtype, const Arena& a, size_t s
 // The expert half. ids: the flat expert ids of the n rows. The down output goes to the arena's y
 // (sorted switch_glu: in sorted row order; inv_order maps flat slot -> y row) or to y_out (unsorted
 // switch_glu: already in flat slot order; moe_layer_into: the router's slot, rows in sorted order
-// when sorted); with down windows or the combine in down's epilogue, down is left to the caller,
-// which runs it per window. Returns the GEMMs it built.
+// when sorted); with down windows down is left to the caller, which runs it per window. Returns the
+// GEMMs it built.
 LayerGemms run_experts(const LayerPlan& p, const Tensor& x, const int32_t* ids, const int32_t* user_ids,
                  const SwitchGLUWeights& w, const Arena& a, void* y_out, Workspace& ws) {
   cudaStream_t stream = current_stream();
@@ -106,8 +105,7 @@ LayerGemms run_experts(const LayerPlan& p, const Tensor& x, const int32_t* ids, 
 
   // down
   if (p.cast_hidden) launch_cast(s.hidden_dtype, hidden, s.out_dtype, a.at(sc.hidden_cast), s.n * s.I, stream);
-  if (p.down_window_cols == 0 && !p.combine_in_down)
-    run_layer_gemm(p.down_route, g.down, sc.y != kNotReserved ? a.at(sc.y) : y_out, &ws);
+  if (p.down_window_cols == 0) run_layer_gemm(p.down_route, g.down, sc.y != kNotReserved ? a.at(sc.y) : y_out, &ws);
   return g;
 }
 
@@ -194,26 +192,6 @@ void moe_layer_into_chained(Tensor& out, const Tensor& h, const Tensor& x, const
   const bool windows = p.down_window_cols > 0;
   const int32_t* slot_row = s.sorted ? a.i32(p.scratch.inv_order) : nullptr;
   const int64_t window = windows ? p.down_window_cols : s.D;
-  if (p.combine_in_down) {
-    // down (per window) combines each token's 128 columns in the CTA that writes its last row.
-    TokenCombine c;
-    c.col_blocks = static_cast<int>(ceil_div(s.D, device::kCombineColumns));
-    c.counters = static_cast<unsigned*>(a.at(p.scratch.combine_counters));
-    EXPERTQMM_CUDA_CHECK(cudaMemsetAsync(c.counters, 0, s.T * c.col_blocks * sizeof(unsigned), stream));
-    c.token_of_row = a.i32(p.scratch.token_of_row);
-    c.slot_row = slot_row;
-    c.weights = route_weights;
-    c.weight_dtype = h.dtype();
-    c.k = static_cast<int>(s.k);
-    c.T = s.T;
-    c.y_rows = s.n;
-    c.out_ld = s.D;
-    for (int64_t c0 = 0; c0 < s.D; c0 += window) {
-      c.out = static_cast<char*>(out.data()) + bytes_of(c0, out.dtype());
-      launch_expert_tiles_columns(g.down.q, c0, std::min(window, s.D - c0), y, /*count_retraction=*/c0 == 0, &c);
-    }
-    return;
-  }
   for (int64_t c0 = 0; c0 < s.D; c0 += window) {
     const int64_t cols = std::min(window, s.D - c0);
     if (windows) launch_expert_tiles_columns(g.down.q, c0, cols, y, /*count_retraction=*/c0 == 0);
