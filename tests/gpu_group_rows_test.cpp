@@ -1,6 +1,6 @@
-// The one-kernel row grouping (src/cuda/group_rows.cu) against first principles: a stable sort of the
-// flat ids on the host gives sorted_ids, inv_order and token_of_row, and the CPU plan builder the
-// plan; the kernel must give exactly those (ids in range), or the in-range rows in that order, the
+// The row grouping (src/cuda/group_rows.cu: the one-CTA kernel and its three-launch grid form)
+// against first principles: a stable sort of the flat ids on the host gives sorted_ids, inv_order
+// and token_of_row, and the CPU plan builder the plan; each form must give exactly those (ids in range), or the in-range rows in that order, the
 // others last in flat order and a retracted plan (ids out of range). Then the layer: moe_layer_into
 // and switch_glu give the same bytes with the grouping on and off (CUB's sort and the plan builder).
 #include <gtest/gtest.h>
@@ -76,20 +76,24 @@ struct GroupBuffers {
   int64_t n;
   int E;
   size_t plan_bytes;
-  test::DeviceBuffer ids, sorted_ids, inv_order, token_of_row, plan;
+  size_t grid_bytes;
+  test::DeviceBuffer ids, sorted_ids, inv_order, token_of_row, plan, grid_scratch;
   GroupBuffers(int64_t n_, int E_)
-      : n(n_), E(E_), plan_bytes(cuda::tile_plan_bytes(n_, E_)), ids(n_ * 4), sorted_ids(n_ * 4), inv_order(n_ * 4),
-        token_of_row(n_ * 4), plan(plan_bytes) {}
+      : n(n_), E(E_), plan_bytes(cuda::tile_plan_bytes(n_, E_)), grid_bytes(cuda::group_rows_grid_scratch_bytes(n_, E_)),
+        ids(n_ * 4), sorted_ids(n_ * 4), inv_order(n_ * 4), token_of_row(n_ * 4), plan(plan_bytes),
+        grid_scratch(grid_bytes) {}
   void prepare(const std::vector<int32_t>& host_ids) {
     cudaStream_t s = test::library_stream();
     detail::copy_host_to_device(ids.ptr, host_ids.data(), n * 4);
     for (const test::DeviceBuffer* b : {&sorted_ids, &inv_order, &token_of_row})
       EXPERTQMM_CUDA_CHECK(cudaMemsetAsync(b->ptr, 0xFF, n * 4, s));
     EXPERTQMM_CUDA_CHECK(cudaMemsetAsync(plan.ptr, 0xFF, plan_bytes, s));
+    EXPERTQMM_CUDA_CHECK(cudaMemsetAsync(grid_scratch.ptr, 0xFF, grid_bytes, s));
   }
-  void launch(int k, bool with_plan, cudaStream_t s) {
+  // grid: the three-launch grid form (its scratch poisoned too), else the one-CTA kernel.
+  void launch(int k, bool with_plan, cudaStream_t s, bool grid = false) {
     cuda::launch_group_rows(ids.i32(), n, k, E, sorted_ids.i32(), inv_order.i32(), token_of_row.i32(),
-                            with_plan ? plan.ptr : nullptr, s);
+                            with_plan ? plan.ptr : nullptr, s, grid ? grid_scratch.i32() : nullptr);
   }
   std::vector<int32_t> read(const test::DeviceBuffer& b) const {
     std::vector<int32_t> v(n);
@@ -98,15 +102,14 @@ struct GroupBuffers {
   }
 };
 
-// The kernel's outputs for ids equal the host's, the plan's header and tiles included (or, without
-// a plan, the plan buffer untouched).
-void expect_grouping(const std::vector<int32_t>& ids, int E, int k, const std::string& what, bool with_plan = true) {
-  SCOPED_TRACE(what);
+// The outputs of one form (the one-CTA kernel or the grid form) for ids equal the host's, the plan's
+// header and tiles included (or, without a plan, the plan buffer untouched).
+void expect_form(const std::vector<int32_t>& ids, int E, int k, const Grouping& want, bool with_plan, bool grid) {
+  SCOPED_TRACE(grid ? "grid form" : "one CTA");
   const int64_t n = static_cast<int64_t>(ids.size());
-  const Grouping want = expected_grouping(ids, E, k);
   GroupBuffers b(n, E);
   b.prepare(ids);
-  b.launch(k, with_plan, test::library_stream());
+  b.launch(k, with_plan, test::library_stream(), grid);
   cuda_check();
   ASSERT_EQ(b.read(b.sorted_ids), want.sorted_ids);
   ASSERT_EQ(b.read(b.inv_order), want.inv_order);
@@ -133,6 +136,13 @@ void expect_grouping(const std::vector<int32_t>& ids, int E, int k, const std::s
   }
   for (int64_t i = static_cast<int64_t>(want.plan.tiles.size()); i < v.tile_slots; ++i)
     ASSERT_EQ(v.tiles[i].expert, -1) << "stray write at tile " << i;
+}
+
+// Both forms' outputs for ids equal the host's.
+void expect_grouping(const std::vector<int32_t>& ids, int E, int k, const std::string& what, bool with_plan = true) {
+  SCOPED_TRACE(what);
+  const Grouping want = expected_grouping(ids, E, k);
+  for (bool grid : {false, true}) expect_form(ids, E, k, want, with_plan, grid);
 }
 #else
 void expect_grouping(const std::vector<int32_t>&, int, int, const std::string&, bool = true) {}
@@ -212,25 +222,28 @@ TEST(GpuGroupRows, CapturesIntoACudaGraph) {
   std::mt19937_64 g(test::test_seed() + 2);
   const std::vector<int32_t> ids = random_ids(16384, 128, 1, g);
   const Grouping want = expected_grouping(ids, 128, 8);
-  GroupBuffers b(16384, 128);
-  b.prepare(ids);
-  const test::CaptureStream stream;
-  cudaGraph_t graph = test::capture_graph(stream.get(), [&] { b.launch(8, true, stream.get()); }, "group_rows");
-  ASSERT_NE(graph, nullptr);
-  cudaGraphExec_t exec = nullptr;
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-  ASSERT_EQ(cudaGraphLaunch(exec, stream.get()), cudaSuccess);
-  ASSERT_EQ(cudaStreamSynchronize(stream.get()), cudaSuccess);
-  EXPECT_EQ(b.read(b.sorted_ids), want.sorted_ids);
-  EXPECT_EQ(b.read(b.inv_order), want.inv_order);
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
+  for (bool grid : {false, true}) {
+    SCOPED_TRACE(grid ? "grid form" : "one CTA");
+    GroupBuffers b(16384, 128);
+    b.prepare(ids);
+    const test::CaptureStream stream;
+    cudaGraph_t graph = test::capture_graph(stream.get(), [&] { b.launch(8, true, stream.get(), grid); }, "group_rows");
+    ASSERT_NE(graph, nullptr);
+    cudaGraphExec_t exec = nullptr;
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream.get()), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream.get()), cudaSuccess);
+    EXPECT_EQ(b.read(b.sorted_ids), want.sorted_ids);
+    EXPECT_EQ(b.read(b.inv_order), want.inv_order);
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
 #endif
 }
 
 // The layer with the grouping on and off: the same bytes (the rows reach the same GEMM tiles in
 // the same order), for moe_layer_into at sorted sizes (its router's ids) and switch_glu (ids that
-// repeat an expert within a token).
+// repeat an expert within a token); past 8192 rows "on" is the grid form.
 TEST(GpuGroupRows, LayerGivesTheSameBytesWithTheGroupingOnAndOff) {
   EXPERTQMM_REQUIRE_GPU();
   test::MoeGeometry geo;  // GeGLU, separate gate and up
@@ -238,7 +251,7 @@ TEST(GpuGroupRows, LayerGivesTheSameBytesWithTheGroupingOnAndOff) {
   geo.k = 8;
   const test::Layer l = test::make_layer(geo);
   const int64_t D = l.cpu.experts.down.w.size(1);
-  for (int64_t T : {32, 300}) {
+  for (int64_t T : {32, 300, 1100}) {  // 1100: 8800 rows, the grid form with the grouping forced on
     const std::string what = detail::cat("T=", T, " ", test::seed_note());
     const Tensor h = test::random_tensor({T, D}, DType::bf16, 1.0f, Device::cuda);
     const Tensor x = test::random_tensor({T, D}, DType::bf16, 1.0f, Device::cuda);

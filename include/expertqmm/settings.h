@@ -99,7 +99,8 @@ RouteSwitch wgmma_ws_setting();
 // with the expert tile plan, in one kernel of one CTA (group_rows.cu); 0: CUB's stable sort, the
 // inverse and the plan builder (five to seven launches). The same bits either way. Unset: the kernel
 // up to 8192 rows (T = 1024 at k = 8), where it measured faster; 1: wherever it fits (256 experts,
-// 2^18 rows). bench/NOTES.md step 54.
+// 2^18 rows), past 8192 rows in its grid form (three launches over 1024-row chunks; not yet
+// measured). bench/NOTES.md steps 54 and 58.
 void set_group_rows(RouteSwitch s);
 RouteSwitch group_rows_setting();
 

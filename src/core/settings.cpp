@@ -92,7 +92,7 @@ const Variable kVariables[] = {
      [] { return std::string(switch_text(decode_down_groups_setting())); },
      &g_decode_down_groups, [](const EnvSettings& e) { return switch_override(e.decode_down_groups); }},
     {"EXPERTQMM_GROUP_ROWS", "0|1",
-     "the layer's rows grouped by expert, with the tile plan, in one kernel: 1 wherever it fits (256 experts, 2^18 rows), 0 never: CUB's stable sort, the inverse and the plan builder (unset: up to 8192 rows, measured)",
+     "the layer's rows grouped by expert, with the tile plan, in one kernel: 1 wherever it fits (256 experts, 2^18 rows; past 8192 rows its three-launch grid form), 0 never: CUB's stable sort, the inverse and the plan builder (unset: up to 8192 rows, measured)",
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.group_rows = parse_switch(n, v); },
      [] { return std::string(switch_text(group_rows_setting())); },
      &g_group_rows, [](const EnvSettings& e) { return switch_override(e.group_rows); }},

@@ -3,6 +3,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 namespace expertqmm::cuda {
@@ -26,7 +27,12 @@ bool group_rows_fits(int64_t n, int64_t E);
 // ids outside it go last, in flat order, and retract the plan (kPlanOutOfRange), so that the GEMMs
 // report them as they do for an unsorted plan. Throws Error("group_rows", ...) outside
 // group_rows_fits or k < 1, or for null pointers.
+// grid_scratch (group_rows_grid_scratch_bytes(n, E), 4-byte aligned): the grid form instead, three
+// launches over chunks of 1024 rows (count, bases and plan, scatter) with the same outputs, for
+// sizes where one CTA is slow (bench/NOTES.md step 58).
 void launch_group_rows(const int32_t* ids, int64_t n, int k, int E, int32_t* sorted_ids, int32_t* inv_order,
-                       int32_t* token_of_row, void* plan, cudaStream_t stream);
+                       int32_t* token_of_row, void* plan, cudaStream_t stream, int32_t* grid_scratch = nullptr);
+// Bytes of the grid form's scratch: per 1024-row chunk a count per bucket, and the buckets' first rows.
+size_t group_rows_grid_scratch_bytes(int64_t n, int64_t E);
 
 }  // namespace expertqmm::cuda

@@ -74,6 +74,7 @@ struct ExpertScratch {
   size_t token_of_row = kNotReserved;                                  // [n] int32: lhs of gate/up
   size_t sorted_ids = kNotReserved, order = kNotReserved, positions = kNotReserved, inv_order = kNotReserved;
   size_t sort_temp = kNotReserved, sort_temp_bytes = 0;
+  size_t group_rows_scratch = kNotReserved;  // LayerPlan::group_rows_grid: group_rows_grid_scratch_bytes
   size_t x_cast = kNotReserved;                                        // [T, D] in hidden_dtype
   size_t gu_scales[2] = {kNotReserved, kNotReserved}, gu_biases[2] = {kNotReserved, kNotReserved};
   size_t down_scales = kNotReserved, down_biases = kNotReserved;
@@ -95,6 +96,7 @@ struct LayerPlan {
   bool cast_x = false, cast_gate_up = false, cast_hidden = false, cast_down = false;
   bool tiles = false;          // a tile plan is built once and shared by the GEMMs on the tile route
   bool group_rows = false;     // sorted: one kernel groups the rows and builds the plan (group_rows.cu), no CUB sort
+  bool group_rows_grid = false;  // group_rows in its grid form (three launches; EXPERTQMM_GROUP_ROWS=1 past 8192 rows)
   bool glu_fused = false;      // gate, up and the GLU product in one wgmma launch
   // > 0: the down GEMM and the slot-order combine run per window of this many output columns (the
   // last one narrower), so y holds [n, down_window_cols] instead of [n, D] (moe_layer_into only).

@@ -55,7 +55,8 @@ LayerGemms run_experts(const LayerPlan& p, const Tensor& x, const int32_t* ids, 
     // One kernel for the grouping and the plan; ids outside [0, E) (user ids) go last and retract
     // the plan, so the GEMMs report them.
     launch_group_rows(ids, s.n, static_cast<int>(s.k), static_cast<int>(s.E), a.i32(sc.sorted_ids), a.i32(sc.inv_order),
-                      a.i32(sc.token_of_row), p.tiles ? a.at(sc.tile_plan) : nullptr, stream);
+                      a.i32(sc.token_of_row), p.tiles ? a.at(sc.tile_plan) : nullptr, stream,
+                      p.group_rows_grid ? a.i32(sc.group_rows_scratch) : nullptr);
   } else if (s.sorted) {
     // Arbitrary user ids still give a permutation (out-of-range ids fault in the GEMMs); ids from
     // [0, E) need only id_bits(E) key bits.
