@@ -134,11 +134,10 @@ __global__ void router_rms_norm_warp_kernel(const typename Elem<D>::storage* __r
 
 // Whether the warp kernel takes the norm: 16-bit h and scale, whole 16-byte units, aligned rows.
 bool warp_norm_fits(const Tensor& h, const Tensor& scale, const void* r) {
-  const auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
   const int64_t H = h.size(1);
   return dtype_size(h.dtype()) == 2 && dtype_size(scale.dtype()) == 2 && H % 8 == 0 &&
-         H <= 32 * 8 * kWarpNormUnits && (h.size(0) <= 1 || h.stride(0) % 8 == 0) && aligned16(h.data()) &&
-         aligned16(scale.data()) && aligned16(r);
+         H <= 32 * 8 * kWarpNormUnits && (h.size(0) <= 1 || h.stride(0) % 8 == 0) && is_aligned(h.data(), 16) &&
+         is_aligned(scale.data(), 16) && is_aligned(r, 16);
 }
 
 // Top-k over each token's logits, softmax over the k, times per_expert_scale.
