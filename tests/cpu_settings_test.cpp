@@ -76,6 +76,13 @@ TEST(Settings, GroupRowsVariable) {
   for (const char* bad : kSwitchBad) expect_rejected("EXPERTQMM_GROUP_ROWS", bad);
 }
 
+TEST(Settings, DenseCublasVariable) {
+  EXPECT_EQ(parse({}).dense_cublas, RouteSwitch::automatic);
+  EXPECT_EQ(parse({{"EXPERTQMM_DENSE_CUBLAS", "0"}}).dense_cublas, RouteSwitch::off);
+  EXPECT_EQ(parse({{"EXPERTQMM_DENSE_CUBLAS", "1"}}).dense_cublas, RouteSwitch::on);
+  for (const char* bad : kSwitchBad) expect_rejected("EXPERTQMM_DENSE_CUBLAS", bad);
+}
+
 TEST(Settings, DecodeRouteInGateUpVariable) {
   EXPECT_EQ(parse({}).decode_route_in_gate_up, RouteSwitch::automatic);
   EXPECT_EQ(parse({}).decode_down_groups, RouteSwitch::automatic);
@@ -136,7 +143,7 @@ TEST(Settings, ChainedLaunchScopeIsPerThreadAndRestores) {
 // Every variable of the table is parsed (a bad value of each is caught), and nothing else is.
 TEST(Settings, TableListsEveryVariableAndEachIsValidated) {
   const std::vector<SettingInfo> table = settings_table();
-  ASSERT_EQ(table.size(), 10u);
+  ASSERT_EQ(table.size(), 11u);
   for (const SettingInfo& row : table) {
     EXPECT_EQ(row.variable.rfind("EXPERTQMM_", 0), 0u) << row.variable;
     EXPECT_FALSE(row.values.empty() || row.current.empty() || row.what.empty()) << row.variable;

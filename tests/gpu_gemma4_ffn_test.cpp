@@ -42,14 +42,22 @@ RouteCounters counters_of(const char* primitive) {
   return RouteCounters{};
 }
 
+// Whether the block's quantized dense MLP runs on cuBLAS (gemma4_ffn.cu: 4- or 8-bit g64 bf16, fused
+// product, T >= 512 with EXPERTQMM_DENSE_CUBLAS unset, T >= 2 with it on).
+bool dense_mlp_on_cublas(int dense_bits, ProductMode mode, int64_t T) {
+  const RouteSwitch s = dense_cublas_setting();
+  return (dense_bits == 4 || dense_bits == 8) && mode == ProductMode::fused && s != RouteSwitch::off &&
+         T >= (s == RouteSwitch::on ? 2 : 512);
+}
+
 // Whether the block's dense MLP runs as T rows of one expert on the wgmma tile route (gemma4_ffn.cu:
 // 4-bit, or 8-bit in bf16 (T rows of one expert pass the 8-bit build's 32 rows per expert), fused
-// product, T >= 512, an sm_90a build on compute capability 9.0). The tests here run bf16.
+// product, T >= 512, an sm_90a build on compute capability 9.0, not on cuBLAS). The tests here run bf16.
 bool dense_mlp_on_expert_rows(int dense_bits, ProductMode mode, int64_t T) {
 #ifdef EXPERTQMM_HAVE_CUDA
   const bool bits_taken = dense_bits == 4 || dense_bits == 8;
   return bits_taken && mode == ProductMode::fused && T >= 512 && expert_tiles_setting() != RouteSwitch::off &&
-         cuda::wgmma_available();
+         cuda::wgmma_available() && !dense_mlp_on_cublas(dense_bits, mode, T);
 #else
   (void)dense_bits, (void)mode, (void)T;
   return false;
@@ -58,10 +66,12 @@ bool dense_mlp_on_expert_rows(int dense_bits, ProductMode mode, int64_t T) {
 
 // Whether the block's dense MLP runs gate, up and the GLU product as one launch (gemma4_ffn.cu
 // plan_dense_mlp, counted as dense_mlp_glu hits): 4-bit at T <= 8 (the decode GLU kernel), 8-bit at
-// T = 1 (qmv's GeGLU epilogue), or as expert rows; the fused product mode only.
+// T = 1 (qmv's GeGLU epilogue), on cuBLAS (gate and up as one GEMM and the fused GLU product), or as
+// expert rows; the fused product mode only.
 bool dense_glu_fused(int dense_bits, ProductMode mode, int64_t T) {
   if (mode != ProductMode::fused || dense_bits == 0) return false;
-  return (dense_bits == 4 && T <= 8) || (dense_bits == 8 && T == 1) || dense_mlp_on_expert_rows(dense_bits, mode, T);
+  return (dense_bits == 4 && T <= 8) || (dense_bits == 8 && T == 1) || dense_mlp_on_cublas(dense_bits, mode, T) ||
+         dense_mlp_on_expert_rows(dense_bits, mode, T);
 }
 
 // The CPU and GPU routers work on bf16 logits with different summation orders, so a token whose
@@ -121,6 +131,8 @@ TEST(GpuGemma4Ffn, EightBitWgmmaBuildByRowsPerExpert) {
 #endif
   using WgmmaGuard = test::SettingGuard<RouteSwitch, wgmma_setting, set_wgmma>;
   test::ProductModeGuard fused(ProductMode::fused);
+  // The dense MLP as rows of one expert, not on cuBLAS (its own test below).
+  test::SettingGuard<RouteSwitch, dense_cublas_setting, set_dense_cublas> no_cublas(RouteSwitch::off);
   Gemma4Config c = small_config(8);
   c.default_quant = {8, 64};  // the experts 8-bit too
   const Gemma4FfnWeights cpu_w = synthetic_gemma4_layer(c, 0, 13);
@@ -140,6 +152,52 @@ TEST(GpuGemma4Ffn, EightBitWgmmaBuildByRowsPerExpert) {
                                             test::to_i32(route(h.to(Device::cuda), gpu_w.moe.router).indices), what);
     }
     EXPECT_EQ(hits[1], hits[0]) << "T=" << T;  // the same GEMMs on the tile route, whichever kernel
+  }
+}
+
+// The quantized dense MLP on cuBLAS (EXPERTQMM_DENSE_CUBLAS): 4- and 8-bit, at 2 / 40 tokens (the
+// setting on) and 520 (its default from 512), against the CPU reference and against the same block
+// with the setting off (rhs_tiles, or the expert tile route at 520: route against route, 1e-2); the
+// selector counts a dense_mlp_glu hit and no gather_qmm call for the dense linears. Then a graph
+// captured after a warm call replays the uncaptured bytes (cuBLAS on its scratch slot, no allocation).
+TEST(GpuGemma4Ffn, DenseMlpOnCublas) {
+  EXPERTQMM_REQUIRE_GPU();
+  using CublasGuard = test::SettingGuard<RouteSwitch, dense_cublas_setting, set_dense_cublas>;
+  test::ProductModeGuard fused(ProductMode::fused);
+  for (int dense_bits : {8, 4}) {
+    const Gemma4FfnWeights cpu_w = synthetic_gemma4_layer(small_config(dense_bits), 0, 17);
+    const Gemma4FfnWeights gpu_w = cpu_w.to(Device::cuda);
+    for (int64_t T : {2, 40, 520}) {
+      const std::string what = detail::cat("T=", T, " dense MLP ", dense_bits, "-bit");
+      const Tensor h = test::random_tensor({T, 256}, DType::bf16, 1.0f);
+      const Tensor hd = h.to(Device::cuda);
+      const Tensor expected = gemma4_ffn(h, cpu_w);
+      uint64_t qmm_attempts[2] = {0, 0};
+      Tensor outs[2];
+      for (RouteSwitch s : {RouteSwitch::off, T >= 512 ? RouteSwitch::automatic : RouteSwitch::on}) {
+        CublasGuard guard(s);
+        const bool on = s != RouteSwitch::off;
+        diagnostics::reset();
+        outs[on] = gemma4_ffn(hd, gpu_w);
+        qmm_attempts[on] = counters_of("gather_qmm").attempts;
+        const bool fused_off = (dense_bits == 4 && T <= 8) || dense_mlp_on_expert_rows(dense_bits, ProductMode::fused, T);
+        EXPECT_EQ(counters_of("dense_mlp_glu").hits, on || fused_off ? 1u : 0u) << what << (on ? " on" : " off");
+        test::expect_close_where_routed_alike(expected, outs[on], h, cpu_w.moe.router,
+                                              test::to_i32(route(hd, gpu_w.moe.router).indices),
+                                              what + (on ? " cuBLAS" : " off"));
+      }
+      // Off, the dense linears are gather_qmm calls unless the decode GLU kernel took gate and up.
+      const uint64_t dense_calls = (dense_bits == 4 && T <= 8) ? 1 : 3;
+      EXPECT_EQ(qmm_attempts[0], qmm_attempts[1] + dense_calls) << what;
+      EXPECT_LE(test::rel_error(test::to_float(outs[1]), test::to_float(outs[0])), 1e-2)
+          << what << ": cuBLAS against the setting off";
+    }
+    // A graph of the cuBLAS block (warm at 520 tokens, then 40) replays the uncaptured call's bytes.
+#ifdef EXPERTQMM_HAVE_CUDA
+    CublasGuard on(RouteSwitch::on);
+    test::expect_block_capture_replays(
+        [&](Tensor& out, const Tensor& h, Workspace& ws) { gemma4_ffn_into(out, h, gpu_w, ws); }, 256, {520, 40}, 6);
+#endif
   }
 }
 

@@ -8,6 +8,7 @@ OUT=${OUT:-./out}
 export EXPERTQMM_COMMIT=$(cat out/commit)
 b=build-gpu-check
 mkdir -p "$b" && tar xJf out/prebuilt.tar.xz -C "$b"
+d=$(scripts/cublas-lib-dir "$b/expertqmm"); [ -n "$d" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 echo "=== tests (t=${SECONDS}s)"
 timeout 120 "$b/tests/expertqmm_gpu_tests" --gtest_filter='*Rout*:*Gemma4*:*GpuMoe*:*Qwen3*' --gtest_brief=1 \

@@ -8,6 +8,7 @@ set -uo pipefail
 OUT=${OUT:-./out}
 export EXPERTQMM_COMMIT=$(cat out/commit)
 b=build-gpu-check
+d=$(scripts/cublas-lib-dir "$b/expertqmm"); [ -n "$d" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
 echo "=== group rows tests (t=${SECONDS}s)"
 timeout 90 "$b/tests/expertqmm_gpu_tests" --gtest_filter='*GroupRows*' --gtest_brief=1 >"$OUT/tests58.log" 2>&1
 echo "tests exit $?"; tail -n 3 "$OUT/tests58.log"

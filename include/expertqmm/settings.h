@@ -104,6 +104,14 @@ RouteSwitch wgmma_ws_setting();
 void set_group_rows(RouteSwitch s);
 RouteSwitch group_rows_setting();
 
+// EXPERTQMM_DENSE_CUBLAS=0|1: the Gemma 4 block's quantized dense MLP at prefill as its weights
+// dequantized to 16 bits (one fma rounded once, as the tensor-core routes) and cuBLAS's GEMM, gate
+// and up as one GEMM, then the GLU product and down. 1: at every size the decode kernels leave (2
+// tokens up); 0: never (the expert tile route from 512 tokens, rhs_tiles below). Unset: from 512
+// tokens (bench/NOTES.md step 59).
+void set_dense_cublas(RouteSwitch s);
+RouteSwitch dense_cublas_setting();
+
 // EXPERTQMM_WGMMA_WIDTH=32|64|128 pins one build of the wgmma expert-tile GEMM (its token width);
 // 0 / unset: the measured table picks per call.
 void set_wgmma_width(int width);

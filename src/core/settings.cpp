@@ -35,7 +35,7 @@ int parse_wgmma_width(const char* variable, const std::optional<std::string>& va
 // API overrides: -1 = none (the environment decides), else the value.
 constexpr int kNone = -1;
 std::atomic<int> g_expert_tiles{kNone}, g_decode_layer{kNone}, g_decode_route_in_gate_up{kNone}, g_chained_launch{kNone}, g_deterministic{kNone}, g_wgmma{kNone},
-    g_wgmma_width{kNone}, g_decode_down_groups{kNone}, g_wgmma_ws{kNone}, g_group_rows{kNone};
+    g_wgmma_width{kNone}, g_decode_down_groups{kNone}, g_wgmma_ws{kNone}, g_group_rows{kNone}, g_dense_cublas{kNone};
 std::atomic<ProductMode> g_product_mode{ProductMode::fused};
 thread_local int t_chained_launch = kNone;  // ChainedLaunchScope's value on this thread
 
@@ -96,6 +96,11 @@ const Variable kVariables[] = {
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.group_rows = parse_switch(n, v); },
      [] { return std::string(switch_text(group_rows_setting())); },
      &g_group_rows, [](const EnvSettings& e) { return switch_override(e.group_rows); }},
+    {"EXPERTQMM_DENSE_CUBLAS", "0|1",
+     "the Gemma 4 block's quantized dense MLP dequantized to 16 bits and run on cuBLAS: 1 at every size the decode kernels leave (2 tokens up), 0 never (unset: from 512 tokens, measured)",
+     [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.dense_cublas = parse_switch(n, v); },
+     [] { return std::string(switch_text(dense_cublas_setting())); },
+     &g_dense_cublas, [](const EnvSettings& e) { return switch_override(e.dense_cublas); }},
 };
 
 // The environment, parsed on first use. A bad value is kept as its message and thrown on every read.
@@ -192,6 +197,9 @@ RouteSwitch wgmma_ws_setting() { return read_switch(g_wgmma_ws, env().wgmma_ws);
 
 void set_group_rows(RouteSwitch s) { set_switch(g_group_rows, s, "set_group_rows"); }
 RouteSwitch group_rows_setting() { return read_switch(g_group_rows, env().group_rows); }
+
+void set_dense_cublas(RouteSwitch s) { set_switch(g_dense_cublas, s, "set_dense_cublas"); }
+RouteSwitch dense_cublas_setting() { return read_switch(g_dense_cublas, env().dense_cublas); }
 
 void set_wgmma_width(int width) {
   EXPERTQMM_CHECK(width == 0 || width == 32 || width == 64 || width == 128, "set_wgmma_width", "width ", width,

@@ -21,6 +21,7 @@ struct EnvSettings {
   int wgmma_width = 0;                                 // 0: the measured table
   RouteSwitch wgmma_ws = RouteSwitch::automatic;       // automatic = off (step 47, not yet measured)
   RouteSwitch group_rows = RouteSwitch::automatic;     // automatic = up to 8192 rows (measured)
+  RouteSwitch dense_cublas = RouteSwitch::automatic;   // automatic = from kDenseCublasMinTokens (measured)
 };
 
 // Looks a variable up: the value, or nullopt when unset.

@@ -1,6 +1,6 @@
 // The slots of a Workspace (include/expertqmm/moe.h), in one place: which code owns each. A slot
 // is one grow-only device buffer; code that owns a slot carves it with an arena (ArenaLayout) when
-// it needs several pieces. Slots 3-11 are free.
+// it needs several pieces. Slots 5-11 are free.
 #pragma once
 
 namespace expertqmm::detail {
@@ -12,6 +12,10 @@ enum WorkspaceSlot : int {
   kSlotSplitK = 1,
   // dense_linear_into (cuda/dense_linear.h): its expert ids, tile plan and dtype casts.
   kSlotDenseLinear = 2,
+  // The Gemma 4 block's dense MLP on cuBLAS (gemma4_ffn.cu, cuda/dense_cublas.h): its weights
+  // dequantized to 16 bits (gate and up, then down in the same bytes), and cuBLAS's own scratch.
+  kSlotDenseWeights = 3,
+  kSlotCublas = 4,
   // Device counters that kernels leave zero once done (Workspace::get_zeroed): the decode layer's
   // count of finished router CTAs. One per workspace, so that layers on other workspaces (other
   // threads and streams) never share one.

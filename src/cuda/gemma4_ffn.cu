@@ -5,10 +5,11 @@
 //   then two branches that share nothing but their inputs:
 //     side stream:   a = GLU(x1 @ gate^T, x1 @ up^T) -> d = a @ down^T, one of four ways (DenseMlpWay):
 //                    T <= 8 (4-bit): one decode gate/up launch; T = 1 (8-bit): one qmv launch with
-//                    the GeGLU in its epilogue; T >= 512 (sm_90a; 4-bit, or 8-bit bf16): the
-//                    linears as T rows of one expert on the expert tile route, gate and up in one
-//                    wgmma launch with the GeGLU; else two gather_qmm calls (M = T, B = 1) and the
-//                    GLU product
+//                    the GeGLU in its epilogue; T >= 512: the weights dequantized to 16 bits and
+//                    cuBLAS (gate and up as one GEMM, the GLU product, down), or where that does not
+//                    fit (sm_90a; 4-bit, or 8-bit bf16) the linears as T rows of one expert on the
+//                    expert tile route, gate and up in one wgmma launch with the GeGLU; else two
+//                    gather_qmm calls (M = T, B = 1) and the GLU product
 //     thread stream: m = moe_layer_into(h, x2) (router and experts)
 //   exit (one kernel, once both are done): out = (h + rms_norm(rms_norm(d, post_ff_1)
 //                                               + rms_norm(m, post_ff_2), post_ff)) * layer_scalar
@@ -17,6 +18,8 @@
 // stream while the router and the experts run, instead of after them.
 // Every buffer is [T, H] or [T, I_dense] in h's dtype (validated by src/ops/gemma4_ffn.cpp).
 #include "core/route_counters.h"
+#include "core/workspace_slots.h"
+#include "cuda/dense_cublas.h"
 #include "cuda/dense_linear.h"
 #include "cuda/gather_qmm.h"
 #include "cuda/gather_qmm_wgmma.h"
@@ -53,18 +56,39 @@ void linear_into(const Linear& l, DType dtype, const void* x, int64_t T, void* o
 // the block at 512 / 2048 tokens 416.5 / 1040.5 us per layer against 431.5 / 1160.4 on rhs_tiles).
 constexpr int64_t kDenseRowsMinTokens = 512;
 
-enum class DenseMlpWay { decode_glu, qmv_glu, expert_rows, linears };
-
 // Up to this many tokens a dense MLP the decode GLU kernel does not take (8-bit) runs gate, up and the
 // GeGLU as one qmv launch (one row per CTA). At T = 2-7 the multi-row qmv kernels read each weight
 // once per 4-8 rows (step 21), which one-row GLU launches would give up (bench/NOTES.md step 27).
 constexpr int64_t kQmvGluMaxTokens = 1;
 
+// From this many tokens (EXPERTQMM_DENSE_CUBLAS unset) the quantized dense MLP runs on cuBLAS: its
+// weights dequantized to 16 bits into the branch's scratch each call (gate and up, then down), gate
+// and up as one GEMM of 2 I columns, the GLU product, down. A single [T, K] x [K, N] matrix leaves the
+// expert tile kernel one wave of 128-row tiles and a few CTAs over; cuBLAS picks its tiles per shape.
+// bench/NOTES.md step 59 (probe-dense-cublas.json).
+constexpr int64_t kDenseCublasMinTokens = 512;
+
+enum class DenseMlpWay { decode_glu, qmv_glu, cublas, expert_rows, linears };
+
+// Whether the dense MLP runs on cuBLAS (the arena then lays gate and up out as one [T, 2 I] GEMM
+// output): the setting, the size and the weights' rules (dense_cublas_fits; gate's [I, H] bytes a
+// multiple of 16, so that up's dequantized rows follow gate's aligned). The decode ways come first.
+bool dense_cublas_wanted(const Gemma4Mlp& m, int64_t T, ProductMode mode, DType dt) {
+  const RouteSwitch s = dense_cublas_setting();
+  const int64_t from = s == RouteSwitch::on ? kQmvGluMaxTokens + 1 : kDenseCublasMinTokens;
+  if (s == RouteSwitch::off || T < from || mode != ProductMode::fused) return false;
+  if (!m.gate.is_quantized() || !m.up.is_quantized() || !m.down.is_quantized()) return false;
+  const int64_t I = m.gate.out_features(), H = m.gate.in_features();
+  return dense_cublas_fits(m.gate.quantized, dt) && dense_cublas_fits(m.up.quantized, dt) &&
+         dense_cublas_fits(m.down.quantized, dt) && (I * H) % 8 == 0;
+}
+
 // Whether the dense MLP may run as expert rows, from the shapes alone (the arena then reserves its
 // ids and plan); the kernels' own rules are checked once the buffers are placed (gemma4_ffn_into).
-bool dense_rows_wanted(const Gemma4Mlp& m, int64_t T, ProductMode mode) {
-  return T >= kDenseRowsMinTokens && mode == ProductMode::fused && m.gate.is_quantized() && m.up.is_quantized() &&
-         m.down.is_quantized() && expert_tiles_setting() != RouteSwitch::off && wgmma_available();
+bool dense_rows_wanted(const Gemma4Mlp& m, int64_t T, ProductMode mode, DType dt) {
+  return !dense_cublas_wanted(m, T, mode, dt) && T >= kDenseRowsMinTokens && mode == ProductMode::fused &&
+         m.gate.is_quantized() && m.up.is_quantized() && m.down.is_quantized() &&
+         expert_tiles_setting() != RouteSwitch::off && wgmma_available();
 }
 
 // The dense branch's choice, made once the arena is placed, with the problems it runs.
@@ -86,6 +110,10 @@ DenseMlpPlan plan_dense_mlp(const Gemma4Mlp& m, ProductMode mode, const Tensor& 
     const RouteSupport decode = supports_decode_glu(x1, m.gate.quantized, m.up.quantized, Activation::geglu);
     if (decode.ok) {
       p.way = DenseMlpWay::decode_glu;
+      return Fallback::disabled;
+    }
+    if (dense_cublas_wanted(m, T, mode, dt)) {
+      p.way = DenseMlpWay::cublas;
       return Fallback::disabled;
     }
     if (T <= kQmvGluMaxTokens) {
@@ -126,14 +154,16 @@ void gemma4_ffn_into(Tensor& out, const Tensor& h, const Gemma4FfnWeights& w, Wo
   ArenaLayout layout;
   const size_t x1_off = layout.reserve(bytes_of(T * H, dt));
   const size_t x2_off = layout.reserve(bytes_of(T * H, dt));
-  const size_t gate_off = layout.reserve(bytes_of(T * I, dt));
-  const size_t up_off = layout.reserve(bytes_of(T * I, dt));
+  // gate and up: two [T, I] outputs, or on cuBLAS one [T, 2 I] (gate's columns, then up's, per row).
+  const size_t gate_bytes = (bytes_of(T * I, dt) + ArenaLayout::kAlign - 1) / ArenaLayout::kAlign * ArenaLayout::kAlign;
+  const size_t gate_off = layout.reserve(gate_bytes + bytes_of(T * I, dt));
+  const size_t up_off = gate_off + gate_bytes;
   const size_t act_off = layout.reserve(bytes_of(T * I, dt));
   const ProductMode mode = product_mode();  // read once: the plan and the launch agree
   const size_t inter_off = mode == ProductMode::separate ? layout.reserve(bytes_of(T * I, dt)) : 0;
   const size_t d_off = layout.reserve(bytes_of(T * H, dt));
   const size_t moe_off = layout.reserve(bytes_of(T * H, dt));
-  const bool rows = dense_rows_wanted(w.mlp, T, mode);
+  const bool rows = dense_rows_wanted(w.mlp, T, mode, dt);
   const size_t ids_off = rows ? layout.reserve(bytes_of(T, DType::i32)) : 0;
   const size_t plan_off = rows ? layout.reserve(tile_plan_bytes(T, 1)) : 0;
   void* base = ws.get(detail::kSlotFfnArena, layout.bytes());
@@ -184,6 +214,19 @@ void gemma4_ffn_into(Tensor& out, const Tensor& h, const Gemma4FfnWeights& w, Wo
     launch_decode_glu(x1, w.mlp.gate.quantized, w.mlp.up.quantized, Activation::geglu, at(act_off));
   } else if (dense.way == DenseMlpWay::qmv_glu) {
     call_qmv_glu(dense.gate, dense.up, Activation::geglu, at(act_off));
+  } else if (dense.way == DenseMlpWay::cublas) {
+    // Prefill sizes on cuBLAS: gate's and up's weights dequantized into one [2 I, H] matrix, one GEMM
+    // into [T, 2 I], the GLU product, then down's weight dequantized into the same bytes and its GEMM.
+    cudaStream_t side = current_stream();
+    const QuantizedWeight &gq = w.mlp.gate.quantized, &uq = w.mlp.up.quantized, &dq = w.mlp.down.quantized;
+    void* weights = side_ws.get(detail::kSlotDenseWeights, bytes_of(2 * I * H, dt));
+    dequantize_for_gemm(gq, weights, side);
+    dequantize_for_gemm(uq, arena_at(weights, bytes_of(I * H, dt)), side);
+    cublas_linear(dt, weights, at(x1_off), H, at(gate_off), 2 * I, T, 2 * I, H, side_ws, side);
+    launch_glu_product(Activation::geglu, mode, dt, at(gate_off), arena_at(at(gate_off), bytes_of(I, dt)), T, I,
+                       2 * I, at(act_off), nullptr, side);
+    dequantize_for_gemm(dq, weights, side);
+    cublas_linear(dt, weights, at(act_off), I, at(d_off), H, T, H, I, side_ws, side);
   } else if (dense.way == DenseMlpWay::expert_rows) {
     // Prefill sizes: every row is expert 0's, so the plan is T / 128 full tiles; the selector counts
     // the three GEMMs on the tile route as the MoE layer's plan does.
@@ -204,7 +247,7 @@ void gemma4_ffn_into(Tensor& out, const Tensor& h, const Gemma4FfnWeights& w, Wo
     launch_glu_product(Activation::geglu, mode, dt, at(gate_off), at(up_off), T, I, I, at(act_off),
                        mode == ProductMode::separate ? at(inter_off) : nullptr, current_stream());
   }
-  if (dense.way != DenseMlpWay::expert_rows) linear_into(w.mlp.down, dt, at(act_off), T, at(d_off), side_ws);
+  if (dense.way != DenseMlpWay::expert_rows && dense.way != DenseMlpWay::cublas) linear_into(w.mlp.down, dt, at(act_off), T, at(d_off), side_ws);
   branch.leave();
   // Expert branch on the thread's stream, beside the dense one: the router reads h itself, the
   // experts x2. Then the exit waits for both.

@@ -1,0 +1,194 @@
+// Probe (issue 15, the block's dense MLP at prefill): the best dense GEMM that exists on this GPU,
+// cuBLAS bf16 x bf16 -> bf16 with fp32 accumulation, against our routes on the same quantized linears.
+// The block runs its dense MLP (8-bit g64 in the QAT upload, 4-bit in mlx-community's) as T rows of one
+// expert on the wgmma tile kernel from 512 tokens; dense_linear_probe times those. This probe times, on
+// the same shapes, (a) cuBLAS on weights already dequantized to bf16 (the GEMM alone: the limit of
+// a dequantize-then-GEMM design), (b) the dequantization into a bf16 scratch (one fma rounded to bf16
+// per value, the tensor-core routes' arithmetic: docs/numerics.md) plus that GEMM, in one graph, and
+// (c) the selector's route (one_expert_rows) again, in the same process. Protocol: tools/expertqmm/
+// replay_timing.h (graph replay, L2 flushed before each, median of 50). Prints JSON.
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include "core/float16.h"
+#include "core/gather_qmm_problem.h"
+#include "cuda/gather_qmm.h"
+#include "expertqmm/backend.h"
+#include "expertqmm/quant.h"
+#include "probe_check.cuh"
+#include "replay_timing.h"
+
+namespace timing = expertqmm::timing;
+using namespace expertqmm;
+
+#define CUBLAS_OK(x)                                                              \
+  do {                                                                            \
+    cublasStatus_t st_ = (x);                                                     \
+    if (st_ != CUBLAS_STATUS_SUCCESS) {                                           \
+      std::fprintf(stderr, "cublas error %d at %s:%d\n", int(st_), __FILE__, __LINE__); \
+      std::exit(1);                                                               \
+    }                                                                             \
+  } while (0)
+
+namespace {
+
+// One thread per 32-bit code word (32 / bits values of one row), w = bf16(q * s + b) with one
+// rounding; 16 (4-bit) or 8 (8-bit) bytes stored per thread.
+template <int kBits>
+__global__ void dequant_bf16_kernel(const uint32_t* __restrict__ codes, const uint16_t* __restrict__ scales,
+                                    const uint16_t* __restrict__ biases, int64_t rows, int64_t K, int group,
+                                    uint16_t* __restrict__ out) {
+  constexpr int kPer = 32 / kBits;
+  const int64_t words_per_row = K / kPer;
+  const int64_t word = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (word >= rows * words_per_row) return;
+  const int64_t row = word / words_per_row;
+  const int64_t k0 = (word - row * words_per_row) * kPer;
+  const int64_t g = row * (K / group) + k0 / group;
+  const float s = bf16_to_float(scales[g]), b = bf16_to_float(biases[g]);
+  const uint32_t c = codes[word];
+  uint16_t v[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) v[i] = float_to_bf16(__fmaf_rn(float((c >> (i * kBits)) & ((1u << kBits) - 1)), s, b));
+  if constexpr (kPer == 8) {
+    uint4 o;
+    o.x = v[0] | (uint32_t(v[1]) << 16); o.y = v[2] | (uint32_t(v[3]) << 16);
+    o.z = v[4] | (uint32_t(v[5]) << 16); o.w = v[6] | (uint32_t(v[7]) << 16);
+    *reinterpret_cast<uint4*>(out + row * K + k0) = o;
+  } else {
+    uint2 o;
+    o.x = v[0] | (uint32_t(v[1]) << 16); o.y = v[2] | (uint32_t(v[3]) << 16);
+    *reinterpret_cast<uint2*>(out + row * K + k0) = o;
+  }
+}
+
+Tensor random_bf16(const Shape& shape, float stddev, uint32_t seed, Device device) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.f, stddev);
+  std::vector<uint16_t> v(static_cast<size_t>(n));
+  for (uint16_t& b : v) b = float_to_bf16(dist(rng));
+  return Tensor::from_host(v.data(), shape, DType::bf16, device);
+}
+
+QuantizedWeight device_weight(int64_t N, int64_t K, int bits, uint32_t seed) {
+  const QuantizedWeight q = quantize(random_bf16({N, K}, 0.02f, seed, Device::cpu), QuantSpec(bits, 64));
+  QuantizedWeight d = q;
+  d.w = q.w.to(Device::cuda);
+  d.scales = q.scales.to(Device::cuda);
+  d.biases = q.biases.to(Device::cuda);
+  return d;
+}
+
+template <class Call>
+double median_us(const timing::DeviceBuffer& flush, cudaStream_t s, Call call) {
+  call();  // warm-up (workspaces grow here, not under capture)
+  CHECK(cudaStreamSynchronize(s));
+  timing::Graphs g;
+  timing::capture_into(g, s, "the dense GEMM", call);
+  CHECK(cudaGraphLaunch(g.execs[0], s));
+  return timing::stats_of(timing::timed_replays(g.execs, 50, s, flush)).median;
+}
+
+// out [T, N] = x [T, K] @ W^T, W [N, K] row-major (column-major: out^T [N, T] = W^T^T . x^T).
+void cublas_linear(cublasHandle_t h, const uint16_t* w, const uint16_t* x, uint16_t* out, int64_t T, int64_t N,
+                   int64_t K) {
+  const float one = 1.f, zero = 0.f;
+  CUBLAS_OK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(N), int(T), int(K), &one, w, CUDA_R_16BF, int(K), x,
+                         CUDA_R_16BF, int(K), &zero, out, CUDA_R_16BF, int(N), CUBLAS_COMPUTE_32F,
+                         CUBLAS_GEMM_DEFAULT));
+}
+
+}  // namespace
+
+int main() {
+  struct LinearShape {
+    const char* name;
+    int64_t N, K;
+  };
+  const LinearShape linears[] = {{"gate_up", 2112, 2816}, {"gate_and_up", 4224, 2816}, {"down", 2816, 2112}};
+  const int64_t tokens[] = {128, 256, 512, 1024, 2048};
+  const timing::DeviceBuffer flush(timing::l2_flush_bytes());
+  cudaStream_t s;
+  CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cublasHandle_t h;
+  CUBLAS_OK(cublasCreate(&h));
+  CUBLAS_OK(cublasSetStream(h, s));
+  const int64_t max_T = 2048;
+  std::vector<int32_t> zeros(max_T, 0);
+  const Tensor zero_ids = Tensor::from_host(zeros.data(), {max_T}, DType::i32, Device::cuda);
+  std::printf("{\"probe\": \"dense_cublas\", \"rows\": [\n");
+  bool first = true;
+  uint32_t seed = 7;
+  for (int bits : {8, 4})
+    for (const LinearShape& l : linears) {
+      const QuantizedWeight q = device_weight(l.N, l.K, bits, seed++);
+      const Tensor x = random_bf16({max_T, l.K}, 1.0f, seed++, Device::cuda);
+      Tensor out = Tensor::empty({max_T, l.N}, DType::bf16, Device::cuda);
+      Tensor out_ref = Tensor::empty({max_T, l.N}, DType::bf16, Device::cuda);
+      Tensor wb = Tensor::empty({l.N, l.K}, DType::bf16, Device::cuda);
+      const int64_t words = l.N * l.K * bits / 32;
+      auto dequant = [&] {
+        if (bits == 4)
+          dequant_bf16_kernel<4><<<unsigned((words + 255) / 256), 256, 0, s>>>(
+              q.w.data_as<uint32_t>(), q.scales.data_as<uint16_t>(), q.biases.data_as<uint16_t>(), l.N, l.K, 64,
+              wb.data_as<uint16_t>());
+        else
+          dequant_bf16_kernel<8><<<unsigned((words + 255) / 256), 256, 0, s>>>(
+              q.w.data_as<uint32_t>(), q.scales.data_as<uint16_t>(), q.biases.data_as<uint16_t>(), l.N, l.K, 64,
+              wb.data_as<uint16_t>());
+      };
+      dequant();
+      CHECK(cudaStreamSynchronize(s));
+      for (int64_t T : tokens) {
+        const uint16_t* xp = x.data_as<uint16_t>();
+        uint16_t* op = out.data_as<uint16_t>();
+        double gemm = 0, both = 0, dq = 0, route_us = 0;
+        {
+          CudaStreamScope scope(0, s);
+          gemm = median_us(flush, s, [&] { cublas_linear(h, wb.data_as<uint16_t>(), xp, op, T, l.N, l.K); });
+          both = median_us(flush, s, [&] {
+            dequant();
+            cublas_linear(h, wb.data_as<uint16_t>(), xp, op, T, l.N, l.K);
+          });
+          dq = median_us(flush, s, dequant);
+          const detail::GatherQmmProblem single = cuda::single_matrix_problem(x.data(), T, l.K, DType::bf16, q);
+          const detail::GatherQmmProblem rows = cuda::one_expert_rows_problem(single, zero_ids.data_as<int32_t>());
+          Workspace ws;
+          route_us = median_us(flush, s, [&] { cuda::gather_qmm_into(rows, out_ref.data(), &ws); });
+        }
+        // Agreement of the two outputs (both bf16; differences: summation order, one rounding).
+        std::vector<uint16_t> a(size_t(T * l.N)), b(size_t(T * l.N));
+        CHECK(cudaStreamSynchronize(s));
+        CHECK(cudaMemcpy(a.data(), out.data(), a.size() * 2, cudaMemcpyDeviceToHost));
+        CHECK(cudaMemcpy(b.data(), out_ref.data(), b.size() * 2, cudaMemcpyDeviceToHost));
+        double num = 0, den = 0;
+        for (size_t i = 0; i < a.size(); ++i) {
+          const double d = double(bf16_to_float(a[i])) - bf16_to_float(b[i]);
+          num += d * d;
+          den += double(bf16_to_float(b[i])) * bf16_to_float(b[i]);
+        }
+        std::printf("%s  {\"linear\": \"%s\", \"bits\": %d, \"N\": %lld, \"K\": %lld, \"tokens\": %lld, "
+                    "\"cublas_gemm_us\": %.2f, \"dequant_us\": %.2f, \"dequant_and_cublas_us\": %.2f, "
+                    "\"one_expert_rows_us\": %.2f, \"route\": \"%s\", \"cublas_tflops\": %.1f, "
+                    "\"rel_diff\": %.2e}",
+                    first ? "" : ",\n", l.name, bits, (long long)l.N, (long long)l.K, (long long)T, gemm, dq, both,
+                    route_us,
+                    cuda::gather_qmm_selected_route(cuda::one_expert_rows_problem(
+                        cuda::single_matrix_problem(x.data(), T, l.K, DType::bf16, q), zero_ids.data_as<int32_t>()))
+                        .c_str(),
+                    2.0 * T * l.N * l.K / gemm / 1e6, std::sqrt(num / (den > 0 ? den : 1)));
+        first = false;
+      }
+    }
+  std::printf("\n]}\n");
+  CUBLAS_OK(cublasDestroy(h));
+  CHECK(cudaStreamDestroy(s));
+  return 0;
+}
