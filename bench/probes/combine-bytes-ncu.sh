@@ -6,7 +6,7 @@ set -uo pipefail
 OUT=${OUT:-./out}
 b=build-gpu-check
 d=$(scripts/cublas-lib-dir "$b/expertqmm"); [ -n "$d" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
-timeout 90 ncu --clock-control none --kernel-name regex:'weighted_combine|expert_tiles_wgmma' \
+timeout 60 ncu --clock-control none --kernel-name regex:'weighted_combine|expert_tiles_wgmma' \
   --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
   --csv --print-units base "$b/expertqmm" bench --preset gemma4-26b-a4b --tokens 2048 --routing uniform \
   --product fused --replays 1 --ungated --tiled >"$OUT/ncu-combine.csv" 2>/dev/null
