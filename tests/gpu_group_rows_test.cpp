@@ -278,8 +278,9 @@ TEST(GpuGroupRows, LayerGivesTheSameBytesWithTheGroupingOnAndOff) {
   }
 }
 
-// Which calls the plan groups with the kernel: unset, the sorted sizes up to kGroupRowsAutoMaxRows
-// rows (where it measured faster than CUB's path); 1, every size it fits; 0, none.
+// Which calls the plan groups with the kernel: unset or 1, every sorted size it fits (the one CTA up
+// to kGroupRowsOneCtaMaxRows rows, the grid form past it: both measured faster than CUB's path); 0,
+// none (CUB's sort and the plan builder).
 TEST(GpuGroupRows, PlanTakesTheKernelWhereItMeasuredFaster) {
   EXPERTQMM_REQUIRE_GPU();
 #ifdef EXPERTQMM_HAVE_CUDA
@@ -294,11 +295,13 @@ TEST(GpuGroupRows, PlanTakesTheKernelWhereItMeasuredFaster) {
     Tensor out = Tensor::empty({T, D}, DType::bf16, Device::cuda);
     return cuda::planned_group_rows(out, h, h, l.gpu);
   };
-  const int64_t at_limit = cuda::kGroupRowsAutoMaxRows / geo.k;  // T = 1024
+  const int64_t at_limit = cuda::kGroupRowsOneCtaMaxRows / geo.k;  // T = 1024
   EXPECT_TRUE(planned(32, RouteSwitch::automatic));
   EXPECT_TRUE(planned(at_limit, RouteSwitch::automatic));
-  EXPECT_FALSE(planned(at_limit + 1, RouteSwitch::automatic));
+  EXPECT_TRUE(planned(at_limit + 1, RouteSwitch::automatic));
+  EXPECT_TRUE(planned(2048, RouteSwitch::automatic));
   EXPECT_TRUE(planned(2048, RouteSwitch::on));
   EXPECT_FALSE(planned(32, RouteSwitch::off));
+  EXPECT_FALSE(planned(2048, RouteSwitch::off));
 #endif
 }

@@ -96,19 +96,19 @@ void set_wgmma_ws(RouteSwitch s);
 RouteSwitch wgmma_ws_setting();
 
 // EXPERTQMM_GROUP_ROWS=0|1: the MoE layer's rows (the sorted path, T * k >= 64) grouped by expert,
-// with the expert tile plan, in one kernel of one CTA (group_rows.cu); 0: CUB's stable sort, the
-// inverse and the plan builder (five to seven launches). The same bits either way. Unset: the kernel
-// up to 8192 rows (T = 1024 at k = 8), where it measured faster; 1: wherever it fits (256 experts,
-// 2^18 rows), past 8192 rows in its grid form (three launches over 1024-row chunks; not yet
-// measured). bench/NOTES.md steps 54 and 58.
+// with the expert tile plan, by group_rows.cu: one kernel of one CTA up to 8192 rows (T = 1024 at
+// k = 8), its grid form past that (three launches over 1024-row chunks); 0: CUB's stable sort, the
+// inverse and the plan builder (five to seven launches). The same bits either way. Unset or 1:
+// wherever it fits (256 experts, 2^18 rows); both forms measured faster than CUB's path
+// (bench/NOTES.md steps 54 and 58).
 void set_group_rows(RouteSwitch s);
 RouteSwitch group_rows_setting();
 
 // EXPERTQMM_DENSE_CUBLAS=0|1: the Gemma 4 block's quantized dense MLP at prefill as its weights
 // dequantized to 16 bits (one fma rounded once, as the tensor-core routes) and cuBLAS's GEMM, gate
 // and up as one GEMM, then the GLU product and down. 1: at every size the decode kernels leave (2
-// tokens up); 0: never (the expert tile route from 512 tokens, rhs_tiles below). Unset: from 512
-// tokens (bench/NOTES.md step 59).
+// tokens up); 0: never (the expert tile route from 512 tokens, rhs_tiles below). Unset: from 1024
+// tokens, where it measured faster in the block (bench/NOTES.md step 59).
 void set_dense_cublas(RouteSwitch s);
 RouteSwitch dense_cublas_setting();
 

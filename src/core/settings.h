@@ -20,7 +20,7 @@ struct EnvSettings {
   RouteSwitch wgmma = RouteSwitch::automatic;          // automatic = on where available
   int wgmma_width = 0;                                 // 0: the measured table
   RouteSwitch wgmma_ws = RouteSwitch::automatic;       // automatic = off (step 47, not yet measured)
-  RouteSwitch group_rows = RouteSwitch::automatic;     // automatic = up to 8192 rows (measured)
+  RouteSwitch group_rows = RouteSwitch::automatic;     // automatic = wherever it fits (as on; measured)
   RouteSwitch dense_cublas = RouteSwitch::automatic;   // automatic = from kDenseCublasMinTokens (measured)
 };
 

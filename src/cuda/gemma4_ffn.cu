@@ -5,7 +5,7 @@
 //   then two branches that share nothing but their inputs:
 //     side stream:   a = GLU(x1 @ gate^T, x1 @ up^T) -> d = a @ down^T, one of four ways (DenseMlpWay):
 //                    T <= 8 (4-bit): one decode gate/up launch; T = 1 (8-bit): one qmv launch with
-//                    the GeGLU in its epilogue; T >= 512: the weights dequantized to 16 bits and
+//                    the GeGLU in its epilogue; T >= 1024: the weights dequantized to 16 bits and
 //                    cuBLAS (gate and up as one GEMM, the GLU product, down), or where that does not
 //                    fit (sm_90a; 4-bit, or 8-bit bf16) the linears as T rows of one expert on the
 //                    expert tile route, gate and up in one wgmma launch with the GeGLU; else two
@@ -65,8 +65,10 @@ constexpr int64_t kQmvGluMaxTokens = 1;
 // weights dequantized to 16 bits into the branch's scratch each call (gate and up, then down), gate
 // and up as one GEMM of 2 I columns, the GLU product, down. A single [T, K] x [K, N] matrix leaves the
 // expert tile kernel one wave of 128-row tiles and a few CTAs over; cuBLAS picks its tiles per shape.
-// bench/NOTES.md step 59 (probe-dense-cublas.json).
-constexpr int64_t kDenseCublasMinTokens = 512;
+// bench/NOTES.md step 59 (H100, 10-layer block per layer, this way against the expert tile route, MLX
+// layout / tile layout): 2048 tokens -9.6 / -11.3%, 1024 -5.9 / -7.1%, 512 +2.8 / +0.7% (beside the
+// experts the fixed ~40 us of dequantization and cuBLAS's whole-GPU grids lose there), so from 1024.
+constexpr int64_t kDenseCublasMinTokens = 1024;
 
 enum class DenseMlpWay { decode_glu, qmv_glu, cublas, expert_rows, linears };
 

@@ -1,7 +1,8 @@
 // The layer's rows grouped by expert in one kernel (bench/NOTES.md step 54): what the stable sort
 // (sort.cu: positions, CUB's radix sort, the inverse) and the tile plan builder (tile_plan.cu) give
 // in five to seven launches, for up to kGroupRowsMaxExperts experts and kGroupRowsMaxRows rows (the
-// layer takes it up to kGroupRowsAutoMaxRows, where it measured faster: one CTA does all the work).
+// layer takes it up to kGroupRowsOneCtaMaxRows, where it measured faster: one CTA does all the work;
+// past it, the grid form below).
 // For ids in [0, E) every output is the stable sort's and the plan builder's, bit for bit (the
 // tests compare them): a counting sort is stable when each bucket's rows keep their flat order.
 #include "cuda/cuda_backend.h"
@@ -189,7 +190,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   device::emit_tile_plan(sm.first_row, E, tiles, header, sm.emit);
 }
 
-// The grid form (n past kGroupRowsAutoMaxRows: one CTA's time grows with n), the same outputs in
+// The grid form (n past kGroupRowsOneCtaMaxRows: one CTA's time grows with n), the same outputs in
 // three launches over chunks of kThreads flat rows, CTA c owning rows [c * kThreads, +kThreads):
 //   counts    (C, E + 1) int32 in scratch: CTA c's rows per bucket, then (after the bases kernel)
 //             the rows of bucket b in CTAs before c

@@ -11,11 +11,12 @@ namespace expertqmm::cuda {
 constexpr int kGroupRowsMaxExperts = 256;                // the per-warp count table fits 48 KB of shared memory
 constexpr int64_t kGroupRowsMaxRows = int64_t{1} << 18;  // one CTA: past this CUB's sort scales better
 
-// The most rows the layer groups with the kernel when EXPERTQMM_GROUP_ROWS is unset. One CTA does
-// it all, so its time grows with n where CUB's sort spreads over the GPU: measured on an H100
-// (bench/NOTES.md "Step 54 measured", Gemma layer, tile layout) -2.0 / -1.5 / -0.5 / -3.0% at
-// 256 / 1024 / 4096 / 8192 rows, +0.9% at 16384 (30 us in the kernel there).
-constexpr int64_t kGroupRowsAutoMaxRows = 8192;
+// The most rows the layer groups with the one-CTA kernel; past it, the grid form. One CTA does it
+// all, so its time grows with n: measured on an H100 against CUB's path (bench/NOTES.md "Step 54
+// measured", Gemma layer, tile layout) -2.0 / -1.5 / -0.5 / -3.0% at 256 / 1024 / 4096 / 8192 rows,
+// +0.9% at 16384 (30 us in the kernel there), where the grid form measured -1.9% against CUB's
+// path (step 58).
+constexpr int64_t kGroupRowsOneCtaMaxRows = 8192;
 
 // Whether launch_group_rows takes n rows over E experts.
 bool group_rows_fits(int64_t n, int64_t E);

@@ -157,10 +157,9 @@ void reserve_fixed(LayerPlan& p, const SwitchGLUWeights& w, bool routes, DType r
   sc.token_of_row = layout.reserve(bytes_of(s.n, DType::i32));
   if (s.sorted) {
     const RouteSwitch grouping = group_rows_setting();
-    p.group_rows = group_rows_fits(s.n, s.E) &&
-                   (grouping == RouteSwitch::on || (grouping == RouteSwitch::automatic && s.n <= kGroupRowsAutoMaxRows));
-    // Forced on past the one CTA's measured range: the grid form (three launches) and its scratch.
-    p.group_rows_grid = p.group_rows && s.n > kGroupRowsAutoMaxRows;
+    p.group_rows = group_rows_fits(s.n, s.E) && grouping != RouteSwitch::off;
+    // Past the one CTA's measured range: the grid form (three launches) and its scratch.
+    p.group_rows_grid = p.group_rows && s.n > kGroupRowsOneCtaMaxRows;
     if (p.group_rows_grid) sc.group_rows_scratch = layout.reserve(group_rows_grid_scratch_bytes(s.n, s.E));
     sc.sorted_ids = layout.reserve(bytes_of(s.n, DType::i32));
     sc.inv_order = layout.reserve(bytes_of(s.n, DType::i32));

@@ -96,7 +96,7 @@ struct LayerPlan {
   bool cast_x = false, cast_gate_up = false, cast_hidden = false, cast_down = false;
   bool tiles = false;          // a tile plan is built once and shared by the GEMMs on the tile route
   bool group_rows = false;     // sorted: one kernel groups the rows and builds the plan (group_rows.cu), no CUB sort
-  bool group_rows_grid = false;  // group_rows in its grid form (three launches; EXPERTQMM_GROUP_ROWS=1 past 8192 rows)
+  bool group_rows_grid = false;  // group_rows in its grid form (three launches past 8192 rows)
   bool glu_fused = false;      // gate, up and the GLU product in one wgmma launch
   // > 0: the down GEMM and the slot-order combine run per window of this many output columns (the
   // last one narrower), so y holds [n, down_window_cols] instead of [n, D] (moe_layer_into only).
