@@ -21,6 +21,7 @@
 #include "expertqmm/backend.h"
 #include "expertqmm/quant.h"
 #include "probe_check.cuh"
+#include "probe_weights.h"
 #include "replay_timing.h"
 
 namespace timing = expertqmm::timing;
@@ -67,24 +68,8 @@ __global__ void dequant_bf16_kernel(const uint32_t* __restrict__ codes, const ui
   }
 }
 
-Tensor random_bf16(const Shape& shape, float stddev, uint32_t seed, Device device) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.f, stddev);
-  std::vector<uint16_t> v(static_cast<size_t>(n));
-  for (uint16_t& b : v) b = float_to_bf16(dist(rng));
-  return Tensor::from_host(v.data(), shape, DType::bf16, device);
-}
-
-QuantizedWeight device_weight(int64_t N, int64_t K, int bits, uint32_t seed) {
-  const QuantizedWeight q = quantize(random_bf16({N, K}, 0.02f, seed, Device::cpu), QuantSpec(bits, 64));
-  QuantizedWeight d = q;
-  d.w = q.w.to(Device::cuda);
-  d.scales = q.scales.to(Device::cuda);
-  d.biases = q.biases.to(Device::cuda);
-  return d;
-}
+using probe::device_weight;
+using probe::random_bf16;
 
 template <class Call>
 double median_us(const timing::DeviceBuffer& flush, cudaStream_t s, Call call) {
