@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Where the prefill combine's bytes come from (issue 15): at 2048 tokens, --tiled, L2 flushed by the
 # bench, the combine kernel and the down GEMM under ncu with DRAM bytes and the L2 hit rate of their
-# loads. Run after step57-device-call.sh unpacked out/prebuilt.tar.xz into build-gpu-check.
+# loads. Run after session21-device-call.sh unpacked out/prebuilt.tar.xz into build-gpu-check.
 set -uo pipefail
 OUT=${OUT:-./out}
 b=build-gpu-check
