@@ -10,6 +10,7 @@
 #include <cuda_fp16.h>
 
 #include <map>
+#include <type_traits>
 
 #include "core/workspace_slots.h"
 #include "cuda/cuda_backend.h"
@@ -25,26 +26,13 @@ constexpr int kThreads = 256;
 // Gemma shapes at 512-2048 rows are large enough that 8 MiB leaves its choice of kernels alone.
 constexpr size_t kCublasWorkspaceBytes = size_t(8) << 20;
 
+// Two 16-bit values of D in one register, as the type __hfma2 takes for D.
 template <DType D>
-struct Half2;
-template <>
-struct Half2<DType::bf16> {
-  using type = __nv_bfloat162;
-  static __device__ __forceinline__ type of(float a, float b) { return __floats2bfloat162_rn(a, b); }
-  static __device__ __forceinline__ type splat(uint16_t bits) {
-    const __nv_bfloat16 v = __ushort_as_bfloat16(bits);
-    return __nv_bfloat162(v, v);
-  }
-};
-template <>
-struct Half2<DType::f16> {
-  using type = __half2;
-  static __device__ __forceinline__ type of(float a, float b) { return __floats2half2_rn(a, b); }
-  static __device__ __forceinline__ type splat(uint16_t bits) {
-    const __half v = __ushort_as_half(bits);
-    return __half2(v, v);
-  }
-};
+using Pair = std::conditional_t<D == DType::bf16, __nv_bfloat162, __half2>;
+template <DType D>
+__device__ __forceinline__ Pair<D> as_pair(uint32_t bits) {
+  return *reinterpret_cast<const Pair<D>*>(&bits);
+}
 
 // out[n, k] = T(q[n, k] * s + b), the fma in T (exact product and sum, one rounding), as the
 // tensor-core routes dequantize (docs/numerics.md); q up to 255 is exact in bf16 and f16.
@@ -56,17 +44,15 @@ struct Half2<DType::f16> {
 template <DType D, int kBits>
 __global__ void dequantize_for_gemm_kernel(const uint4* __restrict__ codes, const uint16_t* __restrict__ scales,
                                            const uint16_t* __restrict__ biases, int64_t chunks, int64_t chunks_per_row,
-                                           int group_log2, uint4* __restrict__ out) {
-  using H2 = Half2<D>;
+                                           int group, uint4* __restrict__ out) {
   constexpr int kValues = 128 / kBits;  // per chunk
   constexpr uint32_t kMask = (1u << kBits) - 1;
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= chunks) return;
   const int64_t row = c / chunks_per_row;
   const int64_t k0 = (c - row * chunks_per_row) * kValues;
-  const int64_t groups_per_row = (chunks_per_row * kValues) >> group_log2;
-  const int64_t g = row * groups_per_row + (k0 >> group_log2);
-  const typename H2::type s = H2::splat(scales[g]), b = H2::splat(biases[g]);
+  const int64_t g = row * (chunks_per_row * kValues / group) + k0 / group;
+  const Pair<D> s = as_pair<D>(scales[g] * 0x10001u), b = as_pair<D>(biases[g] * 0x10001u);
   const uint4 q4 = codes[c];
   const uint32_t words[4] = {q4.x, q4.y, q4.z, q4.w};
   uint32_t packed[kValues / 2];
@@ -74,19 +60,13 @@ __global__ void dequantize_for_gemm_kernel(const uint4* __restrict__ codes, cons
   for (int i = 0; i < kValues; i += 2) {
     const uint32_t w = words[i * kBits / 32];
     const int shift = (i * kBits) % 32;
-    const typename H2::type q = H2::of(float((w >> shift) & kMask), float((w >> (shift + kBits)) & kMask));
-    const typename H2::type v = __hfma2(q, s, b);
+    const Pair<D> q = as_pair<D>(Elem<D>::pack2(float((w >> shift) & kMask), float((w >> (shift + kBits)) & kMask)));
+    const Pair<D> v = __hfma2(q, s, b);
     packed[i / 2] = *reinterpret_cast<const uint32_t*>(&v);
   }
 #pragma unroll
   for (int j = 0; j < kValues / 8; ++j)
     out[c * (kValues / 8) + j] = make_uint4(packed[4 * j], packed[4 * j + 1], packed[4 * j + 2], packed[4 * j + 3]);
-}
-
-int log2_exact(int v) {
-  int l = 0;
-  while ((1 << l) < v) ++l;
-  return l;
 }
 
 // One cuBLAS handle per host thread and device: a handle is not to be shared by threads issuing
@@ -143,7 +123,6 @@ void dequantize_for_gemm(const QuantizedWeight& q, void* out, cudaStream_t strea
   const int64_t chunks_per_row = K * q.bits / 128, chunks = rows * chunks_per_row;
   if (chunks == 0) return;
   const unsigned grid = static_cast<unsigned>((chunks + kThreads - 1) / kThreads);
-  const int glog = log2_exact(q.group_size);
   dispatch_float(q.scales.dtype(), kOp, [&](auto tag) {
     constexpr DType D = decltype(tag)::value;
     if constexpr (D == DType::f32) {
@@ -153,10 +132,10 @@ void dequantize_for_gemm(const QuantizedWeight& q, void* out, cudaStream_t strea
       auto* s = q.scales.data_as<const uint16_t>();
       auto* b = q.biases.data_as<const uint16_t>();
       if (q.bits == 4)
-        dequantize_for_gemm_kernel<D, 4><<<grid, kThreads, 0, stream>>>(codes, s, b, chunks, chunks_per_row, glog,
+        dequantize_for_gemm_kernel<D, 4><<<grid, kThreads, 0, stream>>>(codes, s, b, chunks, chunks_per_row, q.group_size,
                                                                         static_cast<uint4*>(out));
       else
-        dequantize_for_gemm_kernel<D, 8><<<grid, kThreads, 0, stream>>>(codes, s, b, chunks, chunks_per_row, glog,
+        dequantize_for_gemm_kernel<D, 8><<<grid, kThreads, 0, stream>>>(codes, s, b, chunks, chunks_per_row, q.group_size,
                                                                         static_cast<uint4*>(out));
       EXPERTQMM_CUDA_CHECK_LAUNCH(dequantize_for_gemm_kernel);
     }

@@ -87,8 +87,8 @@ bool dense_cublas_wanted(const Gemma4Mlp& m, int64_t T, ProductMode mode, DType 
 
 // Whether the dense MLP may run as expert rows, from the shapes alone (the arena then reserves its
 // ids and plan); the kernels' own rules are checked once the buffers are placed (gemma4_ffn_into).
-bool dense_rows_wanted(const Gemma4Mlp& m, int64_t T, ProductMode mode, DType dt) {
-  return !dense_cublas_wanted(m, T, mode, dt) && T >= kDenseRowsMinTokens && mode == ProductMode::fused &&
+bool dense_rows_wanted(const Gemma4Mlp& m, int64_t T, ProductMode mode, bool cublas) {
+  return !cublas && T >= kDenseRowsMinTokens && mode == ProductMode::fused &&
          m.gate.is_quantized() && m.up.is_quantized() && m.down.is_quantized() &&
          expert_tiles_setting() != RouteSwitch::off && wgmma_available();
 }
@@ -100,10 +100,11 @@ struct DenseMlpPlan {
 };
 
 // x1 [T, H] the MLP's input, act [T, I] its GLU output, d [T, H] its output; ids / plan: the arena's
-// expert_rows slots (null when dense_rows_wanted said no). Counts the choice under
+// expert_rows slots (null when dense_rows_wanted said no); cublas: dense_cublas_wanted's answer, asked
+// once per call by gemma4_ffn_into. Counts the choice under
 // Primitive::dense_mlp_glu: a hit is any fused way; a miss names why the last candidate refused.
-DenseMlpPlan plan_dense_mlp(const Gemma4Mlp& m, ProductMode mode, const Tensor& x1, void* act, void* d, int32_t* ids,
-                            void* plan) {
+DenseMlpPlan plan_dense_mlp(const Gemma4Mlp& m, ProductMode mode, bool cublas, const Tensor& x1, void* act, void* d,
+                            int32_t* ids, void* plan) {
   const DType dt = x1.dtype();
   const int64_t T = x1.size(0), H = x1.size(1), I = m.gate.out_features();
   DenseMlpPlan p;
@@ -114,7 +115,7 @@ DenseMlpPlan plan_dense_mlp(const Gemma4Mlp& m, ProductMode mode, const Tensor& 
       p.way = DenseMlpWay::decode_glu;
       return Fallback::disabled;
     }
-    if (dense_cublas_wanted(m, T, mode, dt)) {
+    if (cublas) {
       p.way = DenseMlpWay::cublas;
       return Fallback::disabled;
     }
@@ -156,16 +157,16 @@ void gemma4_ffn_into(Tensor& out, const Tensor& h, const Gemma4FfnWeights& w, Wo
   ArenaLayout layout;
   const size_t x1_off = layout.reserve(bytes_of(T * H, dt));
   const size_t x2_off = layout.reserve(bytes_of(T * H, dt));
-  // gate and up: two [T, I] outputs, or on cuBLAS one [T, 2 I] (gate's columns, then up's, per row).
-  const size_t gate_bytes = (bytes_of(T * I, dt) + ArenaLayout::kAlign - 1) / ArenaLayout::kAlign * ArenaLayout::kAlign;
-  const size_t gate_off = layout.reserve(gate_bytes + bytes_of(T * I, dt));
-  const size_t up_off = gate_off + gate_bytes;
+  // gate and up: two [T, I] outputs; on cuBLAS one [T, 2 I] from gate_off over both (adjacent pieces).
+  const size_t gate_off = layout.reserve(bytes_of(T * I, dt));
+  const size_t up_off = layout.reserve(bytes_of(T * I, dt));
   const size_t act_off = layout.reserve(bytes_of(T * I, dt));
   const ProductMode mode = product_mode();  // read once: the plan and the launch agree
   const size_t inter_off = mode == ProductMode::separate ? layout.reserve(bytes_of(T * I, dt)) : 0;
   const size_t d_off = layout.reserve(bytes_of(T * H, dt));
   const size_t moe_off = layout.reserve(bytes_of(T * H, dt));
-  const bool rows = dense_rows_wanted(w.mlp, T, mode, dt);
+  const bool cublas = dense_cublas_wanted(w.mlp, T, mode, dt);
+  const bool rows = dense_rows_wanted(w.mlp, T, mode, cublas);
   const size_t ids_off = rows ? layout.reserve(bytes_of(T, DType::i32)) : 0;
   const size_t plan_off = rows ? layout.reserve(tile_plan_bytes(T, 1)) : 0;
   void* base = ws.get(detail::kSlotFfnArena, layout.bytes());
@@ -208,7 +209,7 @@ void gemma4_ffn_into(Tensor& out, const Tensor& h, const Gemma4FfnWeights& w, Wo
   branch.enter();
   Workspace& side_ws = ws.branch();
   const Tensor x1 = Tensor::view(at(x1_off), {T, H}, dt, Device::cuda);
-  const DenseMlpPlan dense = plan_dense_mlp(w.mlp, mode, x1, at(act_off), at(d_off),
+  const DenseMlpPlan dense = plan_dense_mlp(w.mlp, mode, cublas, x1, at(act_off), at(d_off),
                                             rows ? static_cast<int32_t*>(at(ids_off)) : nullptr,
                                             rows ? at(plan_off) : nullptr);
   if (dense.way == DenseMlpWay::decode_glu) {
@@ -249,7 +250,8 @@ void gemma4_ffn_into(Tensor& out, const Tensor& h, const Gemma4FfnWeights& w, Wo
     launch_glu_product(Activation::geglu, mode, dt, at(gate_off), at(up_off), T, I, I, at(act_off),
                        mode == ProductMode::separate ? at(inter_off) : nullptr, current_stream());
   }
-  if (dense.way != DenseMlpWay::expert_rows && dense.way != DenseMlpWay::cublas) linear_into(w.mlp.down, dt, at(act_off), T, at(d_off), side_ws);
+  const bool down_done = dense.way == DenseMlpWay::expert_rows || dense.way == DenseMlpWay::cublas;
+  if (!down_done) linear_into(w.mlp.down, dt, at(act_off), T, at(d_off), side_ws);
   branch.leave();
   // Expert branch on the thread's stream, beside the dense one: the router reads h itself, the
   // experts x2. Then the exit waits for both.
