@@ -48,6 +48,7 @@ TEST(Settings, UnsetEnvironmentGivesTheDefaults) {
   EXPECT_EQ(s.deterministic, RouteSwitch::automatic);
   EXPECT_EQ(s.wgmma, RouteSwitch::automatic);
   EXPECT_EQ(s.wgmma_width, 0);
+  EXPECT_EQ(s.down_window_mib, 0);
 }
 
 TEST(Settings, ExpertTilesVariable) {
@@ -81,6 +82,33 @@ TEST(Settings, DenseCublasVariable) {
   EXPECT_EQ(parse({{"EXPERTQMM_DENSE_CUBLAS", "0"}}).dense_cublas, RouteSwitch::off);
   EXPECT_EQ(parse({{"EXPERTQMM_DENSE_CUBLAS", "1"}}).dense_cublas, RouteSwitch::on);
   for (const char* bad : kSwitchBad) expect_rejected("EXPERTQMM_DENSE_CUBLAS", bad);
+}
+
+TEST(Settings, DownWindowMibVariable) {
+  for (int mib : {1, 12, 24, 4096})
+    EXPECT_EQ(parse({{"EXPERTQMM_DOWN_WINDOW_MIB", std::to_string(mib)}}).down_window_mib, mib);
+  for (const char* bad : {"", "0", "4097", "-1", "12 ", " 12", "1e3", "12MiB", "99999", "0x10"})
+    expect_rejected("EXPERTQMM_DOWN_WINDOW_MIB", bad);
+}
+
+// The API form: 0 gives the cap back to the layer, a value out of range is refused and changes nothing;
+// set_setting reaches the same slot and the table shows it.
+TEST(Settings, DownWindowMibApi) {
+  set_down_window_mib(12);
+  EXPECT_EQ(down_window_mib(), 12);
+  EXPECT_THROW(set_down_window_mib(-1), Error);
+  EXPECT_THROW(set_down_window_mib(4097), Error);
+  EXPECT_EQ(down_window_mib(), 12);
+  set_setting("EXPERTQMM_DOWN_WINDOW_MIB", "48");
+  EXPECT_EQ(down_window_mib(), 48);
+  bool shown = false;
+  for (const SettingInfo& row : settings_table())
+    if (row.variable == "EXPERTQMM_DOWN_WINDOW_MIB") shown = row.current == "48";
+  EXPECT_TRUE(shown);
+  set_down_window_mib(0);
+  EXPECT_EQ(down_window_mib(), 0);
+  set_setting("EXPERTQMM_DOWN_WINDOW_MIB", std::nullopt);
+  EXPECT_EQ(down_window_mib(), 0);  // the test's environment leaves it unset
 }
 
 TEST(Settings, DecodeRouteInGateUpVariable) {
@@ -143,7 +171,7 @@ TEST(Settings, ChainedLaunchScopeIsPerThreadAndRestores) {
 // Every variable of the table is parsed (a bad value of each is caught), and nothing else is.
 TEST(Settings, TableListsEveryVariableAndEachIsValidated) {
   const std::vector<SettingInfo> table = settings_table();
-  ASSERT_EQ(table.size(), 11u);
+  ASSERT_EQ(table.size(), 12u);
   for (const SettingInfo& row : table) {
     EXPECT_EQ(row.variable.rfind("EXPERTQMM_", 0), 0u) << row.variable;
     EXPECT_FALSE(row.values.empty() || row.current.empty() || row.what.empty()) << row.variable;

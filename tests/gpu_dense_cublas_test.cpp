@@ -52,32 +52,34 @@ TEST(GpuDenseCublas, DequantizeForGemmRoundsOnce) {
   EXPERTQMM_REQUIRE_GPU();
   for (DType dt : {DType::bf16, DType::f16})
     for (int bits : {4, 8})
-      for (int group : {32, 64, 128}) {
-        const std::string what = detail::cat(dtype_name(dt), " ", bits, "-bit group ", group);
-        const int64_t N = 24, K = 384;
-        const QuantizedWeight q = quantize(test::random_tensor({N, K}, dt, 0.05f), QuantSpec(bits, group));
-        const QuantizedWeight d{q.w.to(Device::cuda), q.scales.to(Device::cuda), q.biases.to(Device::cuda), bits, group};
-        const char* why = "";
-        ASSERT_TRUE(cuda::dense_cublas_fits(d, dt, &why)) << what << ": " << why;
-        Tensor out = Tensor::empty({N, K}, dt, Device::cuda);
-        cuda::dequantize_for_gemm(d, out.data(), /*stream=*/nullptr);
-        EXPERTQMM_CUDA_CHECK(cudaDeviceSynchronize());
-        const std::vector<uint16_t> got = host_u16(out);
-        const Tensor codes = q.w.contiguous();
-        const uint32_t* w = codes.data_as<const uint32_t>();
-        const std::vector<uint16_t> s = host_u16(q.scales), b = host_u16(q.biases);
-        int64_t wrong = 0;
-        for (int64_t n = 0; n < N; ++n)
-          for (int64_t k = 0; k < K; ++k) {
-            const int64_t bit = k * bits, word = n * (K * bits / 32) + bit / 32;
-            const uint32_t code = (w[word] >> (bit % 32)) & ((1u << bits) - 1);
-            const int64_t g = n * (K / group) + k / group;
-            const uint16_t want = round_once(double(code) * load16(s[g], dt) + load16(b[g], dt), dt);
-            if (got[n * K + k] != want && wrong++ < 3)
-              ADD_FAILURE() << what << " [" << n << ", " << k << "]: got " << got[n * K + k] << " want " << want;
-          }
-        EXPECT_EQ(wrong, 0) << what;
-      }
+      for (int group : {32, 64, 128})
+        // 24 rows: one CTA's 1024 units and a partial second; 344 rows: 16 whole CTAs and a tail.
+        for (int64_t N : {24, 344}) {
+          const std::string what = detail::cat(dtype_name(dt), " ", bits, "-bit group ", group, ", ", N, " rows");
+          const int64_t K = 384;
+          const QuantizedWeight q = quantize(test::random_tensor({N, K}, dt, 0.05f), QuantSpec(bits, group));
+          const QuantizedWeight d{q.w.to(Device::cuda), q.scales.to(Device::cuda), q.biases.to(Device::cuda), bits, group};
+          const char* why = "";
+          ASSERT_TRUE(cuda::dense_cublas_fits(d, dt, &why)) << what << ": " << why;
+          Tensor out = Tensor::empty({N, K}, dt, Device::cuda);
+          cuda::dequantize_for_gemm(d, out.data(), /*stream=*/nullptr);
+          EXPERTQMM_CUDA_CHECK(cudaDeviceSynchronize());
+          const std::vector<uint16_t> got = host_u16(out);
+          const Tensor codes = q.w.contiguous();
+          const uint32_t* w = codes.data_as<const uint32_t>();
+          const std::vector<uint16_t> s = host_u16(q.scales), b = host_u16(q.biases);
+          int64_t wrong = 0;
+          for (int64_t n = 0; n < N; ++n)
+            for (int64_t k = 0; k < K; ++k) {
+              const int64_t bit = k * bits, word = n * (K * bits / 32) + bit / 32;
+              const uint32_t code = (w[word] >> (bit % 32)) & ((1u << bits) - 1);
+              const int64_t g = n * (K / group) + k / group;
+              const uint16_t want = round_once(double(code) * load16(s[g], dt) + load16(b[g], dt), dt);
+              if (got[n * K + k] != want && wrong++ < 3)
+                ADD_FAILURE() << what << " [" << n << ", " << k << "]: got " << got[n * K + k] << " want " << want;
+            }
+          EXPECT_EQ(wrong, 0) << what;
+        }
 }
 
 TEST(GpuDenseCublas, LinearMatchesTheFloat64ProductWithStrides) {

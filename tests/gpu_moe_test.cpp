@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,7 @@
 
 #include "expertqmm/backend.h"
 #include "expertqmm/error.h"
+#include "expertqmm/settings.h"
 #include "support/gather_case.h"
 #include "support/graph_capture.h"
 #include "support/moe_case.h"
@@ -214,6 +216,43 @@ TEST(GpuMoe, DownWindowsGiveTheUnwindowedBytesAndCaptureBelowThem) {
   ASSERT_NE(graph, nullptr);
   EXPECT_EQ(ws.bytes_held(), held) << "the workspace grew below the windowed size";
   test::expect_replays_match(graph, stream.get(), replayed, expected, 2, "T=100 after windows");
+#endif
+}
+
+// EXPERTQMM_DOWN_WINDOW_MIB (through set_setting, as bench --versus sets it): 2,400 (token, slot) rows
+// of H = 320 bf16 are 1.5 MB of down output, so a 1 MiB cap makes 128-column windows and the
+// default (24 MiB) none; the windowed output is the unwindowed one, byte for byte.
+TEST(GpuMoe, DownWindowSettingSetsTheWindows) {
+  EXPERTQMM_REQUIRE_GPU();
+#ifdef EXPERTQMM_HAVE_CUDA
+  test::MoeGeometry g;
+  g.H = 320;
+  g.E = 16;
+  g.k = 4;
+  const test::Layer l = test::make_layer(g);
+  const int64_t T = 600, H = g.H;
+  const Tensor h = test::random_tensor({T, H}, DType::bf16, 1.0f, Device::cuda);
+  auto run_layer = [&] {
+    Workspace ws;
+    Tensor out = Tensor::empty({T, H}, DType::bf16, Device::cuda);
+    test::poison(out);
+    moe_layer_into(out, h, h, l.gpu, ws);
+    cuda_check();
+    return out.to_host_bytes();
+  };
+  Tensor probe = Tensor::empty({T, H}, DType::bf16, Device::cuda);
+  ASSERT_EQ(cuda::planned_down_window_cols(probe, h, h, l.gpu), 0);
+  const std::vector<uint8_t> unwindowed = run_layer();
+  struct Setting {
+    Setting() { set_setting("EXPERTQMM_DOWN_WINDOW_MIB", "1"); }
+    ~Setting() { set_setting("EXPERTQMM_DOWN_WINDOW_MIB", std::nullopt); }
+  };
+  {
+    const Setting one_mib;
+    ASSERT_EQ(cuda::planned_down_window_cols(probe, h, h, l.gpu), 128);
+    EXPECT_EQ(run_layer(), unwindowed) << "the windows changed the output";
+  }
+  EXPECT_EQ(cuda::planned_down_window_cols(probe, h, h, l.gpu), 0) << "dropping the setting should drop the windows";
 #endif
 }
 

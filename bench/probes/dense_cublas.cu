@@ -3,8 +3,8 @@
 // The block runs its dense MLP (8-bit g64 in the QAT upload, 4-bit in mlx-community's) as T rows of one
 // expert on the wgmma tile kernel from 512 tokens; dense_linear_probe times those. This probe times, on
 // the same shapes, (a) cuBLAS on weights already dequantized to bf16 (the GEMM alone: the limit of
-// a dequantize-then-GEMM design), (b) the dequantization into a bf16 scratch (one fma rounded to bf16
-// per value, the tensor-core routes' arithmetic: docs/numerics.md) plus that GEMM, in one graph, and
+// a dequantize-then-GEMM design), (b) the block's dequantization into a bf16 scratch (cuda::dequantize_for_gemm:
+// one fma rounded to bf16 per value, the tensor-core routes' arithmetic: docs/numerics.md) plus that GEMM, in one graph, and
 // (c) the selector's route (one_expert_rows) again, in the same process. Protocol: tools/expertqmm/
 // replay_timing.h (graph replay, L2 flushed before each, median of 50). Prints JSON.
 #include <cublas_v2.h>
@@ -17,6 +17,7 @@
 
 #include "core/float16.h"
 #include "core/gather_qmm_problem.h"
+#include "cuda/dense_cublas.h"
 #include "cuda/gather_qmm.h"
 #include "expertqmm/backend.h"
 #include "expertqmm/quant.h"
@@ -37,36 +38,6 @@ using namespace expertqmm;
   } while (0)
 
 namespace {
-
-// One thread per 32-bit code word (32 / bits values of one row), w = bf16(q * s + b) with one
-// rounding; 16 (4-bit) or 8 (8-bit) bytes stored per thread.
-template <int kBits>
-__global__ void dequant_bf16_kernel(const uint32_t* __restrict__ codes, const uint16_t* __restrict__ scales,
-                                    const uint16_t* __restrict__ biases, int64_t rows, int64_t K, int group,
-                                    uint16_t* __restrict__ out) {
-  constexpr int kPer = 32 / kBits;
-  const int64_t words_per_row = K / kPer;
-  const int64_t word = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (word >= rows * words_per_row) return;
-  const int64_t row = word / words_per_row;
-  const int64_t k0 = (word - row * words_per_row) * kPer;
-  const int64_t g = row * (K / group) + k0 / group;
-  const float s = bf16_to_float(scales[g]), b = bf16_to_float(biases[g]);
-  const uint32_t c = codes[word];
-  uint16_t v[kPer];
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) v[i] = float_to_bf16(__fmaf_rn(float((c >> (i * kBits)) & ((1u << kBits) - 1)), s, b));
-  if constexpr (kPer == 8) {
-    uint4 o;
-    o.x = v[0] | (uint32_t(v[1]) << 16); o.y = v[2] | (uint32_t(v[3]) << 16);
-    o.z = v[4] | (uint32_t(v[5]) << 16); o.w = v[6] | (uint32_t(v[7]) << 16);
-    *reinterpret_cast<uint4*>(out + row * K + k0) = o;
-  } else {
-    uint2 o;
-    o.x = v[0] | (uint32_t(v[1]) << 16); o.y = v[2] | (uint32_t(v[3]) << 16);
-    *reinterpret_cast<uint2*>(out + row * K + k0) = o;
-  }
-}
 
 using probe::device_weight;
 using probe::random_bf16;
@@ -118,17 +89,8 @@ int main() {
       Tensor out = Tensor::empty({max_T, l.N}, DType::bf16, Device::cuda);
       Tensor out_ref = Tensor::empty({max_T, l.N}, DType::bf16, Device::cuda);
       Tensor wb = Tensor::empty({l.N, l.K}, DType::bf16, Device::cuda);
-      const int64_t words = l.N * l.K * bits / 32;
-      auto dequant = [&] {
-        if (bits == 4)
-          dequant_bf16_kernel<4><<<unsigned((words + 255) / 256), 256, 0, s>>>(
-              q.w.data_as<uint32_t>(), q.scales.data_as<uint16_t>(), q.biases.data_as<uint16_t>(), l.N, l.K, 64,
-              wb.data_as<uint16_t>());
-        else
-          dequant_bf16_kernel<8><<<unsigned((words + 255) / 256), 256, 0, s>>>(
-              q.w.data_as<uint32_t>(), q.scales.data_as<uint16_t>(), q.biases.data_as<uint16_t>(), l.N, l.K, 64,
-              wb.data_as<uint16_t>());
-      };
+      // The block's own dequantization (src/cuda/dense_cublas.cu), so that this row is what the block runs.
+      auto dequant = [&] { cuda::dequantize_for_gemm(q, wb.data(), s); };
       dequant();
       CHECK(cudaStreamSynchronize(s));
       for (int64_t T : tokens) {

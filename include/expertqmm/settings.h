@@ -117,6 +117,13 @@ RouteSwitch dense_cublas_setting();
 void set_wgmma_width(int width);
 int wgmma_width();
 
+// EXPERTQMM_DOWN_WINDOW_MIB=1..4096: the most MiB of the prefill MoE layer's down output ([T * k, D],
+// sorted rows) held at once. Past it the layer runs down and the combine per window of columns (a
+// multiple of 128) that fits, so its scratch stays bounded; the output bits are the same. Unset / 0:
+// 24 MiB (bench/NOTES.md step 46: the layer's scratch under 64 MB at 2048 tokens).
+void set_down_window_mib(int mib);
+int down_window_mib();
+
 // One row per environment variable: its name, the values it takes, the value in force (after API
 // overrides) and what it does. `expertqmm info` prints it; the settings tests iterate it.
 struct SettingInfo {

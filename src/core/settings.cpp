@@ -32,10 +32,23 @@ int parse_wgmma_width(const char* variable, const std::optional<std::string>& va
   throw Error("settings", cat(variable, "='", *value, "' is not valid: use 32, 64 or 128, or leave it unset"));
 }
 
+constexpr int kMaxDownWindowMib = 4096;
+int parse_down_window_mib(const char* variable, const std::optional<std::string>& value) {
+  if (!value) return 0;
+  const bool digits = !value->empty() && value->size() <= 4 &&
+                      value->find_first_not_of("0123456789") == std::string::npos;
+  const int v = digits ? std::stoi(*value) : 0;
+  if (v < 1 || v > kMaxDownWindowMib)
+    throw Error("settings", cat(variable, "='", *value, "' is not valid: use a whole number of MiB from 1 to ",
+                                kMaxDownWindowMib, ", or leave it unset"));
+  return v;
+}
+
 // API overrides: -1 = none (the environment decides), else the value.
 constexpr int kNone = -1;
 std::atomic<int> g_expert_tiles{kNone}, g_decode_layer{kNone}, g_decode_route_in_gate_up{kNone}, g_chained_launch{kNone}, g_deterministic{kNone}, g_wgmma{kNone},
-    g_wgmma_width{kNone}, g_decode_down_groups{kNone}, g_wgmma_ws{kNone}, g_group_rows{kNone}, g_dense_cublas{kNone};
+    g_wgmma_width{kNone}, g_decode_down_groups{kNone}, g_wgmma_ws{kNone}, g_group_rows{kNone}, g_dense_cublas{kNone},
+    g_down_window_mib{kNone};
 std::atomic<ProductMode> g_product_mode{ProductMode::fused};
 thread_local int t_chained_launch = kNone;  // ChainedLaunchScope's value on this thread
 
@@ -101,6 +114,11 @@ const Variable kVariables[] = {
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.dense_cublas = parse_switch(n, v); },
      [] { return std::string(switch_text(dense_cublas_setting())); },
      &g_dense_cublas, [](const EnvSettings& e) { return switch_override(e.dense_cublas); }},
+    {"EXPERTQMM_DOWN_WINDOW_MIB", "1..4096",
+     "the most MiB of the prefill MoE layer's down output held at once: past it, down and the combine run per window of columns (unset: 24)",
+     [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.down_window_mib = parse_down_window_mib(n, v); },
+     [] { return down_window_mib() ? std::to_string(down_window_mib()) : std::string("auto"); },
+     &g_down_window_mib, [](const EnvSettings& e) { return e.down_window_mib; }},
 };
 
 // The environment, parsed on first use. A bad value is kept as its message and thrown on every read.
@@ -209,6 +227,16 @@ void set_wgmma_width(int width) {
 int wgmma_width() {
   const int v = g_wgmma_width.load();
   return v == kNone ? env().wgmma_width : v;
+}
+
+void set_down_window_mib(int mib) {
+  EXPERTQMM_CHECK(mib >= 0 && mib <= kMaxDownWindowMib, "set_down_window_mib", "value ", mib,
+                  " is not 0 (the layer's own cap) or a number of MiB from 1 to ", kMaxDownWindowMib);
+  g_down_window_mib.store(mib);
+}
+int down_window_mib() {
+  const int v = g_down_window_mib.load();
+  return v == kNone ? env().down_window_mib : v;
 }
 
 void set_setting(const std::string& variable, const std::optional<std::string>& value) {

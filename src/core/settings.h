@@ -22,6 +22,7 @@ struct EnvSettings {
   RouteSwitch wgmma_ws = RouteSwitch::automatic;       // automatic = off (step 47, not yet measured)
   RouteSwitch group_rows = RouteSwitch::automatic;     // automatic = wherever it fits (as on; measured)
   RouteSwitch dense_cublas = RouteSwitch::automatic;   // automatic = from kDenseCublasMinTokens (measured)
+  int down_window_mib = 0;                             // 0: the layer plan's own cap (kDownWindowBytes)
 };
 
 // Looks a variable up: the value, or nullopt when unset.

@@ -23,10 +23,13 @@ size_t bytes_of(int64_t count, DType t) { return static_cast<size_t>(count) * dt
 // keeps the layer's scratch under 64 MB and a window's output in the L2 until the combine reads it
 // (bench/NOTES.md step 46).
 constexpr size_t kDownWindowBytes = size_t{24} << 20;
-std::atomic<size_t> g_down_window_bytes{0};  // set_down_window_bytes (tests); 0: kDownWindowBytes
+std::atomic<size_t> g_down_window_bytes{0};  // set_down_window_bytes (tests); 0: the setting's
+// The cap in force: the tests' hook, else EXPERTQMM_DOWN_WINDOW_MIB, else kDownWindowBytes.
 size_t down_window_cap() {
   const size_t v = g_down_window_bytes.load(std::memory_order_relaxed);
-  return v ? v : kDownWindowBytes;
+  if (v) return v;
+  const int mib = down_window_mib();
+  return mib ? size_t(mib) << 20 : kDownWindowBytes;
 }
 
 // Output columns per down window for an [n, D] output of `dtype`: 0 when it fits the cap
