@@ -170,6 +170,20 @@ TEST(GpuMoe, DownWindowsMatchTheReference) {
   EXPECT_LE(test::rel_error(got, ref), 1e-2) << test::seed_note();
 }
 
+#ifdef EXPERTQMM_HAVE_CUDA
+namespace {
+// The down windows' test layer: H = 320, 16 experts, k = 4 (small enough to window under small caps).
+constexpr int64_t kWindowTestH = 320;
+test::Layer window_test_layer() {
+  test::MoeGeometry g;
+  g.H = kWindowTestH;
+  g.E = 16;
+  g.k = 4;
+  return test::make_layer(g);
+}
+}  // namespace
+#endif
+
 // The windows at small shapes (the plan's cap shrunk through its test hook): H = 320 and 1,200
 // (token, slot) rows under a 300 KB cap make windows of 128, 128 and 64 columns, whose output is the
 // unwindowed layer's, byte for byte (the same arithmetic per element). A workspace warmed at that
@@ -178,16 +192,12 @@ TEST(GpuMoe, DownWindowsMatchTheReference) {
 TEST(GpuMoe, DownWindowsGiveTheUnwindowedBytesAndCaptureBelowThem) {
   EXPERTQMM_REQUIRE_GPU();
 #ifdef EXPERTQMM_HAVE_CUDA
-  test::MoeGeometry g;
-  g.H = 320;
-  g.E = 16;
-  g.k = 4;
-  const test::Layer l = test::make_layer(g);
+  const test::Layer l = window_test_layer();
   struct WindowCap {
     explicit WindowCap(size_t bytes) { cuda::set_down_window_bytes(bytes); }
     ~WindowCap() { cuda::set_down_window_bytes(0); }
   };
-  const int64_t T = 300, H = g.H;
+  const int64_t T = 300, H = kWindowTestH;
   const Tensor h = test::random_tensor({T, H}, DType::bf16, 1.0f, Device::cuda);
   auto run_layer = [&](const Tensor& hh, Workspace& ws) {
     Tensor out = Tensor::empty({hh.size(0), H}, DType::bf16, Device::cuda);
@@ -225,12 +235,8 @@ TEST(GpuMoe, DownWindowsGiveTheUnwindowedBytesAndCaptureBelowThem) {
 TEST(GpuMoe, DownWindowSettingSetsTheWindows) {
   EXPERTQMM_REQUIRE_GPU();
 #ifdef EXPERTQMM_HAVE_CUDA
-  test::MoeGeometry g;
-  g.H = 320;
-  g.E = 16;
-  g.k = 4;
-  const test::Layer l = test::make_layer(g);
-  const int64_t T = 600, H = g.H;
+  const test::Layer l = window_test_layer();
+  const int64_t T = 600, H = kWindowTestH;
   const Tensor h = test::random_tensor({T, H}, DType::bf16, 1.0f, Device::cuda);
   auto run_layer = [&] {
     Workspace ws;

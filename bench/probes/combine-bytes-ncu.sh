@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Where the prefill combine's bytes come from (issue 15): at 2048 tokens, --tiled, L2 flushed by the
 # bench, the combine kernel and the down GEMM under ncu with DRAM bytes and the L2 hit rate of their
-# loads. Run after session21-device-call.sh unpacked out/prebuilt.tar.xz into build-gpu-check.
+# loads. CACHE=none (default) leaves the L2 as the previous kernel left it, as in the graph; ncu's own
+# default (all) flushes it before every kernel, so a kernel reading what the last one wrote reads it
+# cold (the twenty-first session's reading was taken so). Run after a device script (e.g. session22-device-call.sh) unpacked out/prebuilt.tar.xz into build-gpu-check.
 set -uo pipefail
 OUT=${OUT:-./out}
 b=build-gpu-check
 d=$(scripts/cublas-lib-dir "$b/expertqmm"); [ -n "$d" ] && export LD_LIBRARY_PATH="$d:${LD_LIBRARY_PATH:-}"
-timeout 60 ncu --clock-control none --kernel-name regex:'weighted_combine|expert_tiles_wgmma' \
+timeout 60 ncu --clock-control none --cache-control "${CACHE:-none}" --kernel-name regex:'weighted_combine|expert_tiles_wgmma' \
   --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sector_hit_rate.pct \
   --csv --print-units base "$b/expertqmm" bench --preset gemma4-26b-a4b --tokens 2048 --routing uniform \
   --product fused --replays 1 --ungated --tiled >"$OUT/ncu-combine.csv" 2>/dev/null

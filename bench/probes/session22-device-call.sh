@@ -68,9 +68,20 @@ for (t, mib), us in sorted(rows.items()):
     print(f"T={t:>5} window {mib:>2} MiB: " + " / ".join(f"{u:.1f}" for u, _ in us) + f" us, scratch {us[0][1]:.1f} MB")
 PY
 
+echo "=== compute-sanitizer: memcheck over gpu-check's subset plus the dequantization and the window tests (t=${SECONDS}s)"
+filter='Sanitize*:GpuDenseCublas.*:GpuMoe.DownWindow*'
+for tool in memcheck racecheck; do
+  [ "$SECONDS" -lt 400 ] || { echo "$tool: no time left"; break; }
+  timeout 75 compute-sanitizer --tool $tool --error-exitcode 97 "$b/tests/expertqmm_gpu_tests" --gtest_filter="$filter" \
+    >"$OUT/sanitizer-$tool.log" 2>&1
+  echo "$tool exit $?"; grep -E "SUMMARY|\[==========\]|\[  FAILED  \]" "$OUT/sanitizer-$tool.log" | head -n 6
+done
+
 echo "=== the layer's kernels at 2048 tokens, --tiled, L2 as the graph leaves it (t=${SECONDS}s)"
 [ "$SECONDS" -lt 440 ] && BUILD_DIR=$b BENCH_FLAGS=--tiled SECONDS_PER_RUN=60 scripts/profile-layer "$OUT/profile"
 
+echo "=== the combine's DRAM bytes, L2 as the graph leaves it (t=${SECONDS}s)"
+[ "$SECONDS" -lt 490 ] && bash bench/probes/combine-bytes-ncu.sh
 tar czf "$OUT/session22.tgz" -C "$OUT" --exclude=session22.tgz --exclude=prebuilt.tar.xz . 2>/dev/null
 rm -rf "$OUT/ab" "$OUT/win"
 echo "=== end (t=${SECONDS}s)"
