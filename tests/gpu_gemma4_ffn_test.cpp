@@ -43,11 +43,11 @@ RouteCounters counters_of(const char* primitive) {
 }
 
 // Whether the block's quantized dense MLP runs on cuBLAS (gemma4_ffn.cu: 4- or 8-bit g64 bf16, fused
-// product, T >= 1024 with EXPERTQMM_DENSE_CUBLAS unset, T >= 2 with it on; the decode ways first).
+// product, T >= 512 with EXPERTQMM_DENSE_CUBLAS unset, T >= 2 with it on; the decode ways first).
 bool dense_mlp_on_cublas(int dense_bits, ProductMode mode, int64_t T) {
   const RouteSwitch s = dense_cublas_setting();
   return (dense_bits == 4 || dense_bits == 8) && mode == ProductMode::fused && s != RouteSwitch::off &&
-         T >= (s == RouteSwitch::on ? 2 : 1024) && !(dense_bits == 4 && T <= 8) && !(dense_bits == 8 && T == 1);
+         T >= (s == RouteSwitch::on ? 2 : 512) && !(dense_bits == 4 && T <= 8) && !(dense_bits == 8 && T == 1);
 }
 
 // Whether the block's dense MLP runs as T rows of one expert on the wgmma tile route (gemma4_ffn.cu:
@@ -155,8 +155,8 @@ TEST(GpuGemma4Ffn, EightBitWgmmaBuildByRowsPerExpert) {
   }
 }
 
-// The quantized dense MLP on cuBLAS (EXPERTQMM_DENSE_CUBLAS): 4- and 8-bit, at 2 / 40 / 520 tokens
-// (the setting on) and 1030 (its default from 1024), against the CPU reference and against the same block
+// The quantized dense MLP on cuBLAS (EXPERTQMM_DENSE_CUBLAS): 4- and 8-bit, at 2 / 40 tokens (the
+// setting on) and 520 / 1030 (its default from 512), against the CPU reference and against the same block
 // with the setting off (rhs_tiles, or the expert tile route from 512: route against route, 1e-2); the
 // selector counts a dense_mlp_glu hit and no gather_qmm call for the dense linears. Then a graph
 // captured after a warm call replays the uncaptured bytes (cuBLAS on its scratch slot, no allocation).
@@ -174,7 +174,7 @@ TEST(GpuGemma4Ffn, DenseMlpOnCublas) {
       const Tensor expected = gemma4_ffn(h, cpu_w);
       uint64_t qmm_attempts[2] = {0, 0};
       Tensor outs[2];
-      for (RouteSwitch s : {RouteSwitch::off, T >= 1024 ? RouteSwitch::automatic : RouteSwitch::on}) {
+      for (RouteSwitch s : {RouteSwitch::off, T >= 512 ? RouteSwitch::automatic : RouteSwitch::on}) {
         CublasGuard guard(s);
         const bool on = s != RouteSwitch::off;
         diagnostics::reset();

@@ -107,8 +107,8 @@ RouteSwitch group_rows_setting();
 // EXPERTQMM_DENSE_CUBLAS=0|1: the Gemma 4 block's quantized dense MLP at prefill as its weights
 // dequantized to 16 bits (one fma rounded once, as the tensor-core routes) and cuBLAS's GEMM, gate
 // and up as one GEMM, then the GLU product and down. 1: at every size the decode kernels leave (2
-// tokens up); 0: never (the expert tile route from 512 tokens, rhs_tiles below). Unset: from 1024
-// tokens, where it measured faster in the block (bench/NOTES.md step 59).
+// tokens up); 0: never (the expert tile route from 512 tokens, rhs_tiles below). Unset: from 512
+// tokens, where it measured faster in the block (bench/NOTES.md steps 59 and 60).
 void set_dense_cublas(RouteSwitch s);
 RouteSwitch dense_cublas_setting();
 

@@ -110,7 +110,7 @@ const Variable kVariables[] = {
      [] { return std::string(switch_text(group_rows_setting())); },
      &g_group_rows, [](const EnvSettings& e) { return switch_override(e.group_rows); }},
     {"EXPERTQMM_DENSE_CUBLAS", "0|1",
-     "the Gemma 4 block's quantized dense MLP dequantized to 16 bits and run on cuBLAS: 1 at every size the decode kernels leave (2 tokens up), 0 never (unset: from 1024 tokens, measured)",
+     "the Gemma 4 block's quantized dense MLP dequantized to 16 bits and run on cuBLAS: 1 at every size the decode kernels leave (2 tokens up), 0 never (unset: from 512 tokens, measured)",
      [](const char* n, const std::optional<std::string>& v, EnvSettings& s) { s.dense_cublas = parse_switch(n, v); },
      [] { return std::string(switch_text(dense_cublas_setting())); },
      &g_dense_cublas, [](const EnvSettings& e) { return switch_override(e.dense_cublas); }},

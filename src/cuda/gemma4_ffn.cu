@@ -67,8 +67,10 @@ constexpr int64_t kQmvGluMaxTokens = 1;
 // expert tile kernel one wave of 128-row tiles and a few CTAs over; cuBLAS picks its tiles per shape.
 // bench/NOTES.md step 59 (H100, 10-layer block per layer, this way against the expert tile route, MLX
 // layout / tile layout): 2048 tokens -9.6 / -11.3%, 1024 -5.9 / -7.1%, 512 +2.8 / +0.7% (beside the
-// experts the fixed ~40 us of dequantization and cuBLAS's whole-GPU grids lose there), so from 1024.
-constexpr int64_t kDenseCublasMinTokens = 1024;
+// experts the fixed ~40 us of dequantization and cuBLAS's whole-GPU grids lost there). Step 60's
+// dequantization (4 units per thread, 512-byte warp stores) then measured at 512 / 768 tokens -2.5 to
+// -3.0% / -1.6% on the MLX layout and +0.2% / -3.0% on the tile layout, so from 512.
+constexpr int64_t kDenseCublasMinTokens = 512;
 
 enum class DenseMlpWay { decode_glu, qmv_glu, cublas, expert_rows, linears };
 

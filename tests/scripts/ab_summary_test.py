@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """scripts/ab_summary.py on bench JSON written here: the change is the means' ratio, a preset with a
 missing run or a missing token row is named and left out (exit 1), --label lands in the JSON, and no
-complete preset writes no JSON (exit 1)."""
+complete preset writes no JSON (exit 1); the model bench's JSON (results, us_per_layer) is read by its
+default configuration."""
 import json
 import os
 import subprocess
@@ -15,6 +16,16 @@ def write(tmp, prefix, preset, who, rnd, rows):
     with open(os.path.join(tmp, f"{prefix}-{preset}-{who}-{rnd}.json"), "w") as f:
         json.dump({"commit": who, "gpu": "test GPU",
                    "rows": [{"tokens": t, "us_median": us} for t, us in rows]}, f)
+
+
+def write_model(tmp, preset, who, rnd, rows):
+    # bench --model: a default and a --versus row per size; only the default counts.
+    results = []
+    for t, us in rows:
+        results.append({"phase": "prefill", "tokens": t, "product": "fused", "us_per_layer": us, "config": "default"})
+        results.append({"phase": "prefill", "tokens": t, "product": "fused", "us_per_layer": 1.0, "config": "versus"})
+    with open(os.path.join(tmp, f"model-{preset}-{who}-{rnd}.json"), "w") as f:
+        json.dump({"commit": who, "gpu": "test GPU", "results": results}, f)
 
 
 def run(*args):
@@ -53,6 +64,14 @@ def main():
         check(summary["left_out"] == ["b", "c"], f"left_out {summary['left_out']}")
         check(summary["compared"] == "X=0 against 1", "label")
         check("b: left out" in r.stdout and "c: left out" in r.stdout, r.stdout)
+
+        for rnd in (1, 2):
+            write_model(tmp, "m", "baseline", rnd, [(512, 400.0), (2048, 900.0)])
+            write_model(tmp, "m", "current", rnd, [(512, 380.0), (2048, 900.0)])
+        r = run(tmp, out, "model", "m")
+        check(r.returncode == 0, f"model bench: exit {r.returncode}: {r.stderr}")
+        changes = {row["tokens"]: round(row["change"], 6) for row in json.load(open(out))["rows"]}
+        check(changes == {512: -0.05, 2048: 0.0}, f"model bench changes {changes}")
 
         os.remove(out)
         r = run(tmp, out, "ab", "b")
