@@ -18,6 +18,8 @@ set_deterministic = _core.set_deterministic
 deterministic = _core.deterministic
 set_product_mode = _core.set_product_mode
 product_mode = _core.product_mode
+# Any setting by its variable (those without a setter above too: EXPERTQMM_DENSE_CUBLAS, ...).
+set_setting = _core.set_setting
 
 
 def table() -> List[Dict[str, str]]:

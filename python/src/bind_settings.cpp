@@ -1,4 +1,5 @@
 // Settings, diagnostics and backend facts (settings.h, diagnostics.h, backend.h) for expertqmm._core.
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
 #include "bind.h"
@@ -78,6 +79,11 @@ void bind_settings(nb::module_& m) {
   }, arg("mode"), "The GLU product on CUDA: 'fused' (one kernel) or 'separate' (two, for comparison).");
   m.def("product_mode", [] { return std::string(product_mode() == ProductMode::fused ? "fused" : "separate"); },
         "The product mode in force.");
+  m.def("set_setting", [](const std::string& variable, std::optional<std::string> value) { set_setting(variable, value); },
+        arg("variable"), arg("value").none() = nb::none(),
+        "Override any EXPERTQMM_* setting by its variable, with the text its environment variable takes "
+        "(e.g. set_setting('EXPERTQMM_DOWN_WINDOW_MIB', '48')); None gives it back to the environment. "
+        "A bad value or an unknown name raises expertqmm.Error and changes nothing.");
   m.def("settings_table", &settings_dicts,
         "Every EXPERTQMM_* setting: a list of dicts with variable, values, current and what.");
   m.def("diagnostics_snapshot", &snapshot_dicts,

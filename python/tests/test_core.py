@@ -194,6 +194,21 @@ def test_settings_and_diagnostics():
         expertqmm.settings.set_expert_tiles(before)
     with pytest.raises(expertqmm.Error):
         expertqmm.settings.set_decode_layer("sometimes")
+    # Any variable by name, as its environment variable's text; None hands it back to the environment.
+    def current(variable):
+        return {r["variable"]: r for r in expertqmm.settings.table()}[variable]["current"]
+
+    try:
+        expertqmm.settings.set_setting("EXPERTQMM_DOWN_WINDOW_MIB", "48")
+        assert current("EXPERTQMM_DOWN_WINDOW_MIB") == "48"
+        with pytest.raises(expertqmm.Error, match="EXPERTQMM_DOWN_WINDOW_MIB='0'"):
+            expertqmm.settings.set_setting("EXPERTQMM_DOWN_WINDOW_MIB", "0")
+        assert current("EXPERTQMM_DOWN_WINDOW_MIB") == "48"
+        with pytest.raises(expertqmm.Error, match="not a setting"):
+            expertqmm.settings.set_setting("EXPERTQMM_NO_SUCH_THING", "1")
+    finally:
+        expertqmm.settings.set_setting("EXPERTQMM_DOWN_WINDOW_MIB", None)
+    assert current("EXPERTQMM_DOWN_WINDOW_MIB") == "auto"
     expertqmm.diagnostics.reset()
     snap = {c["primitive"]: c for c in expertqmm.diagnostics.snapshot()}
     assert "gather_qmm" in snap
