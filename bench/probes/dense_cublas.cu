@@ -1,13 +1,13 @@
 // Probe (issue 15, the block's dense MLP at prefill): the best dense GEMM that exists on this GPU,
-// cuBLAS bf16 x bf16 -> bf16 with fp32 accumulation, against our routes on the same quantized linears.
-// The block runs its dense MLP (8-bit g64 in the QAT upload, 4-bit in mlx-community's) as T rows of one
-// expert on the wgmma tile kernel from 512 tokens; dense_linear_probe times those. This probe times, on
-// the same shapes, (a) cuBLAS on weights already dequantized to bf16 (the GEMM alone: the limit of
-// a dequantize-then-GEMM design), (b) the block's dequantization into a bf16 scratch (cuda::dequantize_for_gemm:
-// one fma rounded to bf16 per value, the tensor-core routes' arithmetic: docs/numerics.md) plus that GEMM, in one graph, and
-// (c) the selector's route (one_expert_rows) again, in the same process. Protocol: tools/expertqmm/
-// replay_timing.h (graph replay, L2 flushed before each, median of 50). Prints JSON.
-#include <cublas_v2.h>
+// cuBLAS bf16 x bf16 -> bf16 with fp32 accumulation, against our route on the same quantized linears
+// (8-bit g64 in the QAT upload, 4-bit in mlx-community's). The block runs its dense MLP on cuBLAS from
+// 512 tokens and, where that does not fit, as T rows of one expert on the wgmma tile kernel
+// (dense_linear_probe times those). On the same shapes this times (a) the block's cuBLAS call
+// (cuda::cublas_linear) on weights already dequantized (the GEMM alone: the limit of a
+// dequantize-then-GEMM design), (b) the block's dequantization (cuda::dequantize_for_gemm: one fma
+// rounded to bf16 per value, docs/numerics.md) plus that GEMM, in one graph, and (c) the selector's
+// route (one_expert_rows) in the same process. Protocol: tools/expertqmm/replay_timing.h (graph
+// replay, L2 flushed before each, median of 50). Prints JSON.
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -28,15 +28,6 @@
 namespace timing = expertqmm::timing;
 using namespace expertqmm;
 
-#define CUBLAS_OK(x)                                                              \
-  do {                                                                            \
-    cublasStatus_t st_ = (x);                                                     \
-    if (st_ != CUBLAS_STATUS_SUCCESS) {                                           \
-      std::fprintf(stderr, "cublas error %d at %s:%d\n", int(st_), __FILE__, __LINE__); \
-      std::exit(1);                                                               \
-    }                                                                             \
-  } while (0)
-
 namespace {
 
 using probe::device_weight;
@@ -52,15 +43,6 @@ double median_us(const timing::DeviceBuffer& flush, cudaStream_t s, Call call) {
   return timing::stats_of(timing::timed_replays(g.execs, 50, s, flush)).median;
 }
 
-// out [T, N] = x [T, K] @ W^T, W [N, K] row-major (column-major: out^T [N, T] = W^T^T . x^T).
-void cublas_linear(cublasHandle_t h, const uint16_t* w, const uint16_t* x, uint16_t* out, int64_t T, int64_t N,
-                   int64_t K) {
-  const float one = 1.f, zero = 0.f;
-  CUBLAS_OK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(N), int(T), int(K), &one, w, CUDA_R_16BF, int(K), x,
-                         CUDA_R_16BF, int(K), &zero, out, CUDA_R_16BF, int(N), CUBLAS_COMPUTE_32F,
-                         CUBLAS_GEMM_DEFAULT));
-}
-
 }  // namespace
 
 int main() {
@@ -73,9 +55,6 @@ int main() {
   const timing::DeviceBuffer flush(timing::l2_flush_bytes());
   cudaStream_t s;
   CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  cublasHandle_t h;
-  CUBLAS_OK(cublasCreate(&h));
-  CUBLAS_OK(cublasSetStream(h, s));
   const int64_t max_T = 2048;
   std::vector<int32_t> zeros(max_T, 0);
   const Tensor zero_ids = Tensor::from_host(zeros.data(), {max_T}, DType::i32, Device::cuda);
@@ -94,15 +73,18 @@ int main() {
       dequant();
       CHECK(cudaStreamSynchronize(s));
       for (int64_t T : tokens) {
-        const uint16_t* xp = x.data_as<uint16_t>();
-        uint16_t* op = out.data_as<uint16_t>();
         double gemm = 0, both = 0, dq = 0, route_us = 0;
         {
           CudaStreamScope scope(0, s);
-          gemm = median_us(flush, s, [&] { cublas_linear(h, wb.data_as<uint16_t>(), xp, op, T, l.N, l.K); });
+          // The block's own cuBLAS call (its handle and its workspace slot), as the dequantization above.
+          Workspace gemm_ws;
+          auto gemm_call = [&] {
+            cuda::cublas_linear(DType::bf16, wb.data(), x.data(), l.K, out.data(), l.N, T, l.N, l.K, gemm_ws, s);
+          };
+          gemm = median_us(flush, s, gemm_call);
           both = median_us(flush, s, [&] {
             dequant();
-            cublas_linear(h, wb.data_as<uint16_t>(), xp, op, T, l.N, l.K);
+            gemm_call();
           });
           dq = median_us(flush, s, dequant);
           const detail::GatherQmmProblem single = cuda::single_matrix_problem(x.data(), T, l.K, DType::bf16, q);
@@ -135,7 +117,6 @@ int main() {
       }
     }
   std::printf("\n]}\n");
-  CUBLAS_OK(cublasDestroy(h));
   CHECK(cudaStreamDestroy(s));
   return 0;
 }

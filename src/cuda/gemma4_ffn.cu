@@ -5,7 +5,7 @@
 //   then two branches that share nothing but their inputs:
 //     side stream:   a = GLU(x1 @ gate^T, x1 @ up^T) -> d = a @ down^T, one of four ways (DenseMlpWay):
 //                    T <= 8 (4-bit): one decode gate/up launch; T = 1 (8-bit): one qmv launch with
-//                    the GeGLU in its epilogue; T >= 1024: the weights dequantized to 16 bits and
+//                    the GeGLU in its epilogue; T >= 512: the weights dequantized to 16 bits and
 //                    cuBLAS (gate and up as one GEMM, the GLU product, down), or where that does not
 //                    fit (sm_90a; 4-bit, or 8-bit bf16) the linears as T rows of one expert on the
 //                    expert tile route, gate and up in one wgmma launch with the GeGLU; else two
